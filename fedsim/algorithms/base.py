@@ -1,0 +1,212 @@
+"""The Algorithm interface: a round is an ordered list of phases, each broadcast -> client step -> server step.
+
+An algorithm owns both sides of a round; the runtime (local or Ray) only moves messages, keeps client
+state in the worker that owns the client, and records what happened. Everything here is plain data
+(dataclasses of tensors/arrays), so states and messages pickle, checkpoint with `torch.save` and cross
+process boundaries unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+Reduce = Literal["each", "sum"]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One exchange of a round.
+
+    `reduce="sum"`: client payloads are dicts of tensors that the server only needs as a weighted sum;
+    workers pre-sum them (float64, in client-id order) and send one partial sum. `reduce="each"`: the
+    server needs every client's own payload (logits, per-sample weights, LOO teachers ...).
+    """
+
+    name: str
+    reduce: Reduce = "each"
+
+
+@dataclass
+class Broadcast:
+    """What goes down in a phase: `common` is sent once to every worker (one object ref), `per_client`
+    holds client-specific payloads (e.g. leave-one-out teachers)."""
+
+    common: Any = None
+    per_client: dict[int, Any] | None = None
+
+    def for_client(self, client_id: int) -> Any:
+        return None if self.per_client is None else self.per_client.get(client_id)
+
+
+@dataclass
+class ClientResult:
+    """What a client step returns.
+
+    payload: what goes up (bytes are counted from it); for `reduce="sum"` a dict of tensors.
+    weight: the aggregation weight (usually the client's sample count); must be finite and > 0.
+    metrics: scalars for this client's row in clients.parquet (loss, personal accuracy, ...).
+    state: the client's new personal state to persist, or None to keep the old one. Algorithms never
+      mutate the state they were given: a straggler's dropped round must leave it untouched.
+    """
+
+    payload: Any = None
+    weight: float = 1.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    state: dict[str, Any] | None = None
+
+
+@dataclass
+class SummedUpdate:
+    """Weighted sum of `reduce="sum"` payloads over the clients that arrived: Σ w_k·p_k, Σ w_k, count."""
+
+    total: dict[str, torch.Tensor]
+    weight: float
+    count: int
+
+    def mean(self, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        return {k: (v / self.weight).to(dtype) for k, v in self.total.items()}
+
+
+@dataclass
+class ClientData:
+    """A client's private data, as tensors on the worker's device (views into the worker's one copy)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor | None = None  # personal test shard, where the config asks for one
+    y_test: torch.Tensor | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass
+class Env:
+    """Everything both sides know before the first round: problem shape, the run's config, the device.
+
+    `config` is the whole resolved RunConfig (fedsim.config); algorithms read `config.train`,
+    `config.model` and their own `params`.
+    """
+
+    config: Any
+    params: Any
+    num_classes: int
+    input_shape: tuple[int, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    client_archs: list[str]  # architecture of each client id
+    num_samples: np.ndarray  # train samples per client id
+    device: torch.device = torch.device("cpu")
+    extras: dict[str, Any] = field(default_factory=dict)  # dataset extras (embedding tables, ...)
+
+    @property
+    def archs(self) -> list[str]:
+        """Distinct architectures, in first-appearance order."""
+        return list(dict.fromkeys(self.client_archs))
+
+
+@dataclass
+class RoundInfo:
+    """What the server step knows about a phase: the round, and which clients took part and arrived."""
+
+    round: int
+    phase: str
+    participants: list[int]  # sorted client ids that started the round
+    arrived: list[int]  # sorted client ids whose result for this phase arrived
+    num_samples: dict[int, int]  # train samples of each participant
+
+
+@dataclass
+class ClientContext:
+    """What a client step may use besides its state and message."""
+
+    client_id: int
+    round: int
+    phase: str
+    arch: str
+    data: ClientData
+    device: torch.device
+    seed: int  # derived from (run seed, round, client id, phase); use it for every random draw
+    models: Any  # fedsim.runtime.worker.ModelPool: `models.get(arch)` returns this worker's reused instance
+    env: Env
+
+    def generator(self, device: torch.device | None = None) -> torch.Generator:
+        """A torch generator seeded for this client, round and phase."""
+        g = torch.Generator(device=device or "cpu")
+        g.manual_seed(self.seed)
+        return g
+
+
+class Algorithm:
+    """Base class. Subclasses set `name` and `Params`, and implement the hooks below.
+
+    The hooks:
+      init_server(env) -> state            server state: global model(s), generator, ...
+      phases(round) -> list[Phase]         the exchanges of this round, in order
+      broadcast(phase, state, info) -> Broadcast
+      client_step(phase, state, msg, ctx) -> ClientResult     runs inside a worker
+      server_step(phase, state, updates, info) -> (state, metrics)
+        updates is a SummedUpdate for reduce="sum", else {client_id: ClientResult} sorted by id
+      evaluate(state, x_test, y_test, device) -> list of rows, one per global model ({"model": name, ...})
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type] = type(None)
+
+    def __init__(self, params: Any, env: Env) -> None:
+        self.params = params
+        self.env = env
+
+    def init_server(self, env: Env) -> Any:
+        raise NotImplementedError
+
+    def phases(self, round: int) -> list[Phase]:
+        return [Phase("train", "sum")]
+
+    def broadcast(self, phase: Phase, state: Any, info: RoundInfo) -> Broadcast:
+        raise NotImplementedError
+
+    def client_step(
+        self, phase: Phase, state: dict[str, Any] | None, msg: Any, ctx: ClientContext
+    ) -> ClientResult:
+        raise NotImplementedError
+
+    def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
+        raise NotImplementedError
+
+    def evaluate(
+        self, state: Any, x_test: torch.Tensor, y_test: torch.Tensor, device: torch.device
+    ) -> list[dict[str, Any]]:
+        return []
+
+    def finished(self, state: Any, round: int) -> bool:
+        """Whether the run should stop after `round` (one-shot methods stop after round 0)."""
+        return False
+
+
+_ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make an algorithm available under `cls.name` in configs."""
+    _ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def algorithm_names() -> list[str]:
+    return sorted(_ALGORITHMS)
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    from fedsim.errors import ConfigError
+
+    if name not in _ALGORITHMS:
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {algorithm_names()}")
+    return _ALGORITHMS[name]

@@ -1,0 +1,53 @@
+"""The model registry: a name maps to a builder taking the input shape and class count."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fedsim.errors import ConfigError
+
+
+class Classifier(nn.Module):
+    """A classifier that exposes its penultimate embedding.
+
+    Subclasses implement `embed(x) -> (N, embed_dim)` and `head(z) -> logits`; `forward` composes them.
+    """
+
+    embed_dim: int
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+Builder = Callable[..., nn.Module]
+_BUILDERS: dict[str, Builder] = {}
+
+
+def register_model(name: str) -> Callable[[Builder], Builder]:
+    """Register `fn(in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module`."""
+
+    def wrap(fn: Builder) -> Builder:
+        _BUILDERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def model_names() -> list[str]:
+    return sorted(_BUILDERS)
+
+
+def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module:
+    """Build a registered model; an unknown name lists the valid ones."""
+    if name not in _BUILDERS:
+        raise ConfigError(f"model: unknown architecture {name!r}; choose one of {model_names()}")
+    return _BUILDERS[name](in_channels=in_channels, num_classes=num_classes, image_size=image_size, **kw)
