@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,7 +43,22 @@ def register_model(name: str) -> Callable[[Builder], Builder]:
 
 
 def model_names() -> list[str]:
+    """The registered architecture names, sorted, for error messages and the CLI."""
     return sorted(_BUILDERS)
+
+
+def check_options(model: str, kw: dict) -> None:
+    """Reject options a builder does not define, so a misspelt config key fails loudly."""
+    if kw:
+        names = ", ".join(repr(k) for k in sorted(kw))
+        raise ConfigError(f"model {model}: unknown option {names}")
+
+
+def positive_int(model: str, key: str, value: object) -> int:
+    """Validate a size-like builder argument, naming it when it is not a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"model {model}: {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module:
@@ -51,3 +66,10 @@ def build_model(name: str, in_channels: int, num_classes: int, image_size: int, 
     if name not in _BUILDERS:
         raise ConfigError(f"model: unknown architecture {name!r}; choose one of {model_names()}")
     return _BUILDERS[name](in_channels=in_channels, num_classes=num_classes, image_size=image_size, **kw)
+
+
+def check_shape(model: str, in_channels: int, num_classes: int, image_size: int) -> None:
+    """Validate the input shape and class count every builder receives, naming the bad argument."""
+    positive_int(model, "in_channels", in_channels)
+    positive_int(model, "num_classes", num_classes)
+    positive_int(model, "image_size", image_size)
