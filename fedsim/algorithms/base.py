@@ -33,7 +33,11 @@ class Phase:
 @dataclass
 class Broadcast:
     """What goes down in a phase: `common` is sent once to every worker (one object ref), `per_client`
-    holds client-specific payloads (e.g. leave-one-out teachers)."""
+    holds client-specific payloads (e.g. leave-one-out teachers).
+
+    A client step receives `common` itself, or `{"common": common, "own": per_client[cid]}` when
+    `per_client` has an entry for that client.
+    """
 
     common: Any = None
     per_client: dict[int, Any] | None = None

@@ -1,0 +1,182 @@
+"""Turning nested dicts into validated, typed dataclasses, collecting every error with its key path.
+
+Fields declare their range and documentation through `knob(...)`; `from_dict` checks types (int, float,
+bool, str, Literal, Optional, list, dict, nested dataclasses), ranges and unknown keys, and raises one
+ConfigError listing all problems. `describe` renders the documentation for the README's reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import MISSING, field, fields, is_dataclass
+from typing import Any, Literal, Union, get_args, get_origin
+
+from fedsim.errors import ConfigError
+
+
+def knob(default: Any = MISSING, *, doc: str = "", ge: float | None = None, gt: float | None = None,
+         le: float | None = None, lt: float | None = None, factory: Any = MISSING) -> Any:
+    """A documented config field with optional numeric bounds."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class _Errors(list):
+    def add(self, path: str, msg: str) -> None:
+        self.append(f"{path}: {msg}")
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            sub = _Errors()
+            out = _convert(value, arg, path, sub)
+            if not sub:
+                return out
+        errors.add(path, f"expected {_type_name(tp)}, got {value!r}")
+        return None
+    if origin is Literal:
+        if value not in get_args(tp):
+            errors.add(path, f"must be one of {list(get_args(tp))}, got {value!r}")
+        return value
+    if is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            errors.add(path, f"expected a mapping, got {value!r}")
+            return None
+        return _build(tp, value, path, errors)
+    if origin is list:
+        (item,) = get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            errors.add(path, f"expected a list, got {value!r}")
+            return None
+        return [_convert(v, item, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict:
+        kt, vt = get_args(tp) or (Any, Any)
+        if not isinstance(value, dict):
+            errors.add(path, f"expected a mapping, got {value!r}")
+            return None
+        return {k: _convert(v, vt, f"{path}.{k}", errors) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            errors.add(path, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            errors.add(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.add(path, f"expected a number, got {value!r}")
+            return value
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            errors.add(path, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _check_bounds(value: Any, meta: Any, path: str, errors: _Errors) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                          ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
+        bound = meta.get(key)
+        if bound is not None and not ok(value, bound):
+            errors.add(path, f"must be {word} {bound}, got {value!r}")
+
+
+def _build(cls: type, data: dict, prefix: str, errors: _Errors) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in known:
+            errors.add(path, f"unknown key; valid keys are {sorted(known)}")
+            continue
+        out = _convert(value, hints[key], path, errors)
+        _check_bounds(out, known[key].metadata, path, errors)
+        kwargs[key] = out
+    for name, f in known.items():
+        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            errors.add(f"{prefix}.{name}" if prefix else name, "required key is missing")
+    if len(errors):
+        return None
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:  # __post_init__ cross-field checks
+        errors.add(prefix or cls.__name__, str(exc))
+        return None
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build dataclass `cls` from `data`, raising one ConfigError that lists every problem."""
+    errors = _Errors()
+    out = _build(cls, data or {}, prefix, errors)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return out
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists (YAML-safe)."""
+    if is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, doc) rows for every knob of `cls`, nested dataclasses flattened."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if is_dataclass(tp):
+            rows.extend(describe(tp, key))
+            continue
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else "required")
+        bounds = ", ".join(f"{w} {f.metadata[k]}" for k, w in (("ge", ">="), ("gt", ">"), ("le", "<="),
+                                                               ("lt", "<")) if f.metadata.get(k) is not None)
+        doc = f.metadata.get("doc", "") + (f" ({bounds})" if bounds else "")
+        rows.append((key, _type_name(tp), repr(default) if not isinstance(default, str) else default, doc))
+    return rows
+
+
+def replace(obj: Any, **changes: Any) -> Any:
+    """dataclasses.replace, re-exported so callers need one import."""
+    return dataclasses.replace(obj, **changes)

@@ -1,0 +1,108 @@
+"""Everything a run derives from its config before round 0: data, partition, architectures, the Env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedsim.algorithms.base import ClientData, Env
+from fedsim.config import RunConfig
+from fedsim.data import Dataset, client_test_shards, load_dataset, partition, split_validation
+from fedsim.errors import ConfigError
+
+
+@dataclass
+class Ragged:
+    """Many index arrays stored as one flat array plus offsets: ~8 bytes per index whatever the client count."""
+
+    flat: np.ndarray
+    offsets: np.ndarray  # len = clients + 1
+
+    @classmethod
+    def from_list(cls, parts: list[np.ndarray]) -> "Ragged":
+        lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+        return cls(flat, offsets)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass
+class Partition:
+    """Per-client train, validation and (optional) personal test indices."""
+
+    train: Ragged
+    val: Ragged
+    test: Ragged | None
+
+
+def make_partition(cfg: RunConfig, data: Dataset) -> Partition:
+    """Split the training set over clients as the config says (seeded by the run seed)."""
+    p = cfg.data.partition
+    parts = partition(data.y_train, cfg.data.num_clients, p.kind, cfg.seed, alpha=p.alpha,
+                      min_samples=p.min_samples, shards_per_client=p.shards_per_client)
+    train, val = split_validation(parts, cfg.data.val_fraction, cfg.seed + 1)
+    test = None
+    if cfg.data.client_test != "none":
+        test = Ragged.from_list(client_test_shards(data.y_test, cfg.data.num_clients, cfg.data.client_test,
+                                                   cfg.seed + 2, train_parts=train, train_labels=data.y_train))
+    return Partition(Ragged.from_list(train), Ragged.from_list(val), test)
+
+
+def client_archs(cfg: RunConfig) -> list[str]:
+    """The architecture of each client id: `model.mix` in order, else `model.name` for all."""
+    if not cfg.model.mix:
+        return [cfg.model.name] * cfg.data.num_clients
+    out: list[str] = []
+    for arch, count in cfg.model.mix.items():
+        out.extend([arch] * count)
+    return out
+
+
+def load_data(cfg: RunConfig) -> Dataset:
+    """The config's dataset."""
+    return load_dataset(cfg.data.name, cfg.data.root, cfg.data.download, **cfg.data.options)
+
+
+def build_env(cfg: RunConfig, data: Dataset, part: Partition, device: torch.device | str = "cpu") -> Env:
+    """The Env shared by the server and every worker."""
+    from fedsim.models import model_names
+
+    archs = client_archs(cfg)
+    unknown = sorted(set(archs) - set(model_names()))
+    if unknown:
+        raise ConfigError(f"model: unknown architecture {unknown[0]!r}; choose one of {model_names()}")
+    return Env(config=cfg, params=cfg.algorithm.params, num_classes=data.num_classes,
+               input_shape=data.input_shape, mean=tuple(data.mean), std=tuple(data.std), client_archs=archs,
+               num_samples=part.train.lengths(), device=torch.device(device), extras=dict(data.extras))
+
+
+def client_data(data_t: dict[str, torch.Tensor], part: Partition, cid: int) -> ClientData:
+    """A client's tensors, gathered from the worker's one copy of the dataset (`data_t` on its device)."""
+    def take(x: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        return x[torch.from_numpy(idx).to(x.device)]
+
+    tr, va = part.train[cid], part.val[cid]
+    out = ClientData(take(data_t["x_train"], tr), take(data_t["y_train"], tr),
+                     take(data_t["x_train"], va), take(data_t["y_train"], va))
+    if part.test is not None:
+        te = part.test[cid]
+        out.x_test, out.y_test = take(data_t["x_test"], te), take(data_t["y_test"], te)
+    return out
+
+
+def client_seed(seed: int, round: int, client_id: int, phase: int) -> int:
+    """A 63-bit seed for one client's draws in one phase, independent of worker count and order."""
+    ss = np.random.SeedSequence([seed, round, client_id, phase])
+    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))

@@ -1,0 +1,146 @@
+"""Per-worker storage of personal client state: an LRU cache bounded in bytes, spilling to a disk folder.
+
+A client without personal state costs nothing here. States are dicts of tensors (and plain values);
+spilled ones are written with torch.save and read back bit for bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from fedsim.io import atomic_torch_save
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes held by the tensors and arrays inside a nested structure (what would travel or be stored)."""
+    import numpy as np
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(state_nbytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    if isinstance(obj, (int, float)):
+        return 8
+    return 0
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+class ClientStateStore:
+    """LRU cache of client states; beyond `capacity_bytes` the least recently used spill to `spill_dir`."""
+
+    def __init__(self, capacity_bytes: int | None = None, spill_dir: str | Path | None = None) -> None:
+        self.capacity = capacity_bytes
+        self.spill_dir = Path(spill_dir) if spill_dir else None
+        self._mem: OrderedDict[int, tuple[Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._spilled: set[int] = set()
+        self.spills = 0
+        self.loads = 0
+
+    def __contains__(self, cid: int) -> bool:
+        return cid in self._mem or cid in self._spilled
+
+    def __len__(self) -> int:
+        return len(self._mem) + len(self._spilled)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._bytes
+
+    def _path(self, cid: int) -> Path:
+        assert self.spill_dir is not None
+        return self.spill_dir / f"{cid}.pt"
+
+    def get(self, cid: int) -> Any | None:
+        """The client's state, or None if it has none yet; reloads spilled states into the cache."""
+        if cid in self._mem:
+            self._mem.move_to_end(cid)
+            return self._mem[cid][0]
+        if cid in self._spilled:
+            state = torch.load(self._path(cid), weights_only=False)
+            self._spilled.discard(cid)
+            self._path(cid).unlink(missing_ok=True)
+            self.loads += 1
+            self._insert(cid, state)
+            return state
+        return None
+
+    def put(self, cid: int, state: Any) -> None:
+        """Store (replace) a client's state; states are kept on the CPU."""
+        self.discard(cid)
+        self._insert(cid, _to_cpu(state))
+
+    def discard(self, cid: int) -> None:
+        if cid in self._mem:
+            self._bytes -= self._mem.pop(cid)[1]
+        if cid in self._spilled:
+            self._spilled.discard(cid)
+            self._path(cid).unlink(missing_ok=True)
+
+    def _insert(self, cid: int, state: Any) -> None:
+        size = state_nbytes(state)
+        self._mem[cid] = (state, size)
+        self._bytes += size
+        self._evict(keep=cid)
+
+    def _evict(self, keep: int) -> None:
+        if self.capacity is None:
+            return
+        if self.spill_dir is None:
+            raise ValueError("runtime.cache_bytes is set but there is no spill folder")
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        while self._bytes > self.capacity and len(self._mem) > 1:
+            cid, (state, size) = next(iter(self._mem.items()))
+            if cid == keep:
+                self._mem.move_to_end(cid)
+                continue
+            atomic_torch_save(state, self._path(cid))
+            del self._mem[cid]
+            self._bytes -= size
+            self._spilled.add(cid)
+            self.spills += 1
+
+    def items(self) -> Iterator[tuple[int, Any]]:
+        """Every (client id, state), spilled ones read from disk without disturbing the cache."""
+        for cid in sorted(set(self._mem) | self._spilled):
+            if cid in self._mem:
+                yield cid, self._mem[cid][0]
+            else:
+                yield cid, torch.load(self._path(cid), weights_only=False)
+
+    def export(self) -> dict[int, Any]:
+        """All states, for a checkpoint."""
+        return dict(self.items())
+
+    def load(self, states: dict[int, Any]) -> None:
+        """Replace the contents with `states` (from a checkpoint)."""
+        self.clear()
+        for cid, st in sorted(states.items()):
+            self.put(int(cid), st)
+
+    def clear(self) -> None:
+        self._mem.clear()
+        self._bytes = 0
+        if self.spill_dir is not None and self.spill_dir.exists():
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+        self._spilled.clear()

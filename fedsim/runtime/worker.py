@@ -1,0 +1,166 @@
+"""ClientWorker: hosts many virtual clients (shard indices + personal state) and runs them one after another.
+
+A plain class: the Ray layer wraps it in an actor, tests and the local backend call it directly. The
+dataset is held once per worker on its device; one model instance per architecture is reused.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fedsim.algorithms import get_algorithm
+from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
+from fedsim.runtime.setup import Partition, build_env, client_data, client_seed
+from fedsim.runtime.store import ClientStateStore, state_nbytes
+
+
+class ModelPool:
+    """One reusable module per architecture (or custom key) on the worker's device."""
+
+    def __init__(self, env, device: torch.device) -> None:
+        self.env, self.device = env, device
+        self._models: dict[str, torch.nn.Module] = {}
+
+    def get(self, key: str, build: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
+        """The instance for `key`; classifiers are built from the registry, anything else by `build`."""
+        if key not in self._models:
+            if build is None:
+                from fedsim.algorithms.fedavg import new_model
+
+                build = lambda: new_model(self.env, key)  # noqa: E731
+            self._models[key] = build().to(self.device)
+        return self._models[key]
+
+
+@dataclass
+class ClientOutcome:
+    """One client's result in one phase, as the worker reports it."""
+
+    client_id: int
+    status: str  # ok | late | failed
+    result: ClientResult | None = None
+    bytes_up: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class WorkerReply:
+    """What a worker returns for a phase: per-client outcomes, and the pre-summed payload for reduce=sum."""
+
+    outcomes: list[ClientOutcome]
+    summed: dict[str, torch.Tensor] | None = None
+    weight: float = 0.0
+    count: int = 0
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def pick_device(gpu_ids: list | None = None) -> torch.device:
+    """CUDA when this process was given a GPU, else CPU."""
+    if torch.cuda.is_available() and (gpu_ids is None or len(gpu_ids) > 0):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class ClientWorker:
+    """Runs the client side of each phase for the clients it owns."""
+
+    def __init__(self, cfg, arrays: dict[str, np.ndarray], part: Partition, meta: dict, worker_index: int,
+                 device: str | None = None, threads: int | None = None, spill_dir: str | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.index = worker_index
+        self.device = torch.device(device) if device else pick_device()
+        from fedsim.data import Dataset
+
+        data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
+                       extras=meta.get("extras", {}), **arrays)
+        self.part = part
+        self.env = build_env(cfg, data, part, self.device)
+        self.algorithm: Algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
+        self.data_t = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in arrays.items()
+                       if k != "extras"}
+        self.models = ModelPool(self.env, self.device)
+        cache = cfg.runtime.cache_bytes
+        self.store = ClientStateStore(cache, spill_dir if cache is not None else None)
+        self.seed = cfg.seed
+
+    def ping(self) -> dict:
+        """Health check and placement facts (pid, device, visible GPU ids)."""
+        return {"index": self.index, "pid": os.getpid(), "device": str(self.device),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+    def run_phase(self, round: int, phase_index: int, phase: Phase, common: Any, per_client: dict[int, Any],
+                  client_ids: list[int], late: list[int] | None = None) -> WorkerReply:
+        """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
+        start = time.perf_counter()
+        late_set = set(late or ())
+        outcomes, summed, weight, count = [], None, 0.0, 0
+        for cid in sorted(client_ids):
+            t0 = time.perf_counter()
+            ctx = ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
+                                data=client_data(self.data_t, self.part, cid), device=self.device,
+                                seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
+                                env=self.env)
+            try:
+                res = self.algorithm.client_step(phase, self.store.get(cid), _merge(common, per_client, cid), ctx)
+                _check_weight(res, cid)
+            except Exception as exc:  # one client's failure must not sink the round
+                outcomes.append(ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
+                                              error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+                continue
+            status = "late" if cid in late_set else "ok"
+            up = state_nbytes(res.payload)
+            if status == "ok":
+                if res.state is not None:
+                    self.store.put(cid, res.state)
+                if phase.reduce == "sum":
+                    summed = _accumulate(summed, res.payload, res.weight)
+                    weight += res.weight
+                    count += 1
+                    res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
+            res.state = None
+            outcomes.append(ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0))
+        return WorkerReply(outcomes, summed, weight, count, time.perf_counter() - start,
+                           info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills})
+
+    def export_states(self) -> dict[int, Any]:
+        """Personal states of this worker's clients (for checkpoints)."""
+        return self.store.export()
+
+    def load_states(self, states: dict[int, Any]) -> None:
+        self.store.load(states)
+
+
+def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Any:
+    """The message a client sees: the common part, plus its own part when there is one."""
+    if not per_client or cid not in per_client:
+        return common
+    return {"common": common, "own": per_client[cid]}
+
+
+def _check_weight(res: ClientResult, cid: int) -> None:
+    w = res.weight
+    if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
+        raise ValueError(f"client {cid} returned aggregation weight {w!r}; it must be finite and > 0")
+
+
+def _accumulate(summed: dict[str, torch.Tensor] | None, payload: dict[str, torch.Tensor],
+                weight: float) -> dict[str, torch.Tensor]:
+    """Σ w·p in float64, so partial sums combine the same whatever the grouping of clients into workers."""
+    if summed is None:
+        return {k: v.detach().to("cpu", torch.float64) * weight for k, v in payload.items()}
+    for k, v in payload.items():
+        if k in summed:
+            summed[k] += v.detach().to("cpu", torch.float64) * weight
+        else:
+            summed[k] = v.detach().to("cpu", torch.float64) * weight
+    return summed

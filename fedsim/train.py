@@ -1,0 +1,80 @@
+"""Local training and evaluation loops shared by every algorithm: index-batched, seeded, no DataLoader."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsim.config import TrainConfig
+
+
+def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
+    """The optimizer the config names, over `params`."""
+    lr = train.lr if lr is None else lr
+    if train.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=train.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
+
+
+def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: int = 1,
+                  steps: int | None = None, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
+    """Shuffled minibatch index tensors: `epochs` passes, or exactly `steps` batches when given."""
+    if n == 0:
+        return
+    done = 0
+    while True:
+        perm = torch.randperm(n, generator=generator).to(device)
+        for start in range(0, n, batch_size):
+            yield perm[start:start + batch_size]
+            done += 1
+            if steps is not None and done >= steps:
+                return
+        if steps is None:
+            epochs -= 1
+            if epochs <= 0:
+                return
+
+
+def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
+                     generator: torch.Generator,
+                     extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+    """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
+    model.train()
+    opt = optimizer or make_optimizer(model.parameters(), train)
+    total, count, steps = 0.0, 0, 0
+    for idx in batch_indices(len(y), train.batch_size, generator, train.epochs, train.steps, x.device):
+        xb, yb = x[idx], y[idx]
+        loss = F.cross_entropy(model(xb), yb)
+        if extra_loss is not None:
+            loss = loss + extra_loss(model)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        total += float(loss.detach()) * len(idx)
+        count += len(idx)
+        steps += 1
+    return {"train_loss": total / max(count, 1), "steps": float(steps)}
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+    """Logits of `model` on `x`, in eval mode, batched."""
+    model.eval()
+    return torch.cat([model(x[i:i + batch_size]) for i in range(0, len(x), batch_size)]) if len(x) else \
+        torch.empty(0)
+
+
+@torch.no_grad()
+def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                        batch_size: int = 512) -> dict[str, float]:
+    """Accuracy and mean CE loss of `model` on (x, y)."""
+    if len(y) == 0:
+        return {"accuracy": float("nan"), "loss": float("nan")}
+    logits = predict_logits(model, x, batch_size)
+    loss = F.cross_entropy(logits, y).item()
+    acc = (logits.argmax(1) == y).float().mean().item()
+    return {"accuracy": acc, "loss": loss}
