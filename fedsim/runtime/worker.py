@@ -18,6 +18,7 @@ import torch
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
 from fedsim.runtime.setup import Partition, build_env, client_data, client_seed
+from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 
@@ -56,9 +57,7 @@ class WorkerReply:
     """What a worker returns for a phase: per-client outcomes, and the pre-summed payload for reduce=sum."""
 
     outcomes: list[ClientOutcome]
-    summed: dict[str, torch.Tensor] | None = None
-    weight: float = 0.0
-    count: int = 0
+    summed: WeightedSum | None = None
     seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -103,7 +102,8 @@ class ClientWorker:
         """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
         start = time.perf_counter()
         late_set = set(late or ())
-        outcomes, summed, weight, count = [], None, 0.0, 0
+        outcomes = []
+        summed = WeightedSum() if phase.reduce == "sum" else None
         for cid in sorted(client_ids):
             t0 = time.perf_counter()
             ctx = ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
@@ -122,14 +122,12 @@ class ClientWorker:
             if status == "ok":
                 if res.state is not None:
                     self.store.put(cid, res.state)
-                if phase.reduce == "sum":
-                    summed = _accumulate(summed, res.payload, res.weight)
-                    weight += res.weight
-                    count += 1
+                if summed is not None:
+                    summed.add(res.payload, res.weight)
                     res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
             res.state = None
             outcomes.append(ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0))
-        return WorkerReply(outcomes, summed, weight, count, time.perf_counter() - start,
+        return WorkerReply(outcomes, summed, time.perf_counter() - start,
                            info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills})
 
     def export_states(self) -> dict[int, Any]:
@@ -151,16 +149,3 @@ def _check_weight(res: ClientResult, cid: int) -> None:
     w = res.weight
     if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
         raise ValueError(f"client {cid} returned aggregation weight {w!r}; it must be finite and > 0")
-
-
-def _accumulate(summed: dict[str, torch.Tensor] | None, payload: dict[str, torch.Tensor],
-                weight: float) -> dict[str, torch.Tensor]:
-    """Σ w·p in float64, so partial sums combine the same whatever the grouping of clients into workers."""
-    if summed is None:
-        return {k: v.detach().to("cpu", torch.float64) * weight for k, v in payload.items()}
-    for k, v in payload.items():
-        if k in summed:
-            summed[k] += v.detach().to("cpu", torch.float64) * weight
-        else:
-            summed[k] = v.detach().to("cpu", torch.float64) * weight
-    return summed

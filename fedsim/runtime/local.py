@@ -1,0 +1,74 @@
+"""The in-process backend: the reference implementation of message passing, with no Ray.
+
+It hosts `num_workers` ClientWorker objects in this process (default 1), so worker-count invariance and
+failure handling can be tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+from fedsim.algorithms.base import Broadcast, Phase
+from fedsim.runtime.server import Server
+from fedsim.runtime.worker import ClientWorker, WorkerReply
+
+
+class LocalBackend:
+    """Workers and server as plain objects; a worker that raises counts as a failed worker."""
+
+    def __init__(self, num_workers: int | None = None, device: str | None = None) -> None:
+        self._requested = num_workers
+        self.device = device
+        self.workers: list[ClientWorker] = []
+        self._server: Server | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def start(self, cfg, arrays: dict, part, meta: dict, run_dir: Path) -> None:
+        n = self._requested or cfg.runtime.num_workers or 1
+        self._args = (cfg, arrays, part, meta)
+        self._spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
+        self._server = Server(cfg, arrays, part, meta, device=self.device)
+        self.workers = [self._make(i) for i in range(n)]
+
+    def _make(self, i: int) -> ClientWorker:
+        cfg, arrays, part, meta = self._args
+        return ClientWorker(cfg, arrays, part, meta, i, device=self.device, spill_dir=str(self._spill / f"w{i}"))
+
+    def server(self, method: str, *args: Any) -> Any:
+        return getattr(self._server, method)(*args)
+
+    def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]:
+        replies, failed = {}, {}
+        for w, cids in sorted(assignments.items()):
+            per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
+            try:
+                replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
+            except Exception as exc:  # the whole worker failed
+                failed[w] = f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=2).splitlines()[-1]}"
+        return replies, failed
+
+    def restart_worker(self, index: int) -> None:
+        self.workers[index] = self._make(index)
+
+    def export_states(self) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for w in self.workers:
+            out.update(w.export_states())
+        return out
+
+    def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None:
+        from fedsim.runtime.loop import owner
+
+        targets = workers if workers is not None else range(self.num_workers)
+        for i in targets:
+            self.workers[i].load_states({c: s for c, s in states.items() if owner(c, self.num_workers) == i})
+
+    def shutdown(self) -> None:
+        self.workers = []

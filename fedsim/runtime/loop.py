@@ -1,0 +1,261 @@
+"""The round loop, written once: sample, schedule stragglers, run each phase on the backend, record, checkpoint.
+
+Backends only move messages: `LocalBackend` (in-process, the reference) and the Ray backend in actors/.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import pandas as pd
+
+from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
+from fedsim.checkpoint import load_checkpoint, save_checkpoint
+from fedsim.config import RunConfig, load_config, save_config
+from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, write_meta, write_table
+from fedsim.runtime.clock import durations, make_profiles, sample_round, schedule
+from fedsim.runtime.setup import Partition, load_data, make_partition
+from fedsim.runtime.worker import WorkerReply
+
+
+class Backend(Protocol):
+    """Where workers and the server live. `run_phase` returns replies by worker and failures by worker."""
+
+    num_workers: int
+
+    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None: ...
+    def server(self, method: str, *args: Any) -> Any: ...
+    def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]: ...
+    def restart_worker(self, index: int) -> None: ...
+    def export_states(self) -> dict[int, Any]: ...
+    def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def owner(client_id: int, num_workers: int) -> int:
+    """The worker that hosts a client, fixed for the whole run so personal state stays put."""
+    return client_id % num_workers
+
+
+@dataclass
+class RunState:
+    """What the loop carries between rounds (and restores from a checkpoint)."""
+
+    next_round: int = 0
+    virtual_time: float = 0.0
+    rounds: list[dict] = field(default_factory=list)
+    clients: list[dict] = field(default_factory=list)
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    """results/<run_id>/, with a timestamped id by default; never reuses an existing folder."""
+    root = Path(cfg.results.root)
+    run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+    path = root / run_id
+    if (path / "rounds.parquet").exists():
+        from fedsim.errors import ConfigError
+
+        raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
+                          "or choose another run_id")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Simulation:
+    """One run of a config on a backend."""
+
+    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Path,
+                 progress: Callable[[int, dict], None] | None = None) -> None:
+        self.cfg, self.backend, self.run_dir, self.progress = cfg, backend, run_dir, progress
+        self.ckpt_path = run_dir / "checkpoints" / "last.pt"
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        data = load_data(cfg)
+        self.part = make_partition(cfg, data)
+        self.num_samples = self.part.train.lengths()
+        arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
+        meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
+                "extras": data.extras}
+        t0 = time.perf_counter()
+        self.backend.start(cfg, arrays, self.part, meta, self.run_dir)
+        self.startup_s = time.perf_counter() - t0
+        self.profiles = make_profiles(cfg)
+
+    def restore(self) -> RunState:
+        """Resume from the last checkpoint, dropping table rows written after it."""
+        ck = load_checkpoint(self.ckpt_path)
+        self.backend.server("set_state", ck["server_state"])
+        self.backend.load_states(ck["client_states"])
+        last = ck["round"]
+        rounds = pd.read_parquet(self.run_dir / "rounds.parquet")
+        clients_path = self.run_dir / "clients.parquet"
+        clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame(columns=["round"])
+        return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
+                        clients[clients["round"] <= last].to_dict("records"))
+
+    def run(self, state: RunState | None = None) -> RunState:
+        state = state or RunState()
+        for r in range(state.next_round, self.cfg.rounds):
+            row_list, client_rows, vround = self.run_round(r)
+            state.virtual_time += vround
+            for row in row_list:
+                row["virtual_time"] = state.virtual_time
+            state.rounds.extend(row_list)
+            state.clients.extend(client_rows)
+            state.next_round = r + 1
+            done = r + 1 == self.cfg.rounds or self.backend.server("finished", r)
+            every = self.cfg.results.checkpoint_every
+            self.write(state, checkpoint=bool(every) and ((r + 1) % every == 0 or done), round=r)
+            if self.progress:
+                self.progress(r, row_list[0])
+            if done:
+                break
+        return state
+
+    def write(self, state: RunState, checkpoint: bool, round: int) -> None:
+        """Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones)."""
+        write_table(state.rounds, self.run_dir / "rounds.parquet", ROUND_COLUMNS)
+        write_table(state.clients, self.run_dir / "clients.parquet", CLIENT_COLUMNS)
+        if checkpoint:
+            save_checkpoint(self.ckpt_path, {"round": round, "virtual_time": state.virtual_time,
+                                             "server_state": self.backend.server("get_state"),
+                                             "client_states": self.backend.export_states()})
+
+    def run_round(self, r: int) -> tuple[list[dict], list[dict], float]:
+        cfg, backend, W = self.cfg, self.backend, self.backend.num_workers
+        t_round = time.perf_counter()
+        sampled = sample_round(cfg, r, self.profiles)
+        phases: list[Phase] = backend.server("phases", r)
+        n_of = {int(c): int(self.num_samples[c]) for c in sampled}
+        info = RoundInfo(r, phases[0].name, [int(c) for c in sampled], [int(c) for c in sampled], n_of)
+        bc, common_b, per_b, server_s = backend.server("broadcast", phases[0], info)
+        down = np.array([common_b + per_b.get(int(c), 0) for c in sampled], dtype=float)
+        dur = durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down)
+        sch = schedule(cfg, sampled, dur)
+        kept = [int(c) for c in sch.participants]
+        late = [int(c) for c in sch.late]
+        on_time = [c for c in kept if c not in set(late)]
+        info = RoundInfo(r, phases[0].name, kept, on_time, {c: n_of[c] for c in kept})
+        metrics: dict[str, Any] = {}
+        client_rows: list[dict] = []
+        bytes_up = bytes_down = 0
+        failures = 0
+        arrived = on_time
+        clients_s = 0.0
+        for pi, phase in enumerate(phases):
+            if pi > 0:
+                info = RoundInfo(r, phase.name, kept, arrived, info.num_samples)
+                bc, common_b, per_b, s = backend.server("broadcast", phase, info)
+                server_s += s
+            run_ids = arrived + (late if pi == 0 and not cfg.stragglers.skip_late else [])
+            down_ids = arrived + (late if pi == 0 else [])
+            bytes_down += sum(common_b + per_b.get(c, 0) for c in down_ids)
+            assignments: dict[int, list[int]] = {}
+            for c in sorted(run_ids):
+                assignments.setdefault(owner(c, W), []).append(c)
+            t0 = time.perf_counter()
+            replies, failed = backend.run_phase(r, pi, phase, bc, assignments, late, cfg.runtime.round_timeout_s)
+            clients_s += time.perf_counter() - t0
+            got: dict[int, Any] = {}
+            for w in sorted(replies):
+                for o in replies[w].outcomes:
+                    got[o.client_id] = o
+                    row = {"round": r, "phase": phase.name, "client": o.client_id, "worker": w,
+                           "arch": self.cfg_arch(o.client_id), "samples": n_of.get(o.client_id, 0),
+                           "status": o.status, "virtual_duration": sch.duration.get(o.client_id, math.nan),
+                           "bytes_up": o.bytes_up if o.status == "ok" else 0,
+                           "bytes_down": common_b + per_b.get(o.client_id, 0), "wall_s": o.seconds}
+                    if o.result is not None:
+                        row.update({k: float(v) for k, v in o.result.metrics.items()})
+                    if o.status == "failed":
+                        row["error"] = o.error.splitlines()[0] if o.error else ""
+                    client_rows.append(row)
+                    if o.status == "ok":
+                        bytes_up += o.bytes_up
+            for w, err in sorted(failed.items()):
+                for c in assignments.get(w, []):
+                    client_rows.append({"round": r, "phase": phase.name, "client": c, "worker": w,
+                                        "arch": self.cfg_arch(c), "samples": n_of.get(c, 0), "status": "failed",
+                                        "virtual_duration": sch.duration.get(c, math.nan), "bytes_up": 0,
+                                        "bytes_down": common_b + per_b.get(c, 0), "wall_s": math.nan,
+                                        "error": err})
+                self.replace_worker(w)
+            if pi == 0 and cfg.stragglers.skip_late:
+                client_rows.extend({"round": r, "phase": phase.name, "client": c, "worker": owner(c, W),
+                                    "arch": self.cfg_arch(c), "samples": n_of[c], "status": "late",
+                                    "virtual_duration": sch.duration[c], "bytes_up": 0,
+                                    "bytes_down": common_b + per_b.get(c, 0), "wall_s": 0.0} for c in late)
+            arrived = [c for c in arrived if c in got and got[c].status == "ok"]
+            failures += sum(1 for o in got.values() if o.status == "failed") + \
+                sum(len(assignments.get(w, [])) for w in failed)
+            info = RoundInfo(r, phase.name, kept, arrived, info.num_samples)
+            m, s = backend.server("step", phase, [replies[w] for w in sorted(replies)], info)
+            server_s += s
+            metrics.update({f"{phase.name}/{k}": v for k, v in m.items()})
+        eval_rows: list[dict] = [{"model": ""}]
+        eval_s = 0.0
+        if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server("finished", r):
+            eval_rows, eval_s = backend.server("evaluate")
+            eval_rows = eval_rows or [{"model": ""}]
+        arrived_dur = [sch.duration[c] for c in arrived] or [0.0]
+        vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
+        vround = vround if math.isfinite(vround) else max(arrived_dur)
+        base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": len(late),
+                "over_selected": len(sch.over_selected), "failures": failures, "bytes_up": bytes_up,
+                "bytes_down": bytes_down, "virtual_round": vround, "deadline": sch.deadline,
+                "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": clients_s,
+                "wall_server_s": server_s, "wall_eval_s": eval_s, **metrics}
+        return [{**base, **row} for row in eval_rows], client_rows, vround
+
+    def cfg_arch(self, cid: int) -> str:
+        from fedsim.runtime.setup import client_archs
+
+        if not hasattr(self, "_archs"):
+            self._archs = client_archs(self.cfg)
+        return self._archs[cid]
+
+    def replace_worker(self, w: int) -> None:
+        """Restart a dead worker; its clients get their states back from the last checkpoint, if any."""
+        self.backend.restart_worker(w)
+        if self.ckpt_path.exists():
+            states = load_checkpoint(self.ckpt_path)["client_states"]
+            self.backend.load_states({c: s for c, s in states.items()
+                                      if owner(c, self.backend.num_workers) == w}, workers=[w])
+
+
+def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | None = None,
+        progress: Callable[[int, dict], None] | None = None) -> Path:
+    """Run (or resume) a simulation; returns the run folder."""
+    from fedsim.runtime.local import LocalBackend
+
+    if resume is not None:
+        run_dir = Path(resume)
+        from fedsim.errors import CheckpointError
+
+        if not (run_dir / "config.yaml").is_file():
+            raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
+        cfg = load_config(run_dir / "config.yaml")
+    else:
+        assert cfg is not None
+        run_dir = new_run_dir(cfg)
+        save_config(cfg, run_dir / "config.yaml")
+    backend = backend or LocalBackend()
+    sim = Simulation(cfg, backend, run_dir, progress)
+    try:
+        sim.setup()
+        write_meta(run_dir, {"backend": type(backend).__name__, "num_workers": backend.num_workers,
+                             "startup_s": sim.startup_s, **getattr(backend, "describe", lambda: {})()})
+        state = sim.restore() if resume is not None and sim.ckpt_path.exists() else None
+        sim.run(state)
+    finally:
+        backend.shutdown()
+    return run_dir

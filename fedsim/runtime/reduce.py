@@ -1,0 +1,55 @@
+"""Order-independent weighted sums: double-double (float64 pair) accumulation.
+
+Each term w·x (integer-ish weight, float32 value) is exact in float64; accumulating with Knuth's TwoSum
+keeps the error near 2^-106 relative, so the float32 result does not depend on how clients were
+grouped into workers or in which order partial sums arrive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> Pair:
+    s = a + b
+    bp = s - a
+    return s, (a - (s - bp)) + (b - bp)
+
+
+class WeightedSum:
+    """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key."""
+
+    def __init__(self) -> None:
+        self.hi: dict[str, torch.Tensor] = {}
+        self.lo: dict[str, torch.Tensor] = {}
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, payload: dict[str, torch.Tensor], weight: float) -> None:
+        """Add one client's payload with its weight."""
+        for k, v in payload.items():
+            term = v.detach().to("cpu", torch.float64) * weight
+            if k not in self.hi:
+                self.hi[k], self.lo[k] = term, torch.zeros_like(term)
+            else:
+                self.hi[k], err = _two_sum(self.hi[k], term)
+                self.lo[k] += err
+        self.weight += weight
+        self.count += 1
+
+    def merge(self, other: "WeightedSum") -> None:
+        """Fold in another partial sum (from another worker)."""
+        for k, v in other.hi.items():
+            if k not in self.hi:
+                self.hi[k], self.lo[k] = v.clone(), other.lo[k].clone()
+            else:
+                self.hi[k], err = _two_sum(self.hi[k], v)
+                self.lo[k] += err + other.lo[k]
+        self.weight += other.weight
+        self.count += other.count
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """The sums as float64 tensors."""
+        return {k: self.hi[k] + self.lo[k] for k in self.hi}

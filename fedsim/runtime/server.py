@@ -1,0 +1,91 @@
+"""The server side of a run: holds the algorithm's state, builds broadcasts, aggregates, evaluates.
+
+A plain class: the Ray layer wraps it in the ServerActor (with its own GPU fraction); the local backend
+calls it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedsim.algorithms import get_algorithm
+from fedsim.algorithms.base import Broadcast, ClientResult, Phase, RoundInfo, SummedUpdate
+from fedsim.runtime.reduce import WeightedSum
+from fedsim.runtime.setup import Partition, build_env
+from fedsim.runtime.store import state_nbytes
+from fedsim.runtime.worker import WorkerReply, pick_device
+
+
+class Server:
+    """Owns the global state; every method is called by the round loop, in order."""
+
+    def __init__(self, cfg, arrays: dict[str, np.ndarray], part: Partition, meta: dict,
+                 device: str | None = None, threads: int | None = None) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        from fedsim.data import Dataset
+
+        self.device = torch.device(device) if device else pick_device()
+        data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
+                       extras=meta.get("extras", {}), **arrays)
+        self.env = build_env(cfg, data, part, self.device)
+        self.env.extras.setdefault("server_data", data)
+        self.env.extras.setdefault("partition", part)
+        self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
+        self.x_test = torch.as_tensor(arrays["x_test"]).to(self.device)
+        self.y_test = torch.as_tensor(arrays["y_test"]).to(self.device)
+        self.state = self.algorithm.init_server(self.env)
+        self._broadcast: Broadcast | None = None
+
+    def ping(self) -> dict:
+        import os
+
+        return {"pid": os.getpid(), "device": str(self.device)}
+
+    def phases(self, round: int) -> list[Phase]:
+        return self.algorithm.phases(round)
+
+    def broadcast(self, phase: Phase, info: RoundInfo) -> tuple[Broadcast, int, dict[int, int], float]:
+        """The phase's broadcast, its common size in bytes, per-client extra bytes, and seconds taken."""
+        t0 = time.perf_counter()
+        bc = self.algorithm.broadcast(phase, self.state, info)
+        per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
+        return bc, state_nbytes(bc.common), per, time.perf_counter() - t0
+
+    def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> tuple[dict, float]:
+        """Aggregate the arrived results of a phase into the state; returns (metrics, seconds)."""
+        t0 = time.perf_counter()
+        if phase.reduce == "sum":
+            total = WeightedSum()
+            for r in replies:  # worker order; the double-double sum makes the order immaterial
+                if r.summed is not None:
+                    total.merge(r.summed)
+            updates: Any = SummedUpdate(total.totals(), total.weight, total.count)
+        else:
+            got: dict[int, ClientResult] = {}
+            for r in replies:
+                for o in r.outcomes:
+                    if o.status == "ok" and o.result is not None:
+                        got[o.client_id] = o.result
+            updates = dict(sorted(got.items()))
+        self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
+        return dict(metrics or {}), time.perf_counter() - t0
+
+    def evaluate(self) -> tuple[list[dict], float]:
+        """Rows of test metrics, one per global model; and seconds taken."""
+        t0 = time.perf_counter()
+        rows = self.algorithm.evaluate(self.state, self.x_test, self.y_test, self.device)
+        return rows, time.perf_counter() - t0
+
+    def finished(self, round: int) -> bool:
+        return bool(self.algorithm.finished(self.state, round))
+
+    def get_state(self) -> Any:
+        return self.state
+
+    def set_state(self, state: Any) -> None:
+        self.state = state
