@@ -1,0 +1,426 @@
+"""Built-in dataset loaders, registered by name; each returns normalised float32 N×C×H×W images.
+
+Third-party readers (torchvision, medmnist) are imported lazily so `import fedsim.data` stays fast, and
+every failure of theirs becomes a one-line `DataError` that says which files are expected where.
+
+Integrity: torchvision verifies the md5 of CIFAR and SVHN files on every load. fedsim keeps that check
+when `download` is true (so a corrupt file is fetched again) or when the option `verify=True` is given;
+otherwise files already on disk are trusted as user-provided (re-hashing ~180 MB per run buys nothing,
+and it would reject legitimate re-packed or subset copies). A truncated file still fails to unpickle,
+which is reported as a DataError.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import pickle
+import re
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsim.data._images import (
+    as_unit_float,
+    channel_stats,
+    normalise_,
+    resize,
+    to_nchw,
+)
+from fedsim.data.registry import Dataset, register_dataset
+from fedsim.data.synthetic import make_synthetic
+from fedsim.errors import ConfigError, DataError, FedsimError
+
+CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+MNIST_STATS = ((0.1307,), (0.3081,))
+FASHIONMNIST_STATS = ((0.2860,), (0.3530,))
+EMNIST_CLASSES = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10}
+# What torchvision, medmnist and numpy raise for absent, truncated or malformed files (and offline downloads).
+_READ_ERRORS = (
+    RuntimeError, OSError, ValueError, KeyError, IndexError, TypeError, EOFError, AssertionError,
+    pickle.UnpicklingError, zipfile.BadZipFile,
+)
+DOWNLOAD_HINT = "or set data.download: true to fetch them when online"
+
+
+def _dataset(name: str) -> Callable[[Callable[..., Dataset]], Callable[..., Dataset]]:
+    """Register a loader whose keyword-only parameters are its options; unknown options are a ConfigError."""
+
+    def wrap(fn: Callable[..., Dataset]) -> Callable[..., Dataset]:
+        allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+
+        @functools.wraps(fn)
+        def loader(root: Path, download: bool, **options: Any) -> Dataset:
+            unknown = sorted(set(options) - set(allowed))
+            if unknown:
+                raise ConfigError(
+                    f"data.options.{unknown[0]}: not an option of dataset {name!r}; its options are {allowed}"
+                )
+            return fn(Path(root), bool(download), **options)
+
+        register_dataset(name)(loader)
+        return fn
+
+    return wrap
+
+
+def _one_line(err: BaseException) -> str:
+    text = re.sub(r"\s+", " ", str(err)).strip()
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
+
+
+def _guarded(name: str, folder: Path, files: list[str], download: bool, load: Callable[[], Any]) -> Any:
+    """Run a third-party reader; turn its failure into a one-line DataError naming the expected files."""
+    try:
+        return load()
+    except FedsimError:
+        raise
+    except _READ_ERRORS as err:
+        reason = _one_line(err)
+        missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        where = f"files not found: expected {shown} in {folder}"
+        if download:
+            raise DataError(f"{name}: download failed ({reason}); {where}; put them there by hand") from None
+        raise DataError(f"{name}: {where}; put them there, {DOWNLOAD_HINT}") from None
+    raise DataError(
+        f"{name}: could not read the files in {folder} ({reason}); delete them and set data.download: true "
+        "to fetch fresh copies"
+    ) from None
+
+
+def _finish(
+    name: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int,
+    stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+    scale: float = 255.0,
+    channels_last: bool = False,
+    **extras: Any,
+) -> Dataset:
+    """Lay out, scale and normalise images (with `stats`, or the train set's own per-channel statistics)."""
+    xs = [as_unit_float(to_nchw(x, channels_last), scale) for x in (x_train, x_test)]
+    mean, std = stats if stats is not None else channel_stats(xs[0])
+    ys = [np.asarray(y).reshape(-1).astype(np.int64) for y in (y_train, y_test)]
+    for y in ys:
+        if len(y) and (y.min() < 0 or y.max() >= num_classes):
+            raise DataError(f"{name}: labels outside 0..{num_classes - 1} (found {y.min()}..{y.max()})")
+    return Dataset(
+        name=name,
+        x_train=normalise_(xs[0], mean, std),
+        y_train=ys[0],
+        x_test=normalise_(xs[1], mean, std),
+        y_test=ys[1],
+        num_classes=num_classes,
+        mean=tuple(mean),
+        std=tuple(std),
+        extras=dict(extras),
+    )
+
+
+# ---------------------------------------------------------------- embedded / generated
+
+
+@_dataset("digits")
+def load_digits(root: Path, download: bool, *, size: int = 8) -> Dataset:
+    """scikit-learn's 1,797 8×8 digits (embedded, no download), stratified 80/20 split with seed 0.
+
+    `size` > 8 upsamples bilinearly (align_corners=False), e.g. 32 so CNNs with several 2× poolings
+    still have spatial extent; the default keeps the native 1×8×8.
+    """
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    if size < 1:
+        raise ConfigError(f"data.options.size: must be >= 1, got {size}")
+    bunch = sk_digits()
+    images, labels = bunch.images.astype(np.float32), bunch.target.astype(np.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
+    ds = _finish("digits", x_tr, y_tr, x_te, y_te, 10, scale=16.0)
+    ds.x_train, ds.x_test = resize(ds.x_train, size), resize(ds.x_test, size)
+    return ds
+
+
+@_dataset("synthetic")
+def load_synthetic(
+    root: Path,
+    download: bool,
+    *,
+    n_train: int = 20000,
+    n_test: int = 2000,
+    channels: int = 3,
+    size: int = 32,
+    num_classes: int = 10,
+    seed: int = 0,
+    amp: float = 3.0,
+) -> Dataset:
+    """Shifted class prototypes in Gaussian noise (see fedsim.data.synthetic); identity normalisation."""
+    x_tr, y_tr, x_te, y_te = make_synthetic(n_train, n_test, channels, size, num_classes, seed, amp)
+    return Dataset("synthetic", x_tr, y_tr, x_te, y_te, num_classes, (0.0,) * channels, (1.0,) * channels)
+
+
+# ---------------------------------------------------------------- torchvision
+
+
+def _trusting(cls: type) -> type:
+    """A CIFAR/SVHN subclass whose integrity check only asks that the files exist (md5=None)."""
+    attrs: dict[str, Any] = {}
+    if hasattr(cls, "train_list"):  # CIFAR10/100
+        attrs["train_list"] = [[f, None] for f, _ in cls.train_list]
+        attrs["test_list"] = [[f, None] for f, _ in cls.test_list]
+        attrs["meta"] = {**cls.meta, "md5": None}
+    else:  # SVHN
+        attrs["split_list"] = {k: [url, f, None] for k, (url, f, _) in cls.split_list.items()}
+    return type(cls.__name__, (cls,), attrs)
+
+
+def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -> Dataset:
+    from torchvision import datasets as tvd
+
+    stock = tvd.CIFAR100 if hundred else tvd.CIFAR10
+    cls = stock if (download or verify) else _trusting(stock)
+    folder = root / stock.base_folder
+    files = [f for f, _ in stock.train_list + stock.test_list] + [stock.meta["filename"]]
+
+    def load() -> tuple:
+        train = cls(str(root), train=True, download=download)
+        test = cls(str(root), train=False, download=False)
+        return train.data, train.targets, test.data, test.targets
+
+    x_tr, y_tr, x_te, y_te = _guarded(name, folder, files, download, load)
+    stats = CIFAR100_STATS if hundred else CIFAR10_STATS
+    return _finish(name, x_tr, y_tr, x_te, y_te, 100 if hundred else 10, stats, channels_last=True)
+
+
+@_dataset("cifar10")
+def load_cifar10(root: Path, download: bool, *, verify: bool = False) -> Dataset:
+    """CIFAR-10 from `<root>/cifar-10-batches-py` (python pickle batches); standard CIFAR-10 mean/std."""
+    return _cifar("cifar10", root, download, verify, hundred=False)
+
+
+@_dataset("cifar100")
+def load_cifar100(root: Path, download: bool, *, verify: bool = False) -> Dataset:
+    """CIFAR-100 (fine labels) from `<root>/cifar-100-python`; standard CIFAR-100 mean/std."""
+    return _cifar("cifar100", root, download, verify, hundred=True)
+
+
+def _idx(name: str, root: Path, download: bool, cls_name: str, files: list[str], **kwargs: Any) -> tuple:
+    """Read an MNIST-family set (raw IDX files under <root>/<Class>/raw) with torchvision."""
+    from torchvision import datasets as tvd
+
+    cls = getattr(tvd, cls_name)
+
+    def load() -> tuple:
+        train = cls(str(root), train=True, download=download, **kwargs)
+        test = cls(str(root), train=False, download=False, **kwargs)
+        return train.data.numpy(), train.targets.numpy(), test.data.numpy(), test.targets.numpy()
+
+    return _guarded(name, root / cls_name / "raw", files, download, load)
+
+
+_MNIST_FILES = [f"{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")]
+
+
+@_dataset("mnist")
+def load_mnist(root: Path, download: bool) -> Dataset:
+    """MNIST from raw IDX files in `<root>/MNIST/raw`; the usual mean 0.1307, std 0.3081."""
+    x_tr, y_tr, x_te, y_te = _idx("mnist", root, download, "MNIST", _MNIST_FILES)
+    return _finish("mnist", x_tr, y_tr, x_te, y_te, 10, MNIST_STATS)
+
+
+@_dataset("fashionmnist")
+def load_fashionmnist(root: Path, download: bool) -> Dataset:
+    """Fashion-MNIST from raw IDX files in `<root>/FashionMNIST/raw`; mean 0.2860, std 0.3530."""
+    x_tr, y_tr, x_te, y_te = _idx("fashionmnist", root, download, "FashionMNIST", _MNIST_FILES)
+    return _finish("fashionmnist", x_tr, y_tr, x_te, y_te, 10, FASHIONMNIST_STATS)
+
+
+@_dataset("emnist")
+def load_emnist(root: Path, download: bool, *, split: str = "balanced") -> Dataset:
+    """EMNIST `split` from `<root>/EMNIST/raw`, images transposed upright; `letters` labels shifted to 0..25."""
+    if split not in EMNIST_CLASSES:
+        raise ConfigError(f"data.options.split: unknown EMNIST split {split!r}; choose one of {list(EMNIST_CLASSES)}")
+    files = [f"emnist-{split}-{s}-{k}-ubyte" for s in ("train", "test") for k in ("images-idx3", "labels-idx1")]
+    x_tr, y_tr, x_te, y_te = _idx("emnist", root, download, "EMNIST", files, split=split)
+    x_tr, x_te = x_tr.transpose(0, 2, 1), x_te.transpose(0, 2, 1)  # the raw EMNIST files are column-major
+    if split == "letters":  # torchvision keeps the unused class 0 ('N/A'); letters are 1..26
+        y_tr, y_te = y_tr - 1, y_te - 1
+    return _finish("emnist", x_tr, y_tr, x_te, y_te, EMNIST_CLASSES[split], split=split)
+
+
+@_dataset("svhn")
+def load_svhn(root: Path, download: bool, *, extra: bool = False, verify: bool = False) -> Dataset:
+    """SVHN cropped digits from `<root>/{train,test}_32x32.mat` (+ extra_32x32.mat into train if `extra`)."""
+    from torchvision import datasets as tvd
+
+    cls = tvd.SVHN if (download or verify) else _trusting(tvd.SVHN)
+    splits = ["train", "test"] + (["extra"] if extra else [])
+
+    def load() -> dict:
+        return {s: cls(str(root), split=s, download=download) for s in splits}
+
+    sets = _guarded("svhn", root, [f"{s}_32x32.mat" for s in splits], download, load)
+    x_tr = np.concatenate([sets[s].data for s in splits if s != "test"])
+    y_tr = np.concatenate([sets[s].labels for s in splits if s != "test"])
+    return _finish("svhn", x_tr, y_tr, sets["test"].data, sets["test"].labels, 10)
+
+
+# ---------------------------------------------------------------- MedMNIST
+
+
+def _medmnist_info() -> dict:
+    """medmnist.INFO without importing medmnist's torch-heavy dataset module."""
+    spec = importlib.util.find_spec("medmnist")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    info_path = Path(next(iter(spec.submodule_search_locations))) / "info.py"
+    info_spec = importlib.util.spec_from_file_location("_fedsim_medmnist_info", info_path)
+    if info_spec is None or info_spec.loader is None:
+        return {}
+    module = importlib.util.module_from_spec(info_spec)
+    try:
+        info_spec.loader.exec_module(module)
+    except (OSError, ImportError):  # a medmnist without info.py: offer no MedMNIST sets rather than fail import
+        return {}
+    return getattr(module, "INFO", {})
+
+
+def _load_medmnist(flag: str, root: Path, download: bool, size: int, as_rgb: bool, merge_val: bool) -> Dataset:
+    import medmnist
+    from medmnist.dataset import MedMNIST2D
+
+    info = medmnist.INFO[flag]
+    cls = getattr(medmnist, info["python_class"])
+    if not issubclass(cls, MedMNIST2D):
+        raise ConfigError(f"data.name: {flag} is not a 2D MedMNIST set")
+    if size not in cls.available_sizes:
+        raise ConfigError(f"data.options.size: {flag} comes in sizes {cls.available_sizes}, not {size}")
+    filename = f"{flag}{'' if size == 28 else f'_{size}'}.npz"
+    splits = ["train", "val", "test"] if merge_val else ["train", "test"]
+
+    def load() -> dict:
+        return {s: cls(split=s, root=str(root), download=download and s == "train", size=size) for s in splits}
+
+    if download:
+        root.mkdir(parents=True, exist_ok=True)  # medmnist refuses a root that does not exist
+    sets = _guarded(flag, root, [filename], download, load)
+    train = [s for s in splits if s != "test"]
+    x_tr = np.concatenate([sets[s].imgs for s in train])
+    y_tr = np.concatenate([np.asarray(sets[s].labels).reshape(-1) for s in train])
+    x_te, y_te = sets["test"].imgs, np.asarray(sets["test"].labels).reshape(-1)
+    if as_rgb and x_tr.ndim == 3:
+        x_tr, x_te = np.repeat(x_tr[..., None], 3, axis=-1), np.repeat(x_te[..., None], 3, axis=-1)
+    return _finish(flag, x_tr, y_tr, x_te, y_te, len(info["label"]), channels_last=x_tr.ndim == 4)
+
+
+def _medmnist_loader(flag: str) -> Callable[..., Dataset]:
+    def load(root: Path, download: bool, *, size: int = 28, as_rgb: bool = False, merge_val: bool = False) -> Dataset:
+        """MedMNIST 2D set from `<root>/<flag>[_<size>].npz` read by medmnist; the official val split is
+        dropped unless `merge_val`; `as_rgb` repeats gray channels; train-set per-channel mean/std."""
+        return _load_medmnist(flag, root, download, size, as_rgb, merge_val)
+
+    load.__name__ = f"load_{flag}"
+    return load
+
+
+def _register_medmnist() -> list[str]:
+    """Register every single-label 2D MedMNIST flag (ChestMNIST is multi-label and is left out)."""
+    flags = []
+    for flag, info in _medmnist_info().items():
+        if info["python_class"].endswith("3D") or info["task"].startswith("multi-label"):
+            continue
+        _dataset(flag)(_medmnist_loader(flag))
+        flags.append(flag)
+    return flags
+
+
+MEDMNIST_FLAGS = _register_medmnist()
+
+
+# ---------------------------------------------------------------- user files
+
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+
+
+@_dataset("npz")
+def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes: int | None = None) -> Dataset:
+    """A user's `.npz` with x_train, y_train, x_test, y_test; images N×H×W or N×H×W×C (N×C×H×W if C<=4<W).
+
+    uint8 pixels are scaled to [0, 1], other numbers kept; both sets are normalised with the train set's
+    per-channel mean/std. A relative `path` that does not exist is looked up under `root`.
+    """
+    if not path:
+        raise ConfigError("data.options.path: dataset 'npz' needs path: <file.npz>")
+    file = Path(path).expanduser()
+    if not file.is_absolute() and not file.exists() and (root / file).exists():
+        file = root / file
+    if not file.is_file():
+        raise DataError(f"npz: file not found: {file}")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            missing = [k for k in NPZ_KEYS if k not in data.files]
+            if missing:
+                raise DataError(
+                    f"npz: {file} has no key {missing[0]!r} (it has {sorted(data.files)}; needs {list(NPZ_KEYS)})"
+                )
+            arrays = {k: data[k] for k in NPZ_KEYS}
+    except FedsimError:
+        raise
+    except _READ_ERRORS as err:
+        raise DataError(f"npz: could not read {file} ({_one_line(err)})") from None
+    images = {k: _npz_images(file, k, arrays[k]) for k in ("x_train", "x_test")}
+    labels = {k: _npz_labels(file, k, arrays[k]) for k in ("y_train", "y_test")}
+    for xk, yk in (("x_train", "y_train"), ("x_test", "y_test")):
+        if len(images[xk]) != len(labels[yk]):
+            raise DataError(f"npz: {file}: {xk} has {len(images[xk])} samples but {yk} has {len(labels[yk])}")
+    if len(images["x_train"]) == 0:
+        raise DataError(f"npz: {file}: x_train is empty")
+    if images["x_test"].shape[1:] != images["x_train"].shape[1:]:
+        raise DataError(
+            f"npz: {file}: x_test images are {images['x_test'].shape[1:]} but x_train images are "
+            f"{images['x_train'].shape[1:]} (C×H×W)"
+        )
+    found = int(max(labels["y_train"].max(), labels["y_test"].max(initial=0))) + 1
+    if num_classes is not None and num_classes < found:
+        raise ConfigError(f"data.options.num_classes: {num_classes} but {file} has labels up to {found - 1}")
+    scale = 255.0 if arrays["x_train"].dtype == np.uint8 else 1.0
+    if arrays["x_test"].dtype != arrays["x_train"].dtype:
+        raise DataError(f"npz: {file}: x_test is {arrays['x_test'].dtype} but x_train is {arrays['x_train'].dtype}")
+    return _finish("npz", images["x_train"], labels["y_train"], images["x_test"], labels["y_test"],
+                   num_classes or found, scale=scale, path=str(file))
+
+
+def _npz_images(file: Path, key: str, x: np.ndarray) -> np.ndarray:
+    """Validate one image array and return it N×C×H×W (not yet scaled)."""
+    if x.ndim not in (3, 4) or not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        raise DataError(f"npz: {file}: {key} must be numeric N×H×W or N×H×W×C, got {x.dtype} {x.shape}")
+    if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        raise DataError(f"npz: {file}: {key} contains NaN or infinite values")
+    if x.ndim == 4:
+        channels_first = x.shape[1] <= 4 < x.shape[3]
+        return to_nchw(x, channels_last=not channels_first)
+    return to_nchw(x, channels_last=False)
+
+
+def _npz_labels(file: Path, key: str, y: np.ndarray) -> np.ndarray:
+    """Validate class ids: 1-d (or N×1) non-negative integers."""
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(f"npz: {file}: {key} must be 1-d class ids, got shape {y.shape}")
+    if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
+        y = y.astype(np.int64)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise DataError(f"npz: {file}: {key} must hold integer class ids, got {y.dtype}")
+    if len(y) and y.min() < 0:
+        raise DataError(f"npz: {file}: {key} has negative class ids")
+    return y.astype(np.int64)
