@@ -9,8 +9,17 @@ import torch
 from torch import nn
 
 from fedsim.configtools import from_dict
-from fedsim.distill import (DistillConfig, _batches, clip_logits, distill, domain_weights, ensemble_teacher, kd_loss,
-                            leave_one_out, soften)
+from fedsim.distill import (
+    DistillConfig,
+    _batches,
+    clip_logits,
+    distill,
+    domain_weights,
+    ensemble_teacher,
+    kd_loss,
+    leave_one_out,
+    soften,
+)
 from fedsim.errors import ConfigError
 
 

@@ -14,8 +14,17 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
-from fedsim.data.single_image import (PatchSpec, batched_affine, clear_cache, color_jitter, draw_params,
-                                      generate_patches, inverse_affine, load_image, patch_pool)
+from fedsim.data.single_image import (
+    PatchSpec,
+    batched_affine,
+    clear_cache,
+    color_jitter,
+    draw_params,
+    generate_patches,
+    inverse_affine,
+    load_image,
+    patch_pool,
+)
 from fedsim.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -184,7 +184,7 @@ def _hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     try:
         from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv
     except ImportError:  # private helpers moved: fall back to the public per-image op
-        return torch.stack([TF.adjust_hue(img, float(s)) for img, s in zip(x, shift)])
+        return torch.stack([TF.adjust_hue(img, float(s)) for img, s in zip(x, shift, strict=True)])
     hsv = _rgb_to_hsv(x)
     h, s, v = hsv.unbind(1)
     h = (h + shift.view(-1, 1, 1).to(x.dtype)).remainder(1.0)
