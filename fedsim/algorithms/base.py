@@ -196,6 +196,7 @@ class Algorithm:
 
 
 _ALGORITHMS: dict[str, type[Algorithm]] = {}
+import_failures: dict[str, str] = {}  # module -> error, for modules of fedsim.algorithms that failed to import
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
@@ -212,5 +213,6 @@ def get_algorithm(name: str) -> type[Algorithm]:
     from fedsim.errors import ConfigError
 
     if name not in _ALGORITHMS:
-        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {algorithm_names()}")
+        broken = "".join(f"; module {m} failed to import ({e})" for m, e in sorted(import_failures.items()))
+        raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {algorithm_names()}{broken}")
     return _ALGORITHMS[name]

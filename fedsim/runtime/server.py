@@ -15,7 +15,7 @@ import torch
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Broadcast, ClientResult, Phase, RoundInfo, SummedUpdate
 from fedsim.runtime.reduce import WeightedSum
-from fedsim.runtime.setup import Partition, build_env
+from fedsim.runtime.setup import Partition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import WorkerReply, pick_device
 
@@ -36,8 +36,8 @@ class Server:
         self.env.extras.setdefault("server_data", data)
         self.env.extras.setdefault("partition", part)
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
-        self.x_test = torch.as_tensor(arrays["x_test"]).to(self.device)
-        self.y_test = torch.as_tensor(arrays["y_test"]).to(self.device)
+        self.x_test = as_tensor(arrays["x_test"], self.device)
+        self.y_test = as_tensor(arrays["y_test"], self.device)
         self.state = self.algorithm.init_server(self.env)
         self._broadcast: Broadcast | None = None
 

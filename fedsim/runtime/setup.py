@@ -102,6 +102,15 @@ def client_data(data_t: dict[str, torch.Tensor], part: Partition, cid: int) -> C
     return out
 
 
+def as_tensor(array: np.ndarray, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor view of a (possibly read-only, shared-memory) array; fedsim never writes to dataset tensors."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.as_tensor(array).to(device)
+
+
 def client_seed(seed: int, round: int, client_id: int, phase: int) -> int:
     """A 63-bit seed for one client's draws in one phase, independent of worker count and order."""
     ss = np.random.SeedSequence([seed, round, client_id, phase])

@@ -17,7 +17,7 @@ import torch
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
-from fedsim.runtime.setup import Partition, build_env, client_data, client_seed
+from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
@@ -85,8 +85,7 @@ class ClientWorker:
         self.part = part
         self.env = build_env(cfg, data, part, self.device)
         self.algorithm: Algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
-        self.data_t = {k: torch.as_tensor(np.asarray(v)).to(self.device) for k, v in arrays.items()
-                       if k != "extras"}
+        self.data_t = {k: as_tensor(v, self.device) for k, v in arrays.items()}
         self.models = ModelPool(self.env, self.device)
         cache = cfg.runtime.cache_bytes
         self.store = ClientStateStore(cache, spill_dir if cache is not None else None)

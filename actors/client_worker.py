@@ -1,0 +1,39 @@
+"""The ClientWorker actor: fedsim's ClientWorker, placed on the GPU fraction Ray assigned to it."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from fedsim.runtime.worker import ClientWorker
+
+
+def assigned_device(gpu_fraction: float) -> str:
+    """cuda when Ray gave this actor a GPU that torch can see (memory capped to the fraction), else cpu."""
+    if ray.get_gpu_ids() and torch.cuda.is_available():
+        if 0 < gpu_fraction < 1:
+            torch.cuda.set_per_process_memory_fraction(gpu_fraction)
+        return "cuda"
+    return "cpu"
+
+
+class ClientWorkerActor(ClientWorker):
+    """Hosts many virtual clients; one instance per worker slot."""
+
+    def __init__(self, cfg, arrays, part, meta, worker_index: int, spill_dir: str | None = None) -> None:
+        threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
+        super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),
+                         threads=threads, spill_dir=spill_dir)
+
+    def ping(self) -> dict:
+        out = super().ping()
+        out.update(gpu_ids=[str(g) for g in ray.get_gpu_ids()], node_id=ray.get_runtime_context().get_node_id(),
+                   cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+        return out
+
+    def rss_bytes(self) -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss

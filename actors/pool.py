@@ -1,0 +1,181 @@
+"""The Ray backend: sizes the worker pool from the cluster, creates the actors, moves each phase's messages.
+
+The dataset and partition are `ray.put` once and every worker maps them zero-copy; each phase's common
+broadcast is put once and all workers get the same reference. Every wait has a timeout; a worker that
+dies or hangs costs only its clients' results for that phase, and is replaced.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from actors.client_worker import ClientWorkerActor
+from actors.server_actor import ServerActor
+from fedsim.algorithms.base import Broadcast, Phase
+from fedsim.errors import FedsimError, ResourceError
+from fedsim.runtime.worker import WorkerReply
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def size_pool(cfg, nodes: list[dict[str, float]]) -> int:
+    """How many client workers fit, node by node, after the server's reservation; fails naming the knob."""
+    rt = cfg.runtime
+    total = 0
+    server_left = True
+    for res in sorted(nodes, key=lambda r: -r.get("GPU", 0.0)):
+        cpus, gpus = res.get("CPU", 0.0), res.get("GPU", 0.0)
+        if server_left and cpus >= rt.server_cpus and gpus >= rt.server_gpus:
+            cpus, gpus, server_left = cpus - rt.server_cpus, gpus - rt.server_gpus, False
+        fit = math.floor(cpus / rt.client_cpus + 1e-9)
+        if rt.client_gpus > 0:
+            fit = min(fit, math.floor(gpus / rt.client_gpus + 1e-9))
+        total += max(fit, 0)
+    if server_left:
+        raise ResourceError(f"the server actor does not fit: it needs runtime.server_cpus={rt.server_cpus} and "
+                            f"runtime.server_gpus={rt.server_gpus} on one node")
+    if total == 0:
+        most = max(nodes, key=lambda r: r.get("CPU", 0.0), default={})
+        raise ResourceError(f"0 client workers fit: each needs runtime.client_cpus={rt.client_cpus} and "
+                            f"runtime.client_gpus={rt.client_gpus}; the largest node has {most.get('CPU', 0)} CPUs "
+                            f"and {most.get('GPU', 0)} GPUs; lower runtime.client_cpus or runtime.client_gpus")
+    return min(total, cfg.data.num_clients)
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """Schedulable resources of each alive node."""
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+class RayBackend:
+    """Workers as Ray actors pinned to CPU/GPU fractions, and a ServerActor."""
+
+    worker_cls: Any = ClientWorkerActor
+    server_cls: Any = ServerActor
+
+    def __init__(self, num_workers: int | None = None) -> None:
+        self._requested = num_workers
+        self.workers: list[Any] = []
+        self.placement: list[dict] = []
+        self._server: Any = None
+        self._started_ray = False
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    def start(self, cfg, arrays: dict, part, meta: dict, run_dir: Path) -> None:
+        rt = cfg.runtime
+        if not ray.is_initialized():
+            ray.init(address=rt.ray_address, include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+            self._started_ray = True
+        fits = size_pool(cfg, cluster_nodes())
+        n = self._requested or rt.num_workers or fits
+        if n > fits:
+            raise ResourceError(f"runtime.num_workers={n} but only {fits} workers fit with runtime.client_cpus="
+                                f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
+        self.cfg = cfg
+        self._refs = (ray.put(arrays), ray.put(part), meta)
+        self._spill = str(Path(rt.spill_dir or Path(run_dir).resolve() / "spill"))
+        self._server = ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus,
+                                  max_restarts=0)(self.server_cls).remote(cfg, *self._refs)
+        self.workers = [self._create(i) for i in range(n)]
+        self.placement = self._ping(list(range(n)))
+        self.server("ping")
+
+    def _create(self, i: int) -> Any:
+        rt = self.cfg.runtime
+        cls = ray.remote(num_cpus=rt.client_cpus, num_gpus=rt.client_gpus, max_restarts=0)(self.worker_cls)
+        return cls.remote(self.cfg, *self._refs, i, spill_dir=f"{self._spill}/w{i}")
+
+    def _ping(self, indices: list[int]) -> list[dict]:
+        try:
+            return ray.get([self.workers[i].ping.remote() for i in indices], timeout=STARTUP_TIMEOUT_S)
+        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            for w in self.workers:
+                ray.kill(w, no_restart=True)
+            raise FedsimError(f"client workers failed to start: {_short(exc)}") from exc
+
+    def describe(self) -> dict:
+        return {"placement": self.placement}
+
+    def server(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self._server, method).remote(*args), timeout=self.cfg.runtime.round_timeout_s)
+        except RayTaskError as exc:
+            cause = exc.as_instanceof_cause()
+            if isinstance(cause, FedsimError):
+                raise cause from None
+            raise FedsimError(f"server {method} failed: {_short(exc)}") from exc
+        except GetTimeoutError:
+            raise FedsimError(f"server {method} did not answer within runtime.round_timeout_s="
+                              f"{self.cfg.runtime.round_timeout_s}") from None
+
+    def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]:
+        common = ray.put(bc.common)
+        futures = {}
+        for w, cids in sorted(assignments.items()):
+            per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
+            futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late)
+        deadline = time.monotonic() + timeout
+        pending = list(futures.values())
+        while pending and time.monotonic() < deadline:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+        replies, failed = {}, {}
+        for w, ref in futures.items():
+            if ref in pending:
+                failed[w] = f"no reply within runtime.round_timeout_s={timeout}"
+                ray.cancel(ref, force=True)
+                continue
+            try:
+                replies[w] = ray.get(ref)
+            except (RayActorError, RayTaskError) as exc:
+                failed[w] = _short(exc)
+        return replies, failed
+
+    def restart_worker(self, index: int) -> None:
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self._create(index)
+        self.placement[index] = self._ping([index])[0]
+
+    def export_states(self) -> dict[int, Any]:
+        out: dict[int, Any] = {}
+        for part in ray.get([w.export_states.remote() for w in self.workers]):
+            out.update(part)
+        return out
+
+    def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None:
+        from fedsim.runtime.loop import owner
+
+        targets = workers if workers is not None else range(self.num_workers)
+        ray.get([self.workers[i].load_states.remote({c: s for c, s in states.items()
+                                                     if owner(c, self.num_workers) == i}) for i in targets])
+
+    def rss_bytes(self) -> list[int]:
+        """Resident memory of each actor (workers, then the server)."""
+        return ray.get([w.rss_bytes.remote() for w in self.workers] + [self._server.rss_bytes.remote()])
+
+    def shutdown(self) -> None:
+        for actor in self.workers + ([self._server] if self._server is not None else []):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                continue
+        self.workers, self._server = [], None
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _short(exc: BaseException) -> str:
+    """The first meaningful line of a Ray error."""
+    text = str(exc).strip().splitlines()
+    return next((t for t in reversed(text) if t.strip()), type(exc).__name__)[:300]

@@ -1,0 +1,19 @@
+"""The ServerActor: aggregation, selection, distillation and evaluation on its own GPU fraction."""
+
+from __future__ import annotations
+
+from actors.client_worker import assigned_device
+from fedsim.runtime.server import Server
+
+
+class ServerActor(Server):
+    """fedsim's Server, placed by Ray."""
+
+    def __init__(self, cfg, arrays, part, meta) -> None:
+        threads = cfg.runtime.threads or max(1, int(cfg.runtime.server_cpus) or 1)
+        super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus), threads=threads)
+
+    def rss_bytes(self) -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss

@@ -1,0 +1,187 @@
+"""The `fedsim` command: run, resume, show and plot runs, sweeps and stress tests.
+
+Every user error (config, data, checkpoint, arguments) is printed as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fedsim.errors import FedsimError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def make_backend(cfg, workers: int | None = None):
+    """The backend the config asks for."""
+    if cfg.runtime.backend == "local":
+        from fedsim.runtime.local import LocalBackend
+
+        return LocalBackend(num_workers=workers)
+    from actors import RayBackend
+
+    return RayBackend(num_workers=workers)
+
+
+def progress_bar(total: int, start: int = 0):
+    """A tqdm bar over rounds, showing the latest accuracy; returns (callback, bar)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True, file=sys.stderr)
+
+    def update(r: int, row: dict) -> None:
+        acc = row.get("accuracy")
+        if acc is not None and acc == acc:
+            bar.set_postfix(acc=f"{acc:.4f}", arrived=row.get("arrived"))
+        bar.update(1)
+
+    return update, bar
+
+
+def print_summary(run_dir: Path) -> None:
+    """The run's evaluated rounds as a table, then the best accuracy per model."""
+    from fedsim.results import load, summary
+
+    rounds = load(run_dir)["rounds"]
+    ev = rounds.dropna(subset=["accuracy"]) if "accuracy" in rounds else rounds.iloc[0:0]
+    import pandas as pd
+
+    with pd.option_context("display.width", 160, "display.max_columns", 20, "display.float_format", "{:.4f}".format):
+        print(summary(ev).tail(12).to_string(index=False))
+    if not ev.empty:
+        best = ev.groupby("model", sort=False)["accuracy"].agg(["max", "last"])
+        for model, row in best.iterrows():
+            print(f"{model or 'global'}: best accuracy {row['max']:.4f}, final {row['last']:.4f}")
+    print(f"results: {run_dir}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedsim.config import load_config
+    from fedsim.runtime.loop import run
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.resume:
+        cfg = load_config(Path(args.resume) / "config.yaml")
+    else:
+        if not args.config:
+            raise FedsimError("fedsim run: give a CONFIG file, or --resume RUN")
+        cfg = load_config(args.config, args.override)
+    if args.backend:
+        cfg.runtime.backend = args.backend
+    update, bar = progress_bar(cfg.rounds) if not args.quiet else (None, None)
+    try:
+        run_dir = run(cfg if not args.resume else None, backend=make_backend(cfg, args.workers),
+                      resume=args.resume, progress=update)
+    finally:
+        if bar is not None:
+            bar.close()
+    print_summary(run_dir)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from fedsim.results import load, summary
+
+    res = load(args.run)
+    df = res["clients"] if args.clients else summary(res["rounds"])
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", args.rows,
+                           "display.float_format", "{:.4f}".format):
+        print(df.to_string(index=False, max_rows=args.rows))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from fedsim.results import plot
+
+    print(plot(args.run, args.out))
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from jobs.sweep import main as sweep_main
+
+    return sweep_main([args.sweep] + (["--out", args.out] if args.out else []) + (["--dry-run"] if args.dry_run
+                                                                                   else []))
+
+
+def cmd_stress(args: argparse.Namespace) -> int:
+    from jobs.stress import main as stress_main
+
+    return stress_main(args.rest)
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from fedsim.algorithms import algorithm_names, get_algorithm
+    from fedsim.config import RunConfig
+    from fedsim.configtools import describe
+
+    def table(rows):
+        out = ["| key | type | default | meaning |", "|---|---|---|---|"]
+        out += [f"| `{k}` | {t} | `{d}` | {doc} |" for k, t, d, doc in rows]
+        return "\n".join(out)
+
+    print(table([r for r in describe(RunConfig) if not r[0].startswith("algorithm.params")]))
+    for name in algorithm_names():
+        rows = describe(get_algorithm(name).Params, "algorithm")
+        print(f"\n**algorithm.name: {name}**\n\n" + (table(rows) if rows else "no parameters"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fedsim", description="Federated-learning simulations on Ray.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run a config (or resume a run)")
+    r.add_argument("config", nargs="?", help="YAML config")
+    r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field, e.g. -o rounds=5 -o train.lr=0.01")
+    r.add_argument("--resume", metavar="RUN", help="continue a killed run from its last checkpoint")
+    r.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
+    r.add_argument("--workers", type=int, help="number of client workers")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.set_defaults(fn=cmd_run)
+    res = sub.add_parser("results", help="inspect runs")
+    rsub = res.add_subparsers(dest="what", required=True, parser_class=_Parser)
+    show = rsub.add_parser("show", help="print a run's table")
+    show.add_argument("run")
+    show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
+    show.add_argument("--rows", type=int, default=60)
+    show.set_defaults(fn=cmd_show)
+    pl = sub.add_parser("plot", help="accuracy vs round as PNG")
+    pl.add_argument("run")
+    pl.add_argument("--out", help="PNG path (default: RUN/accuracy.png)")
+    pl.set_defaults(fn=cmd_plot)
+    sw = sub.add_parser("sweep", help="run arms × seeds and write a markdown table")
+    sw.add_argument("sweep")
+    sw.add_argument("--out", help="markdown output path")
+    sw.add_argument("--dry-run", action="store_true", help="list the runs without running them")
+    sw.set_defaults(fn=cmd_sweep)
+    st = sub.add_parser("stress", help="scale the client count and measure time and memory", add_help=False)
+    st.add_argument("rest", nargs=argparse.REMAINDER)
+    st.set_defaults(fn=cmd_stress)
+    ref = sub.add_parser("config-reference", help="print every config key as a markdown table")
+    ref.set_defaults(fn=cmd_reference)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FedsimError as exc:
+        print(f"fedsim: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fedsim: interrupted; resume with `fedsim run --resume <run folder>`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
