@@ -16,6 +16,15 @@ from fedsim.models.thesis_nets import (
 
 # Classifier-only parameter counts on MNIST at 32×32, 10 classes (spec §3.5, derived from Table 5.4).
 # E.g. [8, 8, 8]: convs 72+576+576, IN 3·16, F=8·4·4=128, Linear(128,128)+Linear(128,10) = 16,512+1,290.
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The 2 CPUs are shared by parallel jobs; oversubscribed OpenMP threads spin for whole seconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 TABLE_5_4_PARAMS = [268_410, 43_674, 37_794, 19_074, 188_394, 85_866, 135_002, 273_194, 16_794, 59_706]
 
 

@@ -1,0 +1,346 @@
+"""FedGDKD (Banerjee 2022, "FedGDKD: Federated GAN-Based Data-Free Knowledge Distillation for Heterogeneous
+Models", MEng thesis, Imperial College London; spec shared/specs/seed004_fedgdkd.md).
+
+Every client keeps a private classifier C_k (any architecture with c logits); it never leaves the worker.
+A round has three phases:
+  gan (sum):        [catch-up KD for clients absent last round], then n epochs of local cGAN training in
+                    which C_k is the discriminator through D = sigmoid(LSE(logits)); uploads G_k only.
+                    The server averages G (all state, BN buffers included) weighted by |D_k|.
+  logits (each):    every participant rebuilds the same class-balanced synthetic set from (θ_G, noise
+                    seed) with G in eval mode, uploads C_k's logits on it.
+  codistill (each): each participant distils towards the leave-one-out mean of the others' logits with
+                    (1-α)·CE + α·τ²·KL(teacher ‖ student), then is scored on its own test shard.
+[C] marks the author's code choices (arj119/FedML), used where the thesis is silent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedsim.algorithms._personal import (
+    PersonalScores,
+    balanced_labels,
+    personal_model,
+    require_client_test,
+    score,
+    seeded_init,
+    with_model,
+)
+from fedsim.algorithms.base import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Env,
+    Phase,
+    RoundInfo,
+    register_algorithm,
+)
+from fedsim.algorithms.fedavg import as_summable, average_by_arch, clone_state
+from fedsim.configtools import knob
+from fedsim.distill import DistillConfig, distill, leave_one_out, soften
+from fedsim.models.thesis_nets import GeneratorConfig, build_generator
+from fedsim.train import batch_indices, predict_logits
+
+GEN = "generator"
+
+
+def lse(logits: torch.Tensor) -> torch.Tensor:
+    """LSE = log Σ_i exp(l_i): log Z of the classifier, so that D(x) = Z/(Z+1) = sigmoid(LSE)."""
+    return torch.logsumexp(logits, dim=1)
+
+
+def generator_loss(fake_logits: torch.Tensor, y_gen: torch.Tensor) -> torch.Tensor:
+    """L_G = −log D(G(z,ŷ)) + CE = softplus(−LSE(fake)) + CE(fake, ŷ) (eq. 4.8, non-saturating)."""
+    return F.softplus(-lse(fake_logits)).mean() + F.cross_entropy(fake_logits, y_gen)
+
+
+def classifier_loss(real_logits: torch.Tensor, y: torch.Tensor, fake_logits: torch.Tensor,
+                    y_gen: torch.Tensor) -> torch.Tensor:
+    """L_C = CE(real) − log D(real) + CE(fake, ŷ) − log(1 − D(fake)) (eqs. 4.5–4.6, sign corrected)."""
+    return (F.cross_entropy(real_logits, y) + F.softplus(-lse(real_logits)).mean()
+            + F.cross_entropy(fake_logits, y_gen) + F.softplus(lse(fake_logits)).mean())
+
+
+@dataclass
+class FedGDKDParams:
+    generator: GeneratorConfig = knob(factory=GeneratorConfig)
+    gen_lr: float = knob(1e-3, gt=0, doc="generator Adam learning rate (Table 5.1)")
+    gen_betas: list[float] = knob([0.5, 0.999], doc="[C] generator Adam betas")
+    gen_weight_decay: float = knob(1e-2, ge=0, doc="[C] generator Adam weight decay")
+    gen_amsgrad: bool = knob(True, doc="[C] generator Adam uses AMSGrad")
+    half_losses: bool = knob(False, doc="[C] halve L_G and each half of L_C as the author's code does")
+    kd_alpha: float = knob(0.8, ge=0, le=1, doc="KD weight α in (1-α)·CE + α·τ²·KL (Table 5.1)")
+    kd_T: float = knob(4.0, gt=0, doc="soft-target temperature τ (Table 5.1)")
+    kd_epochs: int = knob(5, ge=1, doc="distillation epochs d over the synthetic set (Table 5.1)")
+    kd_batch_size: int = knob(32, ge=1, doc="distillation batch size (Table 5.1)")
+    kd_size: int = knob(10000, ge=1, doc="distillation set size N (Table 5.1)")
+    kd_noise: Literal["shared", "independent"] = knob(
+        "shared", doc="'shared': ⌈N/c⌉ noise rows reused for every class (eq. 4.10, c·⌈N/c⌉ samples); "
+        "'independent': [C] N noise rows with balanced labels")
+    catch_up: bool = knob(True, doc="catch-up distillation for clients absent last round (§4.5)")
+    fid_every: int = knob(0, ge=0, doc="INTERNAL-ONLY generator Fréchet distance every this many evaluated "
+                          "rounds (0: off); its feature net is trained on the pooled real train set")
+
+    def __post_init__(self) -> None:
+        if len(self.gen_betas) != 2 or not all(0 <= b < 1 for b in self.gen_betas):
+            raise ValueError(f"gen_betas must be two numbers in [0, 1), got {self.gen_betas}")
+
+
+@dataclass
+class Prev:
+    """Last round's knowledge, for catch-up: who got it, and how to rebuild the set and its teacher."""
+
+    participants: list[int]
+    kd_seed: int
+    generator: dict[str, torch.Tensor]
+    mean_logits: torch.Tensor
+
+
+@dataclass
+class FedGDKDState:
+    shared: dict[str, dict[str, torch.Tensor]]  # the aggregated shared models: {"generator": state, ...}
+    round: int = -1
+    kd_seed: int = 0
+    teachers: dict[int, torch.Tensor] = field(default_factory=dict)  # this round's LOO teachers
+    mean_logits: torch.Tensor | None = None
+    prev: Prev | None = None
+    scores: PersonalScores = field(default_factory=PersonalScores)
+
+
+def split(msg: Any) -> tuple[Any, Any]:
+    """(common, own) parts of a client message."""
+    if isinstance(msg, dict) and set(msg) == {"common", "own"}:
+        return msg["common"], msg["own"]
+    return msg, None
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a is b or (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
+
+
+def randn(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(device)
+
+
+@torch.no_grad()
+def synthetic_set(G: torch.nn.Module, seed: int, size: int, num_classes: int, nz: int, noise: str,
+                  device: torch.device, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's distillation set from (θ_G, seed), G in eval mode, in a fixed class-interleaved order.
+
+    shared: sample r·c + k is G(z_r, k) for r < ⌈N/c⌉ (eq. 4.10); independent: G(z_i, i mod c), i < N.
+    """
+    g = torch.Generator().manual_seed(int(seed))
+    if noise == "shared":
+        rows = math.ceil(size / num_classes)
+        z = torch.randn(rows, nz, generator=g).repeat_interleave(num_classes, dim=0)
+        y = balanced_labels(rows * num_classes, num_classes)
+    else:
+        z, y = torch.randn(size, nz, generator=g), balanced_labels(size, num_classes)
+    G.eval()
+    z, y = z.to(device), y.to(device)
+    x = torch.cat([G(z[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)])
+    return x, y
+
+
+@register_algorithm
+class FedGDKD(Algorithm):
+    """Federated cGAN with the classifier as LSE discriminator, plus leave-one-out co-distillation."""
+
+    name = "fedgdkd"
+    Params = FedGDKDParams
+    shared_names: tuple[str, ...] = (GEN,)
+
+    def __init__(self, params: Any, env: Env) -> None:
+        super().__init__(params, env)
+        require_client_test(env, self.name)
+        self._fid: tuple[torch.nn.Module, torch.Tensor] | None = None
+
+    # ---------------------------------------------------------------- shared models
+    def build(self, name: str) -> torch.nn.Module:
+        env = self.env
+        return build_generator(env.num_classes, env.input_shape, self.params.generator, env.mean, env.std)
+
+    def init_server(self, env: Env) -> FedGDKDState:
+        shared = {}
+        for i, name in enumerate(self.shared_names):
+            m = seeded_init(self.build(name), lambda n=name: self.build(n), env.config.seed * 1000 + 17 + i)
+            shared[name] = clone_state(m)
+        return FedGDKDState(shared=shared)
+
+    def module(self, ctx: ClientContext, name: str, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+        m = ctx.models.get(f"{self.name}/{name}", build=lambda: self.build(name))
+        m.load_state_dict(weights)
+        return m
+
+    def phases(self, round: int) -> list[Phase]:
+        return [Phase("gan", "sum"), Phase("logits", "each"), Phase("codistill", "each")]
+
+    # ---------------------------------------------------------------- server
+    def broadcast(self, phase: Phase, state: FedGDKDState, info: RoundInfo) -> Broadcast:
+        if phase.name == "gan":
+            per, prev = None, state.prev
+            if self.params.catch_up and prev is not None:
+                own = {"kd_seed": prev.kd_seed, "teacher": prev.mean_logits}
+                if not same_state(prev.generator, state.shared[GEN]):  # only after a restore or a skipped gan
+                    own[GEN] = prev.generator
+                per = {c: own for c in info.participants if c not in set(prev.participants)} or None
+            return Broadcast(common=state.shared, per_client=per)
+        if phase.name == "logits":
+            return Broadcast(common={GEN: state.shared[GEN], "kd_seed": state.kd_seed})
+        return Broadcast(common=None, per_client={c: {"teacher": t} for c, t in state.teachers.items()})
+
+    def server_step(self, phase: Phase, state: FedGDKDState, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
+        if phase.name == "gan":
+            shared = average_by_arch(updates, state.shared) if updates.count else state.shared
+            seed = int(np.random.SeedSequence([self.env.config.seed, info.round, 0x6D]).generate_state(1)[0])
+            return FedGDKDState(shared, info.round, seed, {}, None, state.prev, state.scores), \
+                {"clients": float(updates.count)}
+        if phase.name == "logits":
+            ids = sorted(updates)
+            if not ids:
+                return state, {}
+            stacked = torch.stack([updates[c].payload["logits"].float() for c in ids])
+            teachers = dict(zip(ids, leave_one_out(stacked))) if len(ids) > 1 else {}
+            mean = stacked.mean(0)
+            y = balanced_labels(len(mean), self.env.num_classes)
+            metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean())}
+            return FedGDKDState(state.shared, state.round, state.kd_seed, teachers, mean, state.prev,
+                                state.scores), metrics
+        scores = state.scores.record(updates)
+        prev = state.prev
+        if state.mean_logits is not None:
+            prev = Prev(sorted(updates), state.kd_seed, state.shared[GEN], state.mean_logits)
+        new = FedGDKDState(state.shared, state.round, state.kd_seed, {}, None, prev, scores)
+        return new, scores.summary(this_round=sorted(updates))
+
+    def evaluate(self, state: FedGDKDState, x_test: torch.Tensor, y_test: torch.Tensor,
+                 device: torch.device) -> list[dict[str, Any]]:
+        rows = state.scores.rows()
+        every = self.params.fid_every
+        if rows and every and state.round >= 0 and (state.round + 1) % every == 0:
+            rows[0]["generator_fd"] = self.frechet(state, device)
+        return rows
+
+    # ---------------------------------------------------------------- client
+    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
+        C = personal_model(ctx, state)
+        n = float(ctx.data.num_samples)
+        common, own = split(msg)
+        if phase.name == "gan":
+            metrics: dict[str, float] = {"catch_up": 0.0}
+            if own is not None:  # selected now, absent last round: last round's set, full-mean teacher
+                G = self.module(ctx, GEN, own.get(GEN, common[GEN]))
+                x, y = self.kd_set(G, own["kd_seed"], ctx)
+                metrics = {"catch_up": 1.0, **{f"catch_up_{k}": v for k, v in self.kd(C, x, y, own["teacher"],
+                                                                                    ctx).items()}}
+            mods = {name: self.module(ctx, name, common[name]) for name in self.shared_names}
+            metrics.update(self.local_gan(C, mods, ctx))
+            payload: dict[str, torch.Tensor] = {}
+            for name, m in mods.items():
+                payload.update(as_summable(name, clone_state(m)))
+            return ClientResult(payload, self.client_weight(ctx), metrics, with_model(state, C))
+        if phase.name == "logits":
+            x, _ = self.kd_set(self.module(ctx, GEN, common[GEN]), common["kd_seed"], ctx)
+            logits = predict_logits(C, x, ctx.env.config.eval.batch_size).cpu()
+            return ClientResult({"logits": logits}, n, {},
+                                with_model(state, C, kd_generator=common[GEN], kd_seed=int(common["kd_seed"])))
+        metrics = {}
+        if own is not None and state is not None and "kd_generator" in state:
+            x, y = self.kd_set(self.module(ctx, GEN, state["kd_generator"]), state["kd_seed"], ctx)
+            metrics = self.kd(C, x, y, own["teacher"], ctx)
+        metrics.update(score(C, ctx))
+        return ClientResult(None, n, metrics, with_model(state, C, kd_generator=None, kd_seed=None))
+
+    def client_weight(self, ctx: ClientContext) -> float:
+        """Generator averaging weight: |D_k| (eq. 4.9)."""
+        return float(ctx.data.num_samples)
+
+    def kd_set(self, G: torch.nn.Module, seed: int, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.params
+        return synthetic_set(G, seed, p.kd_size, ctx.env.num_classes, p.generator.nz, p.kd_noise, ctx.device)
+
+    def kd(self, C: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, teacher_logits: torch.Tensor,
+           ctx: ClientContext) -> dict[str, float]:
+        """d epochs of (1-α)·CE(C(x), y) + α·τ²·KL(softmax(teacher/τ) ‖ softmax(C(x)/τ)), fixed order, fresh SGD."""
+        p, tr = self.params, ctx.env.config.train
+        cfg = DistillConfig(steps=None, epochs=p.kd_epochs, batch_size=p.kd_batch_size, lr=tr.lr,
+                            optimizer=tr.optimizer, momentum=tr.momentum, weight_decay=tr.weight_decay, T=p.kd_T,
+                            kd_weight=p.kd_alpha, ce_weight=1.0 - p.kd_alpha, shuffle=False, keep_best=False)
+        out = distill(C, x, soften(teacher_logits.to(x.device).float(), p.kd_T), cfg, ctx.generator(), hard_labels=y)
+        return {"kd_loss": out["loss"], "kd_steps": out["steps"]}
+
+    def gen_optimizer(self, G: torch.nn.Module) -> torch.optim.Optimizer:
+        p = self.params
+        return torch.optim.Adam(G.parameters(), lr=p.gen_lr, betas=tuple(p.gen_betas), eps=1e-8,
+                                weight_decay=p.gen_weight_decay, amsgrad=p.gen_amsgrad)
+
+    def local_gan(self, C: torch.nn.Module, mods: dict[str, torch.nn.Module], ctx: ClientContext) -> dict[str, float]:
+        """Per real batch: a G step on L_G, then a C step on L_C with the same fake batch detached (Alg. 4)."""
+        from fedsim.train import make_optimizer
+
+        G, tr, c = mods[GEN], ctx.env.config.train, ctx.env.num_classes
+        half = 0.5 if self.params.half_losses else 1.0
+        opt_g, opt_c = self.gen_optimizer(G), make_optimizer(C.parameters(), tr)
+        gen, d = ctx.generator(), ctx.data
+        G.train()
+        C.train()
+        sums, steps = [0.0, 0.0], 0
+        for idx in batch_indices(d.num_samples, tr.batch_size, gen, tr.epochs, tr.steps, d.x.device):
+            z = randn((len(idx), self.params.generator.nz), gen, d.x.device)
+            y_gen = torch.randint(0, c, (len(idx),), generator=gen).to(d.x.device)
+            fake = G(z, y_gen)
+            loss_g = half * generator_loss(C(fake), y_gen)
+            opt_g.zero_grad(set_to_none=True)
+            loss_g.backward()
+            opt_g.step()
+            loss_c = half * classifier_loss(C(d.x[idx]), d.y[idx], C(fake.detach()), y_gen)
+            opt_c.zero_grad(set_to_none=True)
+            loss_c.backward()
+            opt_c.step()
+            sums[0] += float(loss_g.detach())
+            sums[1] += float(loss_c.detach())
+            steps += 1
+        return {"loss_g": sums[0] / max(steps, 1), "loss_c": sums[1] / max(steps, 1), "gan_steps": float(steps)}
+
+    # ---------------------------------------------------------------- internal-only generator quality
+    def frechet(self, state: FedGDKDState, device: torch.device) -> float:
+        """Fréchet distance between feature statistics of real test images and the round's synthetic set.
+
+        INTERNAL ONLY: the feature net is a cnn_medium trained on the pooled real training data, which no
+        FL server has; compare values between runs of this code, never with published FIDs.
+        """
+        from fedsim.algorithms.fedavg import new_model
+        from fedsim.train import train_classifier
+
+        data = self.env.extras["server_data"]
+        if self._fid is None:
+            torch.manual_seed(self.env.config.seed)
+            net = new_model(self.env, "cnn_medium").to(device)
+            x, y = torch.as_tensor(data.x_train).to(device), torch.as_tensor(data.y_train).to(device)
+            train_classifier(net, x, y, self.env.config.train, torch.Generator().manual_seed(0))
+            self._fid = (net.eval(), torch.as_tensor(data.x_test).to(device))
+        net, real = self._fid
+        G = self.build(GEN).to(device)
+        G.load_state_dict(state.shared[GEN])
+        fake, _ = synthetic_set(G, state.kd_seed, self.params.kd_size, self.env.num_classes,
+                                self.params.generator.nz, self.params.kd_noise, device)
+        with torch.no_grad():
+            a, b = net.embed(real).double(), net.embed(fake).double()
+        return frechet_distance(a, b)
+
+
+def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖μ_a − μ_b‖² + tr(Σ_a + Σ_b − 2(Σ_a^½ Σ_b Σ_a^½)^½) between two feature samples (rows)."""
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    ca, cb = torch.cov(a.T), torch.cov(b.T)
+    w, v = torch.linalg.eigh(ca)
+    root = v @ torch.diag(w.clamp_min(0).sqrt()) @ v.T
+    cross = torch.linalg.eigvalsh(root @ cb @ root).clamp_min(0).sqrt().sum()
+    return float((mu_a - mu_b).pow(2).sum() + torch.trace(ca) + torch.trace(cb) - 2 * cross)
