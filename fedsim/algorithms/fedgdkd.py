@@ -15,7 +15,6 @@ A round has three phases:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsim.algorithms._gan import FeatureFD, GanParams, gen_optimizer, randn, same_state, split, step, synthetic_set
 from fedsim.algorithms._personal import (
     PersonalScores,
     balanced_labels,
@@ -45,8 +45,8 @@ from fedsim.algorithms.base import (
 from fedsim.algorithms.fedavg import as_summable, average_by_arch, clone_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, leave_one_out, soften
-from fedsim.models.thesis_nets import GeneratorConfig, build_generator
-from fedsim.train import batch_indices, predict_logits
+from fedsim.models.thesis_nets import build_generator
+from fedsim.train import batch_indices, make_optimizer, predict_logits
 
 GEN = "generator"
 
@@ -69,12 +69,7 @@ def classifier_loss(real_logits: torch.Tensor, y: torch.Tensor, fake_logits: tor
 
 
 @dataclass
-class FedGDKDParams:
-    generator: GeneratorConfig = knob(factory=GeneratorConfig)
-    gen_lr: float = knob(1e-3, gt=0, doc="generator Adam learning rate (Table 5.1)")
-    gen_betas: list[float] = knob([0.5, 0.999], doc="[C] generator Adam betas")
-    gen_weight_decay: float = knob(1e-2, ge=0, doc="[C] generator Adam weight decay")
-    gen_amsgrad: bool = knob(True, doc="[C] generator Adam uses AMSGrad")
+class FedGDKDParams(GanParams):
     half_losses: bool = knob(False, doc="[C] halve L_G and each half of L_C as the author's code does")
     kd_alpha: float = knob(0.8, ge=0, le=1, doc="KD weight α in (1-α)·CE + α·τ²·KL (Table 5.1)")
     kd_T: float = knob(4.0, gt=0, doc="soft-target temperature τ (Table 5.1)")
@@ -87,10 +82,6 @@ class FedGDKDParams:
     catch_up: bool = knob(True, doc="catch-up distillation for clients absent last round (§4.5)")
     fid_every: int = knob(0, ge=0, doc="INTERNAL-ONLY generator Fréchet distance every this many evaluated "
                           "rounds (0: off); its feature net is trained on the pooled real train set")
-
-    def __post_init__(self) -> None:
-        if len(self.gen_betas) != 2 or not all(0 <= b < 1 for b in self.gen_betas):
-            raise ValueError(f"gen_betas must be two numbers in [0, 1), got {self.gen_betas}")
 
 
 @dataclass
@@ -114,41 +105,6 @@ class FedGDKDState:
     scores: PersonalScores = field(default_factory=PersonalScores)
 
 
-def split(msg: Any) -> tuple[Any, Any]:
-    """(common, own) parts of a client message."""
-    if isinstance(msg, dict) and set(msg) == {"common", "own"}:
-        return msg["common"], msg["own"]
-    return msg, None
-
-
-def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a is b or (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
-
-
-def randn(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(device)
-
-
-@torch.no_grad()
-def synthetic_set(G: torch.nn.Module, seed: int, size: int, num_classes: int, nz: int, noise: str,
-                  device: torch.device, batch: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """The round's distillation set from (θ_G, seed), G in eval mode, in a fixed class-interleaved order.
-
-    shared: sample r·c + k is G(z_r, k) for r < ⌈N/c⌉ (eq. 4.10); independent: G(z_i, i mod c), i < N.
-    """
-    g = torch.Generator().manual_seed(int(seed))
-    if noise == "shared":
-        rows = math.ceil(size / num_classes)
-        z = torch.randn(rows, nz, generator=g).repeat_interleave(num_classes, dim=0)
-        y = balanced_labels(rows * num_classes, num_classes)
-    else:
-        z, y = torch.randn(size, nz, generator=g), balanced_labels(size, num_classes)
-    G.eval()
-    z, y = z.to(device), y.to(device)
-    x = torch.cat([G(z[i:i + batch], y[i:i + batch]) for i in range(0, len(y), batch)])
-    return x, y
-
-
 @register_algorithm
 class FedGDKD(Algorithm):
     """Federated cGAN with the classifier as LSE discriminator, plus leave-one-out co-distillation."""
@@ -160,7 +116,7 @@ class FedGDKD(Algorithm):
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
         require_client_test(env, self.name)
-        self._fid: tuple[torch.nn.Module, torch.Tensor] | None = None
+        self._fid: FeatureFD | None = None
 
     # ---------------------------------------------------------------- shared models
     def build(self, name: str) -> torch.nn.Module:
@@ -276,18 +232,11 @@ class FedGDKD(Algorithm):
         out = distill(C, x, soften(teacher_logits.to(x.device).float(), p.kd_T), cfg, ctx.generator(), hard_labels=y)
         return {"kd_loss": out["loss"], "kd_steps": out["steps"]}
 
-    def gen_optimizer(self, G: torch.nn.Module) -> torch.optim.Optimizer:
-        p = self.params
-        return torch.optim.Adam(G.parameters(), lr=p.gen_lr, betas=tuple(p.gen_betas), eps=1e-8,
-                                weight_decay=p.gen_weight_decay, amsgrad=p.gen_amsgrad)
-
     def local_gan(self, C: torch.nn.Module, mods: dict[str, torch.nn.Module], ctx: ClientContext) -> dict[str, float]:
         """Per real batch: a G step on L_G, then a C step on L_C with the same fake batch detached (Alg. 4)."""
-        from fedsim.train import make_optimizer
-
         G, tr, c = mods[GEN], ctx.env.config.train, ctx.env.num_classes
         half = 0.5 if self.params.half_losses else 1.0
-        opt_g, opt_c = self.gen_optimizer(G), make_optimizer(C.parameters(), tr)
+        opt_g, opt_c = gen_optimizer(G, self.params), make_optimizer(C.parameters(), tr)
         gen, d = ctx.generator(), ctx.data
         G.train()
         C.train()
@@ -296,51 +245,18 @@ class FedGDKD(Algorithm):
             z = randn((len(idx), self.params.generator.nz), gen, d.x.device)
             y_gen = torch.randint(0, c, (len(idx),), generator=gen).to(d.x.device)
             fake = G(z, y_gen)
-            loss_g = half * generator_loss(C(fake), y_gen)
-            opt_g.zero_grad(set_to_none=True)
-            loss_g.backward()
-            opt_g.step()
-            loss_c = half * classifier_loss(C(d.x[idx]), d.y[idx], C(fake.detach()), y_gen)
-            opt_c.zero_grad(set_to_none=True)
-            loss_c.backward()
-            opt_c.step()
-            sums[0] += float(loss_g.detach())
-            sums[1] += float(loss_c.detach())
+            sums[0] += step(opt_g, half * generator_loss(C(fake), y_gen))
+            sums[1] += step(opt_c, half * classifier_loss(C(d.x[idx]), d.y[idx], C(fake.detach()), y_gen))
             steps += 1
         return {"loss_g": sums[0] / max(steps, 1), "loss_c": sums[1] / max(steps, 1), "gan_steps": float(steps)}
 
     # ---------------------------------------------------------------- internal-only generator quality
     def frechet(self, state: FedGDKDState, device: torch.device) -> float:
-        """Fréchet distance between feature statistics of real test images and the round's synthetic set.
-
-        INTERNAL ONLY: the feature net is a cnn_medium trained on the pooled real training data, which no
-        FL server has; compare values between runs of this code, never with published FIDs.
-        """
-        from fedsim.algorithms.fedavg import new_model
-        from fedsim.train import train_classifier
-
-        data = self.env.extras["server_data"]
+        """Fréchet distance of the round's synthetic set to the real test set (INTERNAL ONLY, see FeatureFD)."""
         if self._fid is None:
-            torch.manual_seed(self.env.config.seed)
-            net = new_model(self.env, "cnn_medium").to(device)
-            x, y = torch.as_tensor(data.x_train).to(device), torch.as_tensor(data.y_train).to(device)
-            train_classifier(net, x, y, self.env.config.train, torch.Generator().manual_seed(0))
-            self._fid = (net.eval(), torch.as_tensor(data.x_test).to(device))
-        net, real = self._fid
+            self._fid = FeatureFD(self.env, device)
         G = self.build(GEN).to(device)
         G.load_state_dict(state.shared[GEN])
-        fake, _ = synthetic_set(G, state.kd_seed, self.params.kd_size, self.env.num_classes,
-                                self.params.generator.nz, self.params.kd_noise, device)
-        with torch.no_grad():
-            a, b = net.embed(real).double(), net.embed(fake).double()
-        return frechet_distance(a, b)
-
-
-def frechet_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """‖μ_a − μ_b‖² + tr(Σ_a + Σ_b − 2(Σ_a^½ Σ_b Σ_a^½)^½) between two feature samples (rows)."""
-    mu_a, mu_b = a.mean(0), b.mean(0)
-    ca, cb = torch.cov(a.T), torch.cov(b.T)
-    w, v = torch.linalg.eigh(ca)
-    root = v @ torch.diag(w.clamp_min(0).sqrt()) @ v.T
-    cross = torch.linalg.eigvalsh(root @ cb @ root).clamp_min(0).sqrt().sum()
-    return float((mu_a - mu_b).pow(2).sum() + torch.trace(ca) + torch.trace(cb) - 2 * cross)
+        p = self.params
+        x, _ = synthetic_set(G, state.kd_seed, p.kd_size, self.env.num_classes, p.generator.nz, p.kd_noise, device)
+        return self._fid(x)

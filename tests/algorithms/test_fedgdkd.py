@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fedsim.algorithms._gan import frechet_distance, synthetic_set
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
-from fedsim.algorithms.fedgdkd import classifier_loss, frechet_distance, generator_loss, lse, synthetic_set
+from fedsim.algorithms.fedgdkd import classifier_loss, generator_loss, lse
 from fedsim.config import load_config
 from fedsim.models import state_nbytes
 from fedsim.runtime.server import Server
