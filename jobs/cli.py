@@ -67,6 +67,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.resume:
+        if not (Path(args.resume) / "config.yaml").is_file():
+            raise FedsimError(f"--resume {args.resume}: not a run folder (no config.yaml)")
         cfg = load_config(Path(args.resume) / "config.yaml")
     else:
         if not args.config:

@@ -8,3 +8,37 @@ from pathlib import Path
 ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the session: 2 CPUs and 2 logical GPUs (for placement tests)."""
+    import ray
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield ray
+    ray.shutdown()
+
+
+def small_config(tmp_path, *overrides: str, rounds: int = 3):
+    """A fast digits config writing into tmp_path."""
+    from fedsim.config import load_config
+
+    base = [f"rounds={rounds}", "name=t", "data.name=digits", "data.num_clients=10",
+            "data.partition.alpha=0.5", "data.partition.min_samples=5", "model.name=cnn",
+            "participation.clients_per_round=4", "train.epochs=1", "train.batch_size=32",
+            "runtime.backend=local", f"results.root={tmp_path / 'results'}"]
+    return load_config(None, base + list(overrides))
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    return lambda *o, rounds=3: small_config(tmp_path, *o, rounds=rounds)

@@ -166,6 +166,7 @@ class Simulation:
             replies, failed = backend.run_phase(r, pi, phase, bc, assignments, late, cfg.runtime.round_timeout_s)
             clients_s += time.perf_counter() - t0
             got: dict[int, Any] = {}
+            phase_rows: list[dict] = []
             for w in sorted(replies):
                 for o in replies[w].outcomes:
                     got[o.client_id] = o
@@ -178,22 +179,23 @@ class Simulation:
                         row.update({k: float(v) for k, v in o.result.metrics.items()})
                     if o.status == "failed":
                         row["error"] = o.error.splitlines()[0] if o.error else ""
-                    client_rows.append(row)
+                    phase_rows.append(row)
                     if o.status == "ok":
                         bytes_up += o.bytes_up
             for w, err in sorted(failed.items()):
                 for c in assignments.get(w, []):
-                    client_rows.append({"round": r, "phase": phase.name, "client": c, "worker": w,
+                    phase_rows.append({"round": r, "phase": phase.name, "client": c, "worker": w,
                                         "arch": self.cfg_arch(c), "samples": n_of.get(c, 0), "status": "failed",
                                         "virtual_duration": sch.duration.get(c, math.nan), "bytes_up": 0,
                                         "bytes_down": common_b + per_b.get(c, 0), "wall_s": math.nan,
                                         "error": err})
                 self.replace_worker(w)
             if pi == 0 and cfg.stragglers.skip_late:
-                client_rows.extend({"round": r, "phase": phase.name, "client": c, "worker": owner(c, W),
+                phase_rows.extend({"round": r, "phase": phase.name, "client": c, "worker": owner(c, W),
                                     "arch": self.cfg_arch(c), "samples": n_of[c], "status": "late",
                                     "virtual_duration": sch.duration[c], "bytes_up": 0,
                                     "bytes_down": common_b + per_b.get(c, 0), "wall_s": 0.0} for c in late)
+            client_rows.extend(sorted(phase_rows, key=lambda row: row["client"]))
             arrived = [c for c in arrived if c in got and got[c].status == "ok"]
             failures += sum(1 for o in got.values() if o.status == "failed") + \
                 sum(len(assignments.get(w, [])) for w in failed)

@@ -1,0 +1,116 @@
+"""The round loop on the in-process backend: determinism, stragglers, failures, resume, results."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from fedsim.results import collect, load, plot
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from tests.conftest import ROOT
+
+
+def deterministic(df: pd.DataFrame) -> pd.DataFrame:
+    """Drop wall-clock columns (they end in _s); everything else must match exactly."""
+    return df[[c for c in df.columns if not c.endswith("_s")]].reset_index(drop=True)
+
+
+def test_same_numbers_with_one_and_two_workers(make_config):
+    cfg = make_config("stragglers.enabled=true", "model.mix={cnn: 5, mlp: 5}", rounds=3)
+    one = load(run(cfg, LocalBackend(num_workers=1)))
+    cfg.results.run_id = None
+    two = load(run(cfg, LocalBackend(num_workers=3)))
+    pd.testing.assert_frame_equal(deterministic(one["rounds"]), deterministic(two["rounds"]))
+    cl1 = deterministic(one["clients"]).drop(columns=["worker"])
+    cl2 = deterministic(two["clients"]).drop(columns=["worker"])
+    pd.testing.assert_frame_equal(cl1, cl2)
+    assert set(two["clients"]["worker"]) == {0, 1, 2}
+    assert set(one["rounds"]["model"]) == {"cnn", "mlp"}
+
+
+def test_skipping_known_late_clients_changes_nothing_but_time(make_config):
+    args = ("stragglers.enabled=true", "stragglers.deadline_value=0.5", "train.epochs=2")
+    full = load(run(make_config(*args, "stragglers.skip_late=false")))
+    skip = load(run(make_config(*args, "stragglers.skip_late=true")))
+    pd.testing.assert_frame_equal(deterministic(full["rounds"]), deterministic(skip["rounds"]))
+    assert full["rounds"]["stragglers"].sum() > 0
+    late_full = full["clients"][full["clients"]["status"] == "late"]
+    late_skip = skip["clients"][skip["clients"]["status"] == "late"]
+    assert len(late_full) == len(late_skip) > 0
+    assert late_full["wall_s"].sum() > 0 and late_skip["wall_s"].sum() == 0  # not computed at all
+
+
+def test_a_failing_worker_costs_only_its_clients(make_config, monkeypatch):
+    from fedsim.runtime.worker import ClientWorker
+
+    original = ClientWorker.run_phase
+    calls = {"n": 0}
+
+    def flaky(self, round, *args, **kw):
+        if self.index == 1 and round == 1 and calls["n"] == 0:
+            calls["n"] += 1
+            raise RuntimeError("worker lost")
+        return original(self, round, *args, **kw)
+
+    monkeypatch.setattr(ClientWorker, "run_phase", flaky)
+    res = load(run(make_config(), LocalBackend(num_workers=2)))
+    rounds = res["rounds"].set_index("round")
+    assert rounds.loc[1, "failures"] > 0 and rounds.loc[1, "arrived"] == 4 - rounds.loc[1, "failures"]
+    assert rounds.loc[0, "failures"] == 0 and rounds.loc[2, "failures"] == 0
+    failed = res["clients"][res["clients"]["status"] == "failed"]
+    assert set(failed["round"]) == {1} and set(failed["worker"]) == {1}
+    assert failed["error"].str.contains("worker lost").all()
+    assert rounds["accuracy"].notna().all()
+
+
+def test_results_load_collect_show_plot(make_config, tmp_path):
+    a = run(make_config("algorithm.name=fedavg"))
+    b = run(make_config("algorithm.name=fedprox", "algorithm.mu=0.1"))
+    res = load(a)
+    assert list(res["rounds"]["round"]) == [0, 1, 2]
+    for col in ["accuracy", "loss", "participants", "stragglers", "failures", "bytes_up", "bytes_down",
+                "virtual_time", "wall_round_s"]:
+        assert col in res["rounds"], col
+    for col in ["round", "client", "samples", "status", "virtual_duration", "bytes_up", "train_loss"]:
+        assert col in res["clients"], col
+    assert res["config"]["algorithm"]["name"] == "fedavg" and res["meta"]["torch"]
+    both = collect([a, b])
+    assert set(both["config.algorithm.name"]) == {"fedavg", "fedprox"} and len(both) == 6
+    png = plot(a)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "results", "show", str(a)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "accuracy" in out.stdout and len(out.stdout.splitlines()) == 4
+    assert not list(a.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+@pytest.mark.slow
+def test_resume_after_kill_gives_identical_rounds(tmp_path):
+    base = [sys.executable, "-m", "jobs.cli", "run", "configs/demo.yaml", "--quiet", "--backend", "local",
+            "-o", "rounds=6", "-o", "train.epochs=2", "-o", "data.num_clients=10",
+            "-o", "participation.clients_per_round=4", "-o", f"results.root={tmp_path}"]
+    subprocess.run(base + ["-o", "results.run_id=full"], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    proc = subprocess.Popen(base + ["-o", "results.run_id=killed"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    killed_dir = tmp_path / "killed"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (killed_dir / "rounds.parquet").exists() and len(pd.read_parquet(killed_dir / "rounds.parquet")) >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(pd.read_parquet(killed_dir / "rounds.parquet"))
+    assert 2 <= done < 6, "the run must be killed part-way"
+    subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(killed_dir), "--quiet"], cwd=ROOT,
+                   check=True, capture_output=True, timeout=600)
+    full = pd.read_parquet(tmp_path / "full" / "rounds.parquet")
+    resumed = pd.read_parquet(killed_dir / "rounds.parquet")
+    pd.testing.assert_frame_equal(deterministic(full), deterministic(resumed))

@@ -1,0 +1,61 @@
+"""Order-independent sums and the spilling client-state store."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedsim.runtime.reduce import WeightedSum
+from fedsim.runtime.store import ClientStateStore, state_nbytes
+
+
+def test_weighted_sum_does_not_depend_on_grouping():
+    g = torch.Generator().manual_seed(0)
+    payloads = [{"w": torch.randn(1000, generator=g) * 10 ** torch.randint(-6, 6, (1000,), generator=g)}
+                for _ in range(13)]
+    weights = [float(w) for w in torch.randint(1, 5000, (13,), generator=g)]
+    one = WeightedSum()
+    for p, w in zip(payloads, weights):
+        one.add(p, w)
+    results = []
+    for groups in ([range(0, 13)], [range(0, 5), range(5, 13)], [range(0, 13, 3), range(1, 13, 3), range(2, 13, 3)]):
+        parts = []
+        for grp in groups:
+            s = WeightedSum()
+            for i in grp:
+                s.add(payloads[i], weights[i])
+            parts.append(s)
+        total = WeightedSum()
+        for s in reversed(parts):
+            total.merge(s)
+        results.append(total)
+    ref = (one.totals()["w"] / one.weight).float()
+    for total in results:
+        assert total.count == 13 and total.weight == sum(weights)
+        assert torch.equal((total.totals()["w"] / total.weight).float(), ref)
+    expect = np.average(np.stack([p["w"].double().numpy() for p in payloads]), axis=0, weights=weights)
+    np.testing.assert_allclose(ref.numpy(), expect, rtol=1e-6)
+
+
+def test_store_spills_and_reloads_bit_for_bit(tmp_path):
+    one = {"w": torch.randn(256, 256), "opt": {"step": 3, "m": torch.randn(256)}}
+    size = state_nbytes(one)
+    store = ClientStateStore(capacity_bytes=int(2.5 * size), spill_dir=tmp_path)
+    states = {c: {"w": torch.randn(256, 256), "opt": {"step": c, "m": torch.randn(256)}} for c in range(6)}
+    for c, s in states.items():
+        store.put(c, s)
+    assert store.memory_bytes <= 2.5 * size and store.spills >= 4 and len(store) == 6
+    assert len(list(tmp_path.glob("*.pt"))) == 4
+    for c in [0, 5, 1, 2]:
+        got = store.get(c)
+        assert torch.equal(got["w"], states[c]["w"]) and torch.equal(got["opt"]["m"], states[c]["opt"]["m"])
+        assert got["opt"]["step"] == c
+    assert store.loads >= 3
+    exported = store.export()
+    assert sorted(exported) == list(range(6)) and torch.equal(exported[3]["w"], states[3]["w"])
+
+
+def test_unbounded_store_keeps_everything_in_memory(tmp_path):
+    store = ClientStateStore()
+    store.put(1, {"x": torch.ones(3)})
+    assert store.get(1)["x"].sum() == 3 and store.get(2) is None and store.spills == 0

@@ -1,0 +1,88 @@
+"""Config loading: defaults, overrides, and one-line errors that name the key or file (exit code 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fedsim.config import RunConfig, load_config
+from fedsim.errors import ConfigError
+from tests.conftest import ROOT
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"rounds": 7, "algorithm": {"name": "fedprox", "mu": 0.5},
+                                    "data": {"partition": {"alpha": 0.1}}}))
+    cfg = load_config(path, ["train.lr=0.2", "algorithm.mu=0.25", "participation.clients_per_round=3"])
+    assert isinstance(cfg, RunConfig)
+    assert (cfg.rounds, cfg.train.lr, cfg.algorithm.name, cfg.algorithm.params.mu) == (7, 0.2, "fedprox", 0.25)
+    assert cfg.data.partition.alpha == 0.1 and cfg.participation.clients_per_round == 3
+    assert cfg.data.name == "digits" and cfg.train.batch_size == 32  # defaults kept
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trian.lr=0.1"], r"trian: unknown key"),
+    (["train.lr=fast"], r"train.lr: expected a number, got 'fast'"),
+    (["train.lr=0"], r"train.lr: must be > 0"),
+    (["data.partition.kind=zipf"], r"data.partition.kind: must be one of"),
+    (["train.epochs=1.5"], r"train.epochs: expected an integer"),
+    (["algorithm.mu=0.1"], r"algorithm.mu: unknown key"),
+    (["algorithm.name=fedprox", "algorithm.mu=-1"], r"algorithm.mu: must be >= 0"),
+    (["algorithm.name=nope"], r"algorithm.name: unknown algorithm 'nope'"),
+    (["participation.clients_per_round=50"], r"clients_per_round: 50 exceeds data.num_clients=20"),
+    (["participation.clients_per_round=5", "participation.fraction=0.5"], r"participation: set clients_per_round"),
+    (["model.mix={cnn: 3, mlp: 3}"], r"model.mix: counts sum to 6"),
+    (["rounds"], r"expected key=value"),
+])
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_all_errors_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.lr=-1", "rounds=0", "bogus=1"])
+    text = str(info.value)
+    assert "train.lr" in text and "rounds" in text and "bogus" in text
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml line \d+: not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(scalar)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["run", "missing.yaml"], "config file not found: missing.yaml"),
+    (["run", "configs/demo.yaml", "-o", "train.lr=abc"], "train.lr: expected a number"),
+    (["run", "--resume", "no/such/run"], "not a run folder"),
+    (["results", "show", "no/such/run"], "not a fedsim run folder"),
+    (["run", "--frobnicate"], "unrecognized arguments"),
+])
+def test_cli_errors_are_one_line_exit_2(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_resolved_config_round_trips(tmp_path, make_config):
+    from fedsim.config import config_to_dict, save_config
+
+    cfg = make_config("algorithm.name=fedprox", "algorithm.mu=0.3")
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert config_to_dict(again) == config_to_dict(cfg)
