@@ -1,0 +1,294 @@
+"""FedDF (Lin et al. 2020, https://arxiv.org/abs/2006.07242): fuse client models by ensemble distillation on a
+proxy set, as extended by Soni et al. 2024 (https://arxiv.org/abs/2406.12658, "FL with a single shared image").
+
+A round is one phase, `train` (reduce="each"): every sampled client trains locally (optionally with
+FedProx and logit clipping), then computes its logits on the proxy samples the server selected (only their
+indices travel). On FedAvg-initialisation rounds (every `fedavg_every` rounds) it also uploads its weights.
+The server averages the logits by sample count into the teacher, starts each architecture's global model
+("mirror") from the FedAvg of that architecture's clients or from last round's distilled model, distils
+every mirror from the same all-client teacher (best-on-validation kept), then selects next round's proxy
+subset with the best mirror. The proxy pool is rebuilt in every process from the config and cached.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedsim.algorithms.base import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Env,
+    Phase,
+    RoundInfo,
+    SummedUpdate,
+    register_algorithm,
+)
+from fedsim.algorithms.fedavg import (
+    GlobalModels,
+    as_summable,
+    average_by_arch,
+    clone_state,
+    init_global_models,
+    new_model,
+)
+from fedsim.algorithms.fedprox import proximal_term
+from fedsim.configtools import knob
+from fedsim.data.proxy import proxy_pool, split_test_halves
+from fedsim.distill import DistillConfig, clip_logits, distill, ensemble_teacher
+from fedsim.selection import SelectionConfig, embed_and_predict, select
+from fedsim.train import evaluate_classifier, make_optimizer, predict_logits, train_classifier
+
+
+@dataclass
+class ServerDistill(DistillConfig):
+    """The single-image paper's server distillation: Adam 0.005, 500 steps, batch 32, T=1, clipping 2.5."""
+
+    clip_logits: float | None = knob(2.5, gt=0, doc="logit clipping factor c of the reference code (null: off)")
+
+
+@dataclass
+class NoSelection(SelectionConfig):
+    """FedDF distils on its whole proxy set unless selection is switched on (paper Table 6)."""
+
+    kmeans: bool = knob(False, doc="KMeans class balancing on the global model's embeddings")
+    entropy: bool = knob(False, doc="entropy (max-softmax confidence) pruning")
+
+
+@dataclass
+class DistillFLParams:
+    """Knobs shared by FedDF and single-image FL; defaults are the single-image paper's settings."""
+
+    distill: ServerDistill = knob(factory=ServerDistill)
+    selection: NoSelection = knob(factory=NoSelection)
+    fedavg_every: int = knob(5, ge=1, doc="FedAvg initialisation every this many rounds (rate 100/50/20% = 1/2/5); "
+                             "other rounds start from the last distilled model")
+    fedavg_first: int = knob(1, ge=0, doc="the first rounds always use FedAvg initialisation")
+    schedule: Literal["fixed", "cosine_restart"] = knob("fixed", doc="distillation steps per round: fixed, or "
+                                                        "cosine from distill.steps to steps_min, restarting")
+    steps_min: int = knob(250, ge=1, doc="fewest steps of the cosine_restart schedule (Table 4: 250)")
+    steps_interval: int = knob(5, ge=1, doc="restart period (rounds) of the cosine_restart schedule")
+    validation: Literal["pooled", "none"] = knob("pooled", doc="score students on the pooled client validation "
+                                                 "splits (held by the server, as in the reference code) or not")
+    client_clip: bool = knob(True, doc="clip logits (distill.clip_logits) in the clients' CE too, as the reference")
+    mu: float = knob(0.0, ge=0, doc="FedProx proximal weight for local training (0: plain local SGD)")
+    weighting: Literal["samples", "uniform"] = knob("samples", doc="teacher and FedAvg weights")
+    mix: Literal["logits", "probs"] = knob("logits", doc="average client logits (FedDF) or probabilities")
+
+    def __post_init__(self) -> None:
+        if self.schedule == "cosine_restart" and (self.distill.steps is None or self.steps_min > self.distill.steps):
+            raise ValueError("schedule=cosine_restart needs distill.steps set and >= steps_min")
+
+
+@dataclass
+class FedDFParams(DistillFLParams):
+    proxy: Literal["dataset", "test_half", "extras"] = knob(
+        "dataset", doc="proxy set: another dataset's train inputs, half of this dataset's test set (the other half "
+        "scores the models, as the reference does for a same-dataset proxy), or env.extras['proxy']")
+    proxy_dataset: str = knob("cifar100", doc="dataset of the proxy (proxy=dataset), e.g. CIFAR-100 for CIFAR-10")
+    proxy_size: int = knob(500, ge=1, doc="proxy samples drawn (Tables 3-4: 500 CIFAR-100 samples)")
+    proxy_seed: int = knob(0, ge=0, doc="seed of the proxy draw and of the test-set halves")
+
+
+@dataclass
+class FedDFState(GlobalModels):
+    """Mirrors (one model per architecture) plus the proxy indices selected for the coming round."""
+
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    best: str = ""
+    val: dict[str, float] = field(default_factory=dict)
+    total_steps: int = 0
+    selection: dict[str, float] = field(default_factory=dict)
+
+
+def _rng_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % (2**31 - 1))
+
+
+def scheduled_steps(round1: int, steps: int, steps_min: int, interval: int) -> int:
+    """The reference's cosine-with-restarts steps for 1-based round `round1`; round 1 gets the maximum."""
+    if round1 <= 1 or interval <= 1:
+        return steps
+    pos = round1 % interval
+    pos = pos + 1 if pos else 1
+    return int(steps_min + 0.5 * (steps - steps_min) * (1 + math.cos((pos - 1) / (interval - 1) * math.pi)))
+
+
+class ClippedLogits(nn.Module):
+    """Wraps a classifier so local CE sees clipped logits (reference `use_clipping`)."""
+
+    def __init__(self, model: nn.Module, c: float) -> None:
+        super().__init__()
+        self.model, self.c = model, c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return clip_logits(self.model(x), self.c)
+
+
+@register_algorithm
+class FedDF(Algorithm):
+    """Ensemble distillation on a proxy set, with mirrors per architecture and optional proxy selection."""
+
+    name = "feddf"
+    Params = FedDFParams
+
+    # ---- shared pieces -------------------------------------------------------------------------------
+    def pool(self, env: Env):
+        """The proxy pool both sides index into."""
+        p = self.params
+        return proxy_pool(p.proxy, env, p.proxy_dataset, p.proxy_size, p.proxy_seed)
+
+    def is_fedavg_round(self, round: int) -> bool:
+        r1 = round + 1
+        return r1 <= self.params.fedavg_first or r1 % self.params.fedavg_every == 0
+
+    def distill_steps(self, round: int, n: int) -> int:
+        """Steps of this round's distillation on n samples (fixed, epochs-based, or the cosine schedule)."""
+        p = self.params
+        if p.schedule == "fixed" or p.distill.steps is None:
+            return p.distill.total_steps(n)
+        return scheduled_steps(round + 1, p.distill.steps, p.steps_min, p.steps_interval)
+
+    # ---- server --------------------------------------------------------------------------------------
+    def init_server(self, env: Env) -> FedDFState:
+        models = init_global_models(env)
+        state = FedDFState(models=models, best=env.archs[0])
+        state.indices, state.selection = self.select_for(state, 0)
+        return state
+
+    def phases(self, round: int) -> list[Phase]:
+        return [Phase("train", "each")]
+
+    def broadcast(self, phase: Phase, state: FedDFState, info: RoundInfo) -> Broadcast:
+        common = {"indices": torch.from_numpy(state.indices.astype(np.int32)),
+                  "fedavg": self.is_fedavg_round(info.round)}
+        if len(state.models) == 1:
+            return Broadcast(common={**common, "models": state.models})
+        archs = self.env.client_archs  # heterogeneous: each client downloads only its own architecture's mirror
+        return Broadcast(common=common, per_client={c: {archs[c]: state.models[archs[c]]} for c in info.participants})
+
+    def validator(self):
+        """Accuracy on the pooled client validation splits (None when off or unavailable)."""
+        if self.params.validation == "none":
+            return None
+        if not hasattr(self, "_val"):
+            data, part = self.env.extras.get("server_data"), self.env.extras.get("partition")
+            self._val = None
+            if data is not None and part is not None and len(part.val.flat):
+                idx = part.val.flat
+                dev = self.env.device
+                self._val = (torch.as_tensor(data.x_train[idx]).to(dev), torch.as_tensor(data.y_train[idx]).to(dev))
+        if self._val is None:
+            return None
+        x, y = self._val
+        bs = self.env.config.eval.batch_size
+        return lambda m: evaluate_classifier(m, x, y, bs)["accuracy"]
+
+    def server_step(self, phase: Phase, state: FedDFState, updates: dict[int, ClientResult],
+                    info: RoundInfo) -> tuple[FedDFState, dict]:
+        metrics = {"selection_s": state.selection.get("seconds", 0.0), "selected": float(len(state.indices)),
+                   "fedavg_init": float(self.is_fedavg_round(info.round))}
+        if not updates:
+            return state, metrics
+        t0 = time.perf_counter()
+        dev, p = self.env.device, self.params
+        cids = list(updates)
+        logits = torch.stack([updates[c].payload["logits"].float() for c in cids])
+        weights = torch.tensor([updates[c].weight for c in cids], dtype=torch.float64)
+        teacher = ensemble_teacher(logits, weights, T=p.distill.T, mix=p.mix).to(dev)
+        models = dict(state.models)
+        if self.is_fedavg_round(info.round) and all("weights" in updates[c].payload for c in cids):
+            models = self.fedavg(updates, models)
+        x = self.pool(self.env).take(state.indices, dev)
+        steps = self.distill_steps(info.round, len(x))
+        cfg = replace(p.distill, steps=steps, epochs=None)
+        validate, val, loss = self.validator(), {}, []
+        for i, arch in enumerate(models):
+            student = new_model(self.env, arch).to(dev)
+            student.load_state_dict(models[arch])
+            gen = torch.Generator().manual_seed(_rng_seed(self.env.config.seed, info.round, i, 17))
+            res = distill(student, x, teacher, cfg, gen, validate=validate)
+            models[arch], val[arch] = clone_state(student), res["best_score"]
+            loss.append(res["loss"])
+        distill_s = time.perf_counter() - t0
+        best = max(val, key=lambda a: (val[a] if not math.isnan(val[a]) else -1.0))
+        new = FedDFState(models=models, extra=state.extra, indices=state.indices, best=best, val=val,
+                         total_steps=state.total_steps + steps, selection={})
+        if info.round + 1 < self.env.config.rounds:
+            new.indices, new.selection = self.select_for(new, info.round + 1)
+        metrics.update(distill_s=distill_s, distill_steps=float(steps), distill_steps_total=float(new.total_steps),
+                       distill_loss=float(np.mean(loss)), teacher_clients=float(len(cids)),
+                       **{f"val_{a}": v for a, v in val.items()})
+        return new, metrics
+
+    def fedavg(self, updates: dict[int, ClientResult], previous: dict[str, dict]) -> dict[str, dict]:
+        """FedAvg within each architecture over the clients that uploaded weights."""
+        total: dict[str, torch.Tensor] = {}
+        for cid, res in updates.items():
+            for k, v in as_summable(self.env.client_archs[cid], res.payload["weights"]).items():
+                total[k] = total.get(k, 0) + v.to(torch.float64) * res.weight
+        return average_by_arch(SummedUpdate(total, sum(r.weight for r in updates.values()), len(updates)), previous)
+
+    def select_for(self, state: FedDFState, round: int) -> tuple[np.ndarray, dict[str, float]]:
+        """Proxy indices for `round`, chosen with the best mirror (paper Sec. 3.2)."""
+        t0 = time.perf_counter()
+        cfg: SelectionConfig = self.params.selection
+        pool = self.pool(self.env)
+        m = cfg.candidates(len(pool))
+        emb = logits = None
+        if cfg.needs_model:
+            model = new_model(self.env, state.best).to(self.env.device)
+            model.load_state_dict(state.models[state.best])
+            bs = self.env.config.eval.batch_size
+            parts = [embed_and_predict(model, pool.take(np.arange(i, min(i + 8192, m)), self.env.device), bs)
+                     for i in range(0, m, 8192)]
+            emb, logits = np.concatenate([e for e, _ in parts]), torch.cat([lg for _, lg in parts])
+        idx, info = select(emb, logits, cfg, len(pool), _rng_seed(self.env.config.seed, round, 23))
+        return idx, {**info, "seconds": time.perf_counter() - t0}
+
+    def evaluate(self, state: FedDFState, x_test: torch.Tensor, y_test: torch.Tensor,
+                 device: torch.device) -> list[dict[str, Any]]:
+        if getattr(self.params, "proxy", None) == "test_half":
+            _, keep = split_test_halves(len(y_test), self.params.proxy_seed)
+            keep_t = torch.from_numpy(keep).to(x_test.device)
+            x_test, y_test = x_test[keep_t], y_test[keep_t]
+        rows = []
+        for arch, weights in state.models.items():
+            model = new_model(self.env, arch).to(device)
+            model.load_state_dict(weights)
+            row = evaluate_classifier(model, x_test, y_test, self.env.config.eval.batch_size)
+            rows.append({"model": arch, **row, "val_accuracy": state.val.get(arch, math.nan),
+                         "drives_selection": float(arch == state.best)})
+        macro = float(np.mean([r["accuracy"] for r in rows]))
+        return [{**r, "macro_accuracy": macro} for r in rows]
+
+    # ---- client --------------------------------------------------------------------------------------
+    def local_train(self, model: nn.Module, ctx: ClientContext) -> dict[str, float]:
+        p, c = self.params, self.params.distill.clip_logits
+        net = ClippedLogits(model, c) if p.client_clip and c is not None else model
+        extra = None
+        if p.mu > 0:
+            extra = proximal_term(p.mu, {n: q.detach().clone() for n, q in net.named_parameters()})
+        opt = make_optimizer(model.parameters(), ctx.env.config.train)
+        return train_classifier(net, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator(),
+                                extra_loss=extra, optimizer=opt)
+
+    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
+        common, models = (msg["common"], msg["own"]) if "own" in msg else (msg, msg["models"])
+        model = ctx.models.get(ctx.arch)
+        model.load_state_dict(models[ctx.arch])
+        metrics = self.local_train(model, ctx)
+        x = self.pool(ctx.env).take(common["indices"], ctx.device)
+        payload = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
+        if common["fedavg"]:
+            payload["weights"] = clone_state(model)
+        weight = float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
+        return ClientResult(payload=payload, weight=weight, metrics=metrics)
