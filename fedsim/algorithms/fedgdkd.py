@@ -44,6 +44,7 @@ from fedsim.algorithms.base import (
 )
 from fedsim.algorithms.fedavg import as_summable, average_by_arch, clone_state
 from fedsim.configtools import knob
+from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
 from fedsim.distill import DistillConfig, distill, leave_one_out, soften
 from fedsim.models.thesis_nets import build_generator
 from fedsim.train import batch_indices, make_optimizer, predict_logits
@@ -201,7 +202,8 @@ class FedGDKD(Algorithm):
             payload: dict[str, torch.Tensor] = {}
             for name, m in mods.items():
                 payload.update(as_summable(name, clone_state(m)))
-            return ClientResult(payload, self.client_weight(ctx), metrics, with_model(state, C))
+            return ClientResult(payload, self.client_weight(ctx), metrics,
+                                with_model(state, C, kd_generator=None, kd_seed=None))
         if phase.name == "logits":
             x, _ = self.kd_set(self.module(ctx, GEN, common[GEN]), common["kd_seed"], ctx)
             logits = predict_logits(C, x, ctx.env.config.eval.batch_size).cpu()

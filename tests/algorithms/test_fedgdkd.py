@@ -210,6 +210,14 @@ def test_end_to_end_bytes_and_worker_count_invariance(tmp_path) -> None:
     assert set(c0[c0.phase == "codistill"].bytes_up) == {0}
 
 
+def test_internal_generator_distance_is_reported_when_asked(tmp_path) -> None:
+    env = make(tmp_path, "algorithm.fid_every=1")
+    server = Server(*env, device="cpu")
+    run_round(server, [new_worker(env)], 0, [0, 1])
+    (row,) = server.algorithm.evaluate(server.state, server.x_test, server.y_test, torch.device("cpu"))
+    assert row["model"] == "personal" and np.isfinite(row["generator_fd"]) and row["generator_fd"] > 0
+
+
 def test_frechet_distance() -> None:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(4000, 3, generator=g, dtype=torch.float64)
