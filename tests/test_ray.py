@@ -1,0 +1,161 @@
+"""The Ray layer: placement on fractional (logical) GPUs, equality with the local backend, worker death,
+the Jobs API on a loopback head, and the cluster config."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from actors.pool import RayBackend, size_pool
+from fedsim.errors import ResourceError
+from fedsim.results import load
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from tests.conftest import ROOT
+from tests.runtime.test_loop import deterministic
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_pool_sizing_counts_node_by_node(make_config):
+    cfg = make_config("runtime.client_gpus=0.25", "runtime.client_cpus=1", "runtime.server_gpus=0.5")
+    nodes = [{"CPU": 16, "GPU": 2}, {"CPU": 2, "GPU": 1}, {"CPU": 8}]
+    assert size_pool(cfg, nodes) == 6 + 2  # 1.5 GPUs left on node 1, CPU-bound 2 on node 2
+    cfg.data.num_clients = 5
+    assert size_pool(cfg, nodes) == 5  # never more workers than clients
+    with pytest.raises(ResourceError, match="runtime.client_cpus=4.0"):
+        size_pool(make_config("runtime.client_cpus=4"), [{"CPU": 2}])
+
+
+def test_fractional_gpu_placement(ray_local, make_config):
+    cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
+    backend = RayBackend()
+    run_dir = run(cfg, backend)
+    import json
+
+    placement = json.loads((run_dir / "meta.json").read_text())["placement"]
+    assert len(placement) == 4
+    assert sorted(p["gpu_ids"][0] for p in placement) == ["0", "0", "1", "1"]
+    assert all(p["device"] == "cpu" for p in placement)  # logical GPUs: torch sees no CUDA here
+    assert len({p["pid"] for p in placement}) == 4
+
+
+def test_ray_matches_local(ray_local, make_config):
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "stragglers.enabled=true")
+    on_ray = load(run(cfg, RayBackend()))
+    cfg.results.run_id = None
+    local = load(run(cfg, LocalBackend()))
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+
+
+def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "train.epochs=40",
+                      "participation.clients_per_round=10", rounds=3)
+    backend = RayBackend(num_workers=2)
+    original = backend.run_phase
+    killed = {}
+
+    def run_phase(round, *args, **kw):
+        if round == 1 and not killed:
+            pid = backend.placement[1]["pid"]
+            timer = threading.Timer(1.5, os.kill, (pid, signal.SIGKILL))  # mid-phase, while training
+            timer.start()
+            killed["pid"] = pid
+        return original(round, *args, **kw)
+
+    backend.run_phase = run_phase
+    res = load(run(cfg, backend))
+    rounds = res["rounds"].set_index("round")
+    assert rounds.loc[1, "failures"] == 5 and rounds.loc[1, "arrived"] == 5
+    assert rounds.loc[0, "failures"] == 0 and rounds.loc[2, "failures"] == 0 and rounds.loc[2, "arrived"] == 10
+    assert rounds["accuracy"].notna().all()
+    failed = res["clients"][res["clients"]["status"] == "failed"]
+    assert sorted(failed["client"]) == [1, 3, 5, 7, 9] and set(failed["round"]) == {1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_job_submission_on_a_loopback_head(tmp_path):
+    ray_bin = Path(sys.executable).parent / "ray"
+    temp = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    # A loopback-only head for this test: token authentication off, on the head and the client alike.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    gcs, dash = _free_port(), _free_port()
+    # --block keeps the head in this process group, so the test stops only its own head (never `ray stop`,
+    # which would stop every Ray instance on the machine).
+    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}",
+                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
+                             "--include-dashboard=true", f"--temp-dir={temp}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = None
+        for _ in range(120):  # the dashboard takes a while to come up
+            try:
+                client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
+                break
+            except Exception:
+                assert head.poll() is None, "ray start --head exited"
+                time.sleep(1)
+        assert client is not None, "the Jobs API never answered"
+        out = tmp_path / "out"
+        submit = dict(
+            entrypoint=f"{sys.executable} -m jobs.run configs/demo.yaml --quiet -o rounds=2 "
+                       f"-o data.num_clients=6 -o participation.clients_per_round=3 -o train.epochs=1 "
+                       f"-o results.root={out} -o results.run_id=submitted",
+            runtime_env={"working_dir": ROOT, "excludes": [".venv", "results", ".git", "*.pt"],
+                         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+        job = None
+        for _ in range(60):  # the job agent may lag the dashboard
+            try:
+                job = client.submit_job(**submit)
+                break
+            except RuntimeError:
+                time.sleep(2)
+        assert job is not None, "the Jobs API never accepted the job"
+        deadline = time.time() + 400
+        status = client.get_job_status(job)
+        while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED} and time.time() < deadline:
+            time.sleep(1)
+            status = client.get_job_status(job)
+        assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)[-3000:]
+        res = load(out / "submitted")
+        assert list(res["rounds"]["round"]) == [0, 1] and res["meta"]["backend"] == "RayBackend"
+    finally:
+        os.environ.pop("RAY_AUTH_MODE", None)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_cluster_config_passes_ray_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((Path(ROOT) / "ray_cluster.yaml").read_text())
+    cfg = prepare_config(raw)
+    validate_config(cfg)
+    assert cfg["available_node_types"]["gpu_4x"]["resources"]["GPU"] == 4
+    raw["available_node_types"]["gpu_4x"]["max_wrkers"] = 3
+    with pytest.raises(Exception, match="max_wrkers"):
+        validate_config(prepare_config(raw))
