@@ -1,0 +1,34 @@
+"""The library boundary: fedsim/ never imports ray, every module imports cleanly, the public API is fixed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fedsim
+from tests.conftest import ROOT
+
+IMPORT_ALL = """
+import importlib, pkgutil, sys
+sys.modules["ray"] = None  # any `import ray` inside fedsim now fails
+import fedsim
+mods = [m.name for m in pkgutil.walk_packages(fedsim.__path__, "fedsim.")]
+for name in mods:
+    importlib.import_module(name)
+from fedsim.algorithms.base import import_failures
+assert not import_failures, import_failures
+print(len(mods))
+"""
+
+
+def test_fedsim_never_imports_ray():
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ALL], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.strip()) > 20
+
+
+def test_public_api():
+    assert sorted(fedsim.__all__) == sorted(["RunConfig", "load_config", "load", "collect", "FedsimError",
+                                             "ConfigError", "DataError", "__version__"])
+    for name in fedsim.__all__:
+        assert hasattr(fedsim, name)
