@@ -158,18 +158,24 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def describe(cls: type, prefix: str = "", instance: Any = None) -> list[tuple[str, str, str, str]]:
     """(key, type, default, doc) rows for every knob of `cls`, nested dataclasses flattened."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
+        if instance is not None:
+            default = getattr(instance, f.name)
+        elif f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            default = "required"
         if is_dataclass(tp):
-            rows.extend(describe(tp, key))
+            rows.extend(describe(tp, key, default if is_dataclass(default) else None))
             continue
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else "required")
         bounds = ", ".join(f"{w} {f.metadata[k]}" for k, w in (("ge", ">="), ("gt", ">"), ("le", "<="),
                                                                ("lt", "<")) if f.metadata.get(k) is not None)
         doc = f.metadata.get("doc", "") + (f" ({bounds})" if bounds else "")

@@ -127,7 +127,8 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
     def table(rows):
         out = ["| key | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{k}` | {t} | `{d}` | {doc} |" for k, t, d, doc in rows]
+        esc = lambda text: str(text).replace("|", "\\|")  # noqa: E731  (pipes inside a markdown cell)
+        out += [f"| `{k}` | {esc(t)} | `{esc(d)}` | {esc(doc)} |" for k, t, d, doc in rows]
         return "\n".join(out)
 
     print(table([r for r in describe(RunConfig) if not r[0].startswith("algorithm.params")]))
