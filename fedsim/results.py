@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import pandas as pd
 

@@ -12,7 +12,7 @@ import argparse
 import itertools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -7,9 +7,21 @@ error is kept and reported when a config asks for an algorithm that is not regis
 import importlib
 import pkgutil
 
-from fedsim.algorithms.base import (Algorithm, Broadcast, ClientContext, ClientData, ClientResult, Env, Phase,
-                                    RoundInfo, SummedUpdate, algorithm_names, get_algorithm, import_failures,
-                                    register_algorithm)
+from fedsim.algorithms.base import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientData,
+    ClientResult,
+    Env,
+    Phase,
+    RoundInfo,
+    SummedUpdate,
+    algorithm_names,
+    get_algorithm,
+    import_failures,
+    register_algorithm,
+)
 
 for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if not _mod.startswith("_") and _mod != "base":

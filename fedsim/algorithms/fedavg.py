@@ -11,8 +11,17 @@ from typing import Any
 
 import torch
 
-from fedsim.algorithms.base import (Algorithm, Broadcast, ClientContext, ClientResult, Env, Phase, RoundInfo,
-                                    SummedUpdate, register_algorithm)
+from fedsim.algorithms.base import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Env,
+    Phase,
+    RoundInfo,
+    SummedUpdate,
+    register_algorithm,
+)
 from fedsim.configtools import knob
 from fedsim.errors import AggregationError
 from fedsim.models import build_model
@@ -106,16 +115,20 @@ class FedAvg(Algorithm):
     def client_weight(self, ctx: ClientContext) -> float:
         return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
 
+    def extra_loss(self, model: torch.nn.Module, global_state: State):
+        """A term added to the local CE loss (None for FedAvg; FedProx's proximal term)."""
+        return None
+
     def local_train(self, model: torch.nn.Module, global_state: State, ctx: ClientContext,
                     personal: dict | None) -> tuple[dict[str, float], dict | None]:
-        """Train `model` (already holding the global weights) on the client's data; FedProx overrides this."""
-        opt = make_optimizer(model.parameters(), ctx.env.config.train)
-        keep = ctx.env.config.train.keep_optimizer_state
-        if keep and personal and "optimizer" in personal:
+        """Train `model` (already holding the global weights) on the client's data."""
+        train = ctx.env.config.train
+        opt = make_optimizer(model.parameters(), train)
+        if train.keep_optimizer_state and personal and "optimizer" in personal:
             opt.load_state_dict(personal["optimizer"])
-        metrics = train_classifier(model, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator(),
-                                   optimizer=opt)
-        return metrics, ({"optimizer": opt.state_dict()} if keep else None)
+        metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator(),
+                                   extra_loss=self.extra_loss(model, global_state), optimizer=opt)
+        return metrics, ({"optimizer": opt.state_dict()} if train.keep_optimizer_state else None)
 
     def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
         model = ctx.models.get(ctx.arch)

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedsim.algorithms.base import ClientContext, register_algorithm
+from fedsim.algorithms.base import register_algorithm
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
 from fedsim.configtools import knob
-from fedsim.train import make_optimizer, train_classifier
 
 
 @dataclass
@@ -34,10 +33,8 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def local_train(self, model, global_state, ctx: ClientContext, personal):
-        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt = make_optimizer(model.parameters(), ctx.env.config.train)
-        extra = proximal_term(self.params.mu, anchor) if self.params.mu > 0 else None
-        metrics = train_classifier(model, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator(),
-                                   extra_loss=extra, optimizer=opt)
-        return metrics, None
+    def extra_loss(self, model: torch.nn.Module, global_state: dict[str, torch.Tensor]):
+        if self.params.mu == 0:
+            return None
+        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # the round's global weights
+        return proximal_term(self.params.mu, anchor)

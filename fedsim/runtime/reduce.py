@@ -39,7 +39,7 @@ class WeightedSum:
         self.weight += weight
         self.count += 1
 
-    def merge(self, other: "WeightedSum") -> None:
+    def merge(self, other: WeightedSum) -> None:
         """Fold in another partial sum (from another worker)."""
         for k, v in other.hi.items():
             if k not in self.hi:

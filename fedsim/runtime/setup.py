@@ -21,7 +21,7 @@ class Ragged:
     offsets: np.ndarray  # len = clients + 1
 
     @classmethod
-    def from_list(cls, parts: list[np.ndarray]) -> "Ragged":
+    def from_list(cls, parts: list[np.ndarray]) -> Ragged:
         lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
         offsets = np.zeros(len(parts) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import shutil
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

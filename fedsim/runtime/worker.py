@@ -9,16 +9,17 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
-from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.reduce import WeightedSum
+from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 
