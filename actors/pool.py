@@ -132,9 +132,8 @@ class RayBackend:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
         replies, failed = {}, {}
         for w, ref in futures.items():
-            if ref in pending:
+            if ref in pending:  # hung: the loop replaces (kills) this worker
                 failed[w] = f"no reply within runtime.round_timeout_s={timeout}"
-                ray.cancel(ref, force=True)
                 continue
             try:
                 replies[w] = ray.get(ref)

@@ -85,6 +85,18 @@ def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
     assert sorted(failed["client"]) == [1, 3, 5, 7, 9] and set(failed["round"]) == {1}
 
 
+def test_a_phase_past_the_timeout_closes_with_what_arrived(ray_local, make_config):
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.round_timeout_s=4",
+                      "train.epochs=2000", "participation.clients_per_round=4", rounds=1)
+    backend = RayBackend(num_workers=2)
+    res = load(run(cfg, backend))
+    row = res["rounds"].iloc[0]
+    assert row["failures"] == 4 and row["arrived"] == 0 and row["accuracy"] == row["accuracy"]
+    errors = res["clients"].query("status == 'failed'")["error"]
+    assert len(errors) == 4 and errors.str.contains("round_timeout_s=4").all()
+    assert row["wall_clients_s"] < 60  # the loop did not wait for the 2000 epochs
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
