@@ -1,8 +1,8 @@
 """The FedGDKD thesis models (Banerjee 2022, Appendix B): width-parameterised CNNs and the conditional generator.
 
 Classifier (`CNNParameterised`, B.3.2 without its validity head): blocks of Conv2d(k3, s2, p1, no bias) →
-InstanceNorm2d(affine) → ReLU (no norm on a 1×1 map), then Flatten → Linear(F, 128) → Linear(128, c) with no activation between
-the Linears. Registered as `cnn_small` [8, 8], `cnn_medium` [8, 16, 16], `cnn_large` [32, 32, 32],
+InstanceNorm2d(affine) → ReLU (no norm on a 1×1 map), then Flatten → Linear(F, 128) → Linear(128, c) with
+no activation between the Linears. Registered as `cnn_small` [8, 8], `cnn_medium` [8, 16, 16], `cnn_large` [32, 32, 32],
 `cnn_custom` (option `widths`) and one `cnn_<w1>_<w2>...` name per Table 5.4 client, so a heterogeneous
 run is a plain `model.mix`. `CNNDiscriminator` adds B.3.2's validity head (FedDTG, FAug's ACGAN).
 Generator (B.3.1): Embedding(c, nz) ⊙ z → Linear(nz, ngf·2^b·s0²) → b × [ConvT(k4, s2, p1) → BN → ReLU]
@@ -124,7 +124,7 @@ class GeneratorConfig:
     """The conditional generator's size; the defaults are Appendix B.3.1 for 32×32 inputs."""
 
     nz: int = knob(100, ge=1, doc="latent dimension nz (also the label-embedding width)")
-    ngf: int = knob(100, ge=1, doc="channels entering the output ConvT; the Linear gives ngf·2^blocks, halved per block")
+    ngf: int = knob(100, ge=1, doc="channels entering the output ConvT (the Linear gives ngf·2^blocks)")
     init_size: int = knob(4, ge=1, doc="spatial size after the Linear; image_size / init_size must be 2^k, k>=1")
 
 

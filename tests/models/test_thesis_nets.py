@@ -14,6 +14,7 @@ from fedsim.models.thesis_nets import (
     build_generator,
 )
 
+
 # Classifier-only parameter counts on MNIST at 32×32, 10 classes (spec §3.5, derived from Table 5.4).
 # E.g. [8, 8, 8]: convs 72+576+576, IN 3·16, F=8·4·4=128, Linear(128,128)+Linear(128,10) = 16,512+1,290.
 @pytest.fixture(autouse=True)
