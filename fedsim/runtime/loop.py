@@ -20,8 +20,8 @@ from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.checkpoint import load_checkpoint, save_checkpoint
 from fedsim.config import RunConfig, load_config, save_config
 from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, write_meta, write_table
-from fedsim.runtime.clock import durations, make_profiles, sample_round, schedule
-from fedsim.runtime.setup import Partition, load_data, make_partition
+from fedsim.runtime.clock import Schedule, durations, make_profiles, sample_round, schedule
+from fedsim.runtime.setup import Partition, client_archs, load_data, make_partition
 from fedsim.runtime.worker import WorkerReply
 
 
@@ -44,6 +44,22 @@ class Backend(Protocol):
 def owner(client_id: int, num_workers: int) -> int:
     """The worker that hosts a client, fixed for the whole run so personal state stays put."""
     return client_id % num_workers
+
+
+@dataclass
+class _RoundRecord:
+    """What one round accumulates across its phases."""
+
+    round: int
+    schedule: Schedule
+    num_samples: dict[int, int]
+    status: dict[tuple[int, int], str] = field(default_factory=dict)  # (phase index, client) -> status
+    client_rows: list[dict] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    failures: int = 0
+    clients_s: float = 0.0
 
 
 @dataclass
@@ -83,6 +99,7 @@ class Simulation:
         data = load_data(cfg)
         self.part = make_partition(cfg, data)
         self.num_samples = self.part.train.lengths()
+        self.archs = client_archs(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
@@ -132,99 +149,82 @@ class Simulation:
                                              "client_states": self.backend.export_states()})
 
     def run_round(self, r: int) -> tuple[list[dict], list[dict], float]:
-        cfg, backend, W = self.cfg, self.backend, self.backend.num_workers
+        """Sample and schedule the round, run its phases in order, evaluate; returns rows and virtual seconds."""
+        cfg, backend = self.cfg, self.backend
         t_round = time.perf_counter()
         sampled = sample_round(cfg, r, self.profiles)
         phases: list[Phase] = backend.server("phases", r)
-        n_of = {int(c): int(self.num_samples[c]) for c in sampled}
-        info = RoundInfo(r, phases[0].name, [int(c) for c in sampled], [int(c) for c in sampled], n_of)
-        bc, common_b, per_b, server_s = backend.server("broadcast", phases[0], info)
-        down = np.array([common_b + per_b.get(int(c), 0) for c in sampled], dtype=float)
-        dur = durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down)
-        sch = schedule(cfg, sampled, dur)
-        kept = [int(c) for c in sch.participants]
-        late = [int(c) for c in sch.late]
-        on_time = [c for c in kept if c not in set(late)]
-        info = RoundInfo(r, phases[0].name, kept, on_time, {c: n_of[c] for c in kept})
-        metrics: dict[str, Any] = {}
-        client_rows: list[dict] = []
-        bytes_up = bytes_down = 0
-        failures = 0
-        arrived = on_time
-        clients_s = 0.0
+        ids = [int(c) for c in sampled]
+        n_of = {c: int(self.num_samples[c]) for c in ids}
+        bc, common_b, per_b, server_s = backend.server("broadcast", phases[0],
+                                                       RoundInfo(r, phases[0].name, ids, ids, n_of))
+        # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
+        down = np.array([common_b + per_b.get(c, 0) for c in ids], dtype=float)
+        sch = schedule(cfg, sampled, durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down))
+        kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]
+        rec = _RoundRecord(r, sch, {c: n_of[c] for c in kept})
+        arrived = [c for c in kept if c not in set(late)]
         for pi, phase in enumerate(phases):
             if pi > 0:
-                info = RoundInfo(r, phase.name, kept, arrived, info.num_samples)
+                info = RoundInfo(r, phase.name, kept, arrived, rec.num_samples)
                 bc, common_b, per_b, s = backend.server("broadcast", phase, info)
                 server_s += s
-            run_ids = arrived + (late if pi == 0 and not cfg.stragglers.skip_late else [])
-            down_ids = arrived + (late if pi == 0 else [])
-            bytes_down += sum(common_b + per_b.get(c, 0) for c in down_ids)
-            assignments: dict[int, list[int]] = {}
-            for c in sorted(run_ids):
-                assignments.setdefault(owner(c, W), []).append(c)
-            t0 = time.perf_counter()
-            replies, failed = backend.run_phase(r, pi, phase, bc, assignments, late, cfg.runtime.round_timeout_s)
-            clients_s += time.perf_counter() - t0
-            got: dict[int, Any] = {}
-            phase_rows: list[dict] = []
-            for w in sorted(replies):
-                for o in replies[w].outcomes:
-                    got[o.client_id] = o
-                    row = {"round": r, "phase": phase.name, "client": o.client_id, "worker": w,
-                           "arch": self.cfg_arch(o.client_id), "samples": n_of.get(o.client_id, 0),
-                           "status": o.status, "virtual_duration": sch.duration.get(o.client_id, math.nan),
-                           "bytes_up": o.bytes_up if o.status == "ok" else 0,
-                           "bytes_down": common_b + per_b.get(o.client_id, 0), "wall_s": o.seconds}
-                    if o.result is not None:
-                        row.update({k: float(v) for k, v in o.result.metrics.items()})
-                    if o.status == "failed":
-                        row["error"] = o.error.splitlines()[0] if o.error else ""
-                    phase_rows.append(row)
-                    if o.status == "ok":
-                        bytes_up += o.bytes_up
-            for w, err in sorted(failed.items()):
-                for c in assignments.get(w, []):
-                    phase_rows.append({"round": r, "phase": phase.name, "client": c, "worker": w,
-                                        "arch": self.cfg_arch(c), "samples": n_of.get(c, 0), "status": "failed",
-                                        "virtual_duration": sch.duration.get(c, math.nan), "bytes_up": 0,
-                                        "bytes_down": common_b + per_b.get(c, 0), "wall_s": math.nan,
-                                        "error": err})
-                self.replace_worker(w)
-            if pi == 0 and cfg.stragglers.skip_late:
-                phase_rows.extend({"round": r, "phase": phase.name, "client": c, "worker": owner(c, W),
-                                    "arch": self.cfg_arch(c), "samples": n_of[c], "status": "late",
-                                    "virtual_duration": sch.duration[c], "bytes_up": 0,
-                                    "bytes_down": common_b + per_b.get(c, 0), "wall_s": 0.0} for c in late)
-            client_rows.extend(sorted(phase_rows, key=lambda row: row["client"]))
-            arrived = [c for c in arrived if c in got and got[c].status == "ok"]
-            failures += sum(1 for o in got.values() if o.status == "failed") + \
-                sum(len(assignments.get(w, [])) for w in failed)
-            info = RoundInfo(r, phase.name, kept, arrived, info.num_samples)
-            m, s = backend.server("step", phase, [replies[w] for w in sorted(replies)], info)
+            replies = self.run_phase(rec, pi, phase, bc, common_b, per_b, arrived, late if pi == 0 else [])
+            arrived = [c for c in arrived if rec.status.get((pi, c)) == "ok"]
+            m, s = backend.server("step", phase, [replies[w] for w in sorted(replies)],
+                                  RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
             server_s += s
-            metrics.update({f"{phase.name}/{k}": v for k, v in m.items()})
-        eval_rows: list[dict] = [{"model": ""}]
-        eval_s = 0.0
+            rec.metrics.update({f"{phase.name}/{k}": v for k, v in m.items()})
+        eval_rows, eval_s = [{"model": ""}], 0.0
         if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server("finished", r):
-            eval_rows, eval_s = backend.server("evaluate")
-            eval_rows = eval_rows or [{"model": ""}]
-        arrived_dur = [sch.duration[c] for c in arrived] or [0.0]
+            rows, eval_s = backend.server("evaluate")
+            eval_rows = rows or eval_rows
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
-        vround = vround if math.isfinite(vround) else max(arrived_dur)
         base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": len(late),
-                "over_selected": len(sch.over_selected), "failures": failures, "bytes_up": bytes_up,
-                "bytes_down": bytes_down, "virtual_round": vround, "deadline": sch.deadline,
-                "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": clients_s,
-                "wall_server_s": server_s, "wall_eval_s": eval_s, **metrics}
-        return [{**base, **row} for row in eval_rows], client_rows, vround
+                "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
+                "bytes_down": rec.bytes_down, "virtual_round": vround, "deadline": sch.deadline,
+                "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": rec.clients_s,
+                "wall_server_s": server_s, "wall_eval_s": eval_s, **rec.metrics}
+        return [{**base, **row} for row in eval_rows], rec.client_rows, vround
 
-    def cfg_arch(self, cid: int) -> str:
-        from fedsim.runtime.setup import client_archs
+    def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, bc: Broadcast, common_b: int,
+                  per_b: dict[int, int], arrived: list[int], late: list[int]) -> dict[int, WorkerReply]:
+        """Run one phase on the workers and record every client's outcome; returns the replies by worker."""
+        W = self.backend.num_workers
+        skip = self.cfg.stragglers.skip_late
+        rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in arrived + late)  # late clients downloaded too
+        assignments: dict[int, list[int]] = {}
+        for c in sorted(arrived + ([] if skip else late)):
+            assignments.setdefault(owner(c, W), []).append(c)
+        t0 = time.perf_counter()
+        replies, failed = self.backend.run_phase(rec.round, pi, phase, bc, assignments, late,
+                                                 self.cfg.runtime.round_timeout_s)
+        rec.clients_s += time.perf_counter() - t0
 
-        if not hasattr(self, "_archs"):
-            self._archs = client_archs(self.cfg)
-        return self._archs[cid]
+        def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:
+            rec.status[(pi, c)] = status
+            rec.failures += status == "failed"
+            up = bytes_up if status == "ok" else 0
+            rec.bytes_up += up
+            return {"round": rec.round, "phase": phase.name, "client": c, "worker": w, "arch": self.archs[c],
+                    "samples": rec.num_samples.get(c, 0), "status": status,
+                    "virtual_duration": rec.schedule.duration.get(c, math.nan), "bytes_up": up,
+                    "bytes_down": common_b + per_b.get(c, 0), "wall_s": wall, **extra}
+
+        rows = []
+        for w, reply in sorted(replies.items()):
+            for o in reply.outcomes:
+                extra = {k: float(v) for k, v in o.result.metrics.items()} if o.result is not None else {}
+                if o.status == "failed":
+                    extra["error"] = o.error.splitlines()[0] if o.error else ""
+                rows.append(row(o.client_id, w, o.status, o.bytes_up, o.seconds, **extra))
+        for w, err in sorted(failed.items()):
+            rows.extend(row(c, w, "failed", 0, math.nan, error=err) for c in assignments.get(w, []))
+            self.replace_worker(w)
+        if skip:
+            rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
+        rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
+        return replies
 
     def replace_worker(self, w: int) -> None:
         """Restart a dead worker; its clients get their states back from the last checkpoint, if any."""
