@@ -1,6 +1,5 @@
 """fedsim's data layer: named dataset loaders (registered on import) and client partitioning."""
 
-from fedsim.data import datasets as _datasets  # noqa: F401  (registers the built-in loaders)
 from fedsim.data.partition import (
     client_test_shards,
     label_histograms,
@@ -19,3 +18,16 @@ __all__ = [
     "register_dataset",
     "split_validation",
 ]
+
+
+def _register_all() -> None:
+    """Import every module of this package, so everything registered anywhere in it is available."""
+    import importlib
+    import pkgutil
+
+    for mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        if not mod.startswith("_"):
+            importlib.import_module(f"{__name__}.{mod}")
+
+
+_register_all()

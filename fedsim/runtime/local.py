@@ -32,12 +32,13 @@ class LocalBackend:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)
         self._spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
-        self._server = Server(cfg, arrays, part, meta, device=self.device)
+        self._server = Server(cfg, arrays, part, meta, device=self.device, threads=cfg.runtime.threads)
         self.workers = [self._make(i) for i in range(n)]
 
     def _make(self, i: int) -> ClientWorker:
         cfg, arrays, part, meta = self._args
-        return ClientWorker(cfg, arrays, part, meta, i, device=self.device, spill_dir=str(self._spill / f"w{i}"))
+        return ClientWorker(cfg, arrays, part, meta, i, device=self.device, threads=cfg.runtime.threads,
+                            spill_dir=str(self._spill / f"w{i}"))
 
     def server(self, method: str, *args: Any) -> Any:
         return getattr(self._server, method)(*args)
