@@ -164,7 +164,8 @@ class DaFKD(Algorithm):
         return DaFKDState(models, clone_state(self.new_generator()))
 
     def phases(self, round: int) -> list[Phase]:
-        two = self.params.upload == "scores" and self.params.distill_from == "aggregated"
+        p = self.params
+        two = p.upload == "scores" and p.distill_from == "aggregated" and round >= p.distill_from_round
         return [Phase("train", "each"), Phase("score", "each")] if two else [Phase("train", "each")]
 
     def broadcast(self, phase: Phase, state: DaFKDState, info: RoundInfo) -> Broadcast:
@@ -172,7 +173,8 @@ class DaFKD(Algorithm):
         if phase.name == "score":  # App. B: the aggregated generator and the noise seed
             return Broadcast(common={"generator": state.generator, "seed": seed})
         common = {"models": state.models, "generator": state.generator}
-        if self.params.upload == "scores" and self.params.distill_from == "start":
+        p = self.params
+        if p.upload == "scores" and p.distill_from == "start" and info.round >= p.distill_from_round:
             common["seed"] = seed
         return Broadcast(common=common)
 
@@ -182,7 +184,7 @@ class DaFKD(Algorithm):
         if phase.name == "score":
             models = state.pending.get("models", state.models)
             metrics = {}
-            if updates and info.round >= p.distill_from_round:
+            if updates:
                 teacher, metrics = self.teacher_from_scores(updates)
                 x = self.distill_set(self.server_module("generator", self.new_generator, state.generator),
                                      state.pending["seed"])
@@ -200,10 +202,10 @@ class DaFKD(Algorithm):
             models[arch] = average([updates[c].payload["model"] for c in mine], [updates[c].weight for c in mine])
         seed = self.distill_seed(info.round)
         out = {"arrived": float(len(ids)), "distill_seed": float(seed)}
-        if p.upload == "scores" and p.distill_from == "aggregated":
-            return DaFKDState(state.models, generator, {"models": models, "seed": seed}), out
         if info.round < p.distill_from_round:
             return DaFKDState(models, generator), out
+        if p.upload == "scores" and p.distill_from == "aggregated":
+            return DaFKDState(state.models, generator, {"models": models, "seed": seed}), out
         gen_state = generator if p.distill_from == "aggregated" else state.generator
         x = self.distill_set(self.server_module("generator", self.new_generator, gen_state), seed)
         teacher, m = (self.teacher_from_scores(updates) if p.upload == "scores"
@@ -297,12 +299,12 @@ class DaFKD(Algorithm):
         new_state = {"head": clone_state(head)} | ({} if disc is None else {"disc": clone_state(disc)})
         if p.upload == "discriminator":
             payload.update(new_state)
-        elif p.distill_from == "start":  # code: scores on the start-of-round generator's set
+        elif "seed" in msg:  # distill_from=start (code): scores on the start-of-round generator's set
             start_gen = ctx.models.get("dafkd/generator0", build=self.new_generator)
             start_gen.load_state_dict(msg["generator"])
             payload.update(self.upload_scores(model, head, disc, self.distill_set(start_gen, msg["seed"])))
-        else:
-            new_state["pending"] = payload["model"]
+        elif p.distill_from == "aggregated" and ctx.round >= p.distill_from_round:
+            new_state["pending"] = payload["model"]  # for this round's score phase
         return ClientResult(payload, weight, metrics, new_state)
 
     def upload_scores(self, model, head, disc, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -220,3 +220,21 @@ def test_end_to_end_app_b_run_records_both_phases(tmp_path) -> None:
     assert rounds["score/distill_steps"].tolist() == [3.0, 3.0]
     score_up = clients.loc[clients["phase"] == "score", "bytes_up"]
     assert (score_up == 40 * 11 * 4).all() and len(score_up) == 6
+
+
+def test_warmup_rounds_only_average_and_the_state_checkpoints(tmp_path) -> None:
+    """distill_from_round=1 (code): round 0 is one phase of plain averaging, round 1 has the App. B score
+    phase; the server state survives a weights_only checkpoint."""
+    from fedsim.algorithms.dafkd import DaFKDState, average
+    from fedsim.checkpoint import load_checkpoint, save_checkpoint
+
+    server, worker = setup("algorithm.upload=scores", "algorithm.distill_from_round=1")
+    assert [p.name for p in server.phases(0)] == ["train"] and len(server.phases(1)) == 2
+    (reply,) = run_round(server, worker, 0, [0, 2])
+    assert set(reply.outcomes[0].result.payload) == {"model", "generator"} and "pending" not in worker.store.get(0)
+    mean = average([o.result.payload["model"] for o in reply.outcomes], [1.0, 1.0])
+    assert all(torch.equal(server.state.models["resnet11"][k], v) for k, v in mean.items())
+    save_checkpoint(tmp_path / "ck.pt", {"state": server.state})
+    back = load_checkpoint(tmp_path / "ck.pt")["state"]
+    assert isinstance(back, DaFKDState) and back.pending == {}
+    assert all(torch.equal(back.generator[k], v) for k, v in server.state.generator.items())
