@@ -14,8 +14,8 @@ server uses to train a model on uploaded sequences.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +29,13 @@ def xavier_init_(model: nn.Module, seed: int, gain: float = 1.0) -> nn.Module:
     """Deterministic Xavier-normal weights, zero biases (the DOSFL/Wang et al. init), from one CPU generator.
 
     Drawn on the CPU in parameter order and copied in, so every process and device gets bitwise the same θ0.
+    Frozen parameters (e.g. a pre-trained embedding) are left alone.
     """
     g = torch.Generator().manual_seed(int(seed))
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
             if p.dim() >= 2:
                 w = torch.empty(p.shape, dtype=torch.float32)
                 nn.init.xavier_normal_(w, gain=gain, generator=g)

@@ -6,8 +6,25 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.meta_distill import (DistillSettings, Distiller, class_balanced_labels, label_loss, sgd_replay,
-                                 sgd_unroll, trainable, xavier_init_)
+from fedsim.meta_distill import (
+    Distiller,
+    DistillSettings,
+    class_balanced_labels,
+    label_loss,
+    sgd_replay,
+    sgd_unroll,
+    trainable,
+    xavier_init_,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Unrolled meta-gradients are thousands of tiny ops: one thread avoids OpenMP stalls on busy machines."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 def tiny_problem(soft: bool, lr_per: str = "unrolled", lr_param: str = "softplus"):
