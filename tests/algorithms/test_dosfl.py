@@ -215,3 +215,30 @@ def test_one_round_end_to_end_records_the_payload_bytes(tmp_path) -> None:
     assert rounds["bytes_down"].iloc[0] == 3 * 8  # the init seed only
     assert rounds["distill/scalars"].iloc[0] == 3 * 2 * 3 * 64
     assert 0 <= rounds["accuracy"].iloc[0] <= 1
+
+
+def test_text_run_distils_sentences_after_the_embedding(tmp_path) -> None:
+    """TextCNN over a generated GloVe file: clients upload continuous L×D sentences and soft label logits."""
+    from fedsim.results import load
+    from fedsim.runtime.loop import run
+
+    words = ["good", "great", "fine", "bad", "awful", "poor", "the", "movie"]
+    rng = np.random.default_rng(0)
+    (tmp_path / "glove.txt").write_text("".join(f"{w} " + " ".join(f"{v:.3f}" for v in rng.standard_normal(3))
+                                                + "\n" for w in words))
+    lines = [f"{int(i % 2)}\tthe movie {words[(i % 2) * 3 + i % 3]} {words[(i % 2) * 3 + (i + 1) % 3]}"
+             for i in range(24)]
+    (tmp_path / "train.tsv").write_text("\n".join(lines[:16]))
+    (tmp_path / "test.tsv").write_text("\n".join(lines[16:]))
+    glove = str(tmp_path / "glove.txt")
+    cfg = load_config(None, ["data.name=text_tsv", f"data.options={{train: {tmp_path / 'train.tsv'}, "
+                             f"test: {tmp_path / 'test.tsv'}, embedding: {glove}, max_len: 6}}",
+                             "data.num_clients=2", "data.partition.kind=iid", "data.val_fraction=0",
+                             "model.name=textcnn", f"model.options={{embedding: {glove}, filters: 4}}",
+                             "algorithm.name=dosfl", "algorithm.distill_steps=2", "algorithm.distill_batch=1",
+                             "algorithm.distill_epochs=1", "algorithm.epochs=2", "algorithm.soft_labels=true",
+                             "runtime.backend=local", "rounds=1", f"results.root={tmp_path / 'res'}"])
+    res = load(run(cfg))
+    per_client = 2 * 1 * 6 * 3 * 4 + 2 * 1 * 2 * 4 + 2 * 4  # sentences L×D, label logits, lrs (float32)
+    assert res["rounds"]["bytes_up"].iloc[0] == 2 * per_client
+    assert res["clients"]["scalars"].tolist() == [36.0, 36.0]
