@@ -1,0 +1,140 @@
+"""DOSFL's one round against FedAvg: the FedAvg rounds needed to match DOSFL's accuracy, with both runs' bytes.
+
+    python -m jobs.dosfl_compare CONFIG [CONFIG ...] [--seeds 0 1 2 3 4] [--stat best|mean]
+                                 [--fedavg-rounds R] [--fedavg KEY=VALUE ...] [-o KEY=VALUE ...] [--out FILE]
+
+For each DOSFL config (algorithm: dosfl) and seed, one DOSFL run; the target is DOSFL's accuracy over seeds,
+by default the best of them (the paper reports the best of 5 runs), or their mean. Then the same config
+with `algorithm: {name: fedavg}` (local training from its `train:` section, `--fedavg` overrides on top)
+runs for R rounds per seed; for each FedAvg seed we report the first round whose accuracy reaches the
+target and the bytes (up + down) spent until then. The break-even round is DOSFL's total bytes divided by
+FedAvg's bytes per round, rounded up (the paper's Table 3 quantity, from measured bytes). Output: a
+markdown table (printed, and written to --out, default results/dosfl/<config names>.md) and a CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def _runs(raw: dict, seeds: list[int], overrides: list[str]) -> list[pd.DataFrame]:
+    """Run `raw` once per seed; returns each run's rounds table (best-accuracy model row per round)."""
+    from fedsim.config import apply_overrides, build_config
+    from fedsim.results import load
+    from fedsim.runtime.loop import run
+    from jobs.cli import make_backend
+
+    out = []
+    for seed in seeds:
+        cfg = build_config(apply_overrides(raw, [*overrides, f"seed={seed}"]))
+        if cfg.runtime.threads:
+            import torch
+
+            torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
+        print(f"  {cfg.algorithm.name} seed={seed} ...", file=sys.stderr, flush=True)
+        rounds = load(run(cfg, backend=make_backend(cfg)))["rounds"]
+        ev = rounds.dropna(subset=["accuracy"])
+        ev = ev.loc[ev.groupby("round")["accuracy"].idxmax()].sort_values("round")
+        by_round = rounds.groupby("round")[["bytes_up", "bytes_down"]].first()  # one row per model and round
+        ev = ev.drop(columns=["bytes_up", "bytes_down"]).join(by_round, on="round")
+        out.append(ev.reset_index(drop=True))
+    return out
+
+
+def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
+            overrides: list[str]) -> dict:
+    """One row of the comparison table for one DOSFL config."""
+    from fedsim.config import apply_overrides, read_yaml
+    from fedsim.errors import ConfigError
+
+    raw = apply_overrides(read_yaml(path), overrides)
+    if (raw.get("algorithm") or {}).get("name") != "dosfl":
+        raise ConfigError(f"{path}: algorithm.name must be dosfl for a DOSFL/FedAvg comparison")
+    print(f"{path}: DOSFL", file=sys.stderr)
+    dosfl = _runs(raw, seeds, [])
+    acc = np.array([d["accuracy"].iloc[0] for d in dosfl])
+    d_bytes = np.array([d["bytes_up"].iloc[0] + d["bytes_down"].iloc[0] for d in dosfl])
+    target = float(acc.max() if stat == "best" else acc.mean())
+    fed_raw = copy.deepcopy(raw)
+    fed_raw["algorithm"] = {"name": "fedavg"}
+    if fedavg_rounds:
+        fed_raw["rounds"] = fedavg_rounds
+    print(f"{path}: FedAvg for {fed_raw.get('rounds', 30)} rounds, target {target:.4f}", file=sys.stderr)
+    fed = _runs(fed_raw, seeds, fedavg_over)
+    match, match_bytes = [], []
+    for f in fed:
+        hit = f[f["accuracy"] >= target]
+        cum = (f["bytes_up"] + f["bytes_down"]).cumsum()
+        match.append(int(hit["round"].iloc[0]) + 1 if len(hit) else math.nan)
+        match_bytes.append(float(cum[hit.index[0]]) if len(hit) else math.nan)
+    per_round = float(np.mean([(f["bytes_up"] + f["bytes_down"]).iloc[0] for f in fed]))
+    return {"config": path, "seeds": len(seeds), "dosfl_best": float(acc.max()), "dosfl_mean": float(acc.mean()),
+            "dosfl_std": float(acc.std()), "dosfl_bytes": float(d_bytes.mean()),
+            "dosfl_up": float(np.mean([d["bytes_up"].iloc[0] for d in dosfl])), "target": target,
+            "fedavg_rounds": len(fed[0]), "fedavg_final_mean": float(np.mean([f["accuracy"].iloc[-1] for f in fed])),
+            "match_rounds": match, "match_bytes": match_bytes, "fedavg_bytes_per_round": per_round,
+            "break_even_round": math.ceil(d_bytes.mean() / per_round) if per_round > 0 else math.nan}
+
+
+def _fmt_bytes(b: float) -> str:
+    return "—" if not np.isfinite(b) else (f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB")
+
+
+def markdown(rows: list[dict], stat: str) -> str:
+    head = ["config", "DOSFL acc, 1 round (best / mean ± std, %)", "DOSFL bytes", "target",
+            "FedAvg rounds to match (per seed)", "FedAvg bytes to match (mean)", "FedAvg acc after R (mean, %)",
+            "break-even round"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        m = np.array(r["match_rounds"], dtype=float)
+        reached = [str(int(v)) if np.isfinite(v) else f">{r['fedavg_rounds']}" for v in m]
+        mb = np.array(r["match_bytes"], dtype=float)
+        lines.append("| " + " | ".join([
+            Path(r["config"]).stem,
+            f"{100 * r['dosfl_best']:.2f} / {100 * r['dosfl_mean']:.2f} ± {100 * r['dosfl_std']:.2f}",
+            _fmt_bytes(r["dosfl_bytes"]), f"{stat} = {100 * r['target']:.2f}", ", ".join(reached),
+            _fmt_bytes(float(np.nanmean(mb))) if np.isfinite(mb).any() else "not reached",
+            f"{100 * r['fedavg_final_mean']:.2f} (R = {r['fedavg_rounds']})", str(r["break_even_round"])]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedsim.errors import FedsimError
+    from fedsim.io import atomic_write, atomic_write_text
+
+    p = argparse.ArgumentParser(prog="python -m jobs.dosfl_compare", description=__doc__.splitlines()[0])
+    p.add_argument("configs", nargs="+")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    p.add_argument("--stat", choices=["best", "mean"], default="best", help="DOSFL accuracy to match")
+    p.add_argument("--fedavg-rounds", type=int, default=None, help="default: the config's rounds")
+    p.add_argument("--fedavg", action="append", default=[], metavar="KEY=VALUE", help="FedAvg-only override")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="override for both")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    try:
+        rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override)
+                for c in args.configs]
+    except FedsimError as exc:
+        print(f"fedsim: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    md = markdown(rows, args.stat)
+    cmd = "python -m jobs.dosfl_compare " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"{md}\n\nCommand: `{cmd}`. DOSFL: one round, seeds {args.seeds}; the target is DOSFL's {args.stat} "
+            f"accuracy over seeds. FedAvg: same data, model and seeds; bytes = up + down until the matching "
+            f"round, averaged over the seeds that reach it.\n")
+    print(text)
+    dest = Path(args.out or Path("results") / "dosfl" / ("_".join(Path(c).stem for c in args.configs) + ".md"))
+    atomic_write_text(dest, text)
+    atomic_write(dest.with_suffix(".csv"), lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""jobs.dosfl_compare: FedAvg rounds-to-match DOSFL's accuracy and the bytes both spend (on fake runs)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import jobs.dosfl_compare as dc
+
+
+def fake_runs(raw, seeds, overrides):
+    if raw["algorithm"]["name"] == "dosfl":
+        accs = {0: 0.70, 1: 0.80}
+        return [pd.DataFrame({"round": [0], "accuracy": [accs[s]], "bytes_up": [1000], "bytes_down": [16]})
+                for s in seeds]
+    curves = {0: [0.5, 0.75, 0.85], 1: [0.6, 0.7, 0.78]}
+    return [pd.DataFrame({"round": [0, 1, 2], "accuracy": curves[s], "bytes_up": [300] * 3,
+                          "bytes_down": [300] * 3}) for s in seeds]
+
+
+@pytest.mark.parametrize("stat,target,match,match_bytes", [("best", 0.80, [3, float("nan")], [1800, float("nan")]),
+                                                           ("mean", 0.75, [2, 3], [1200, 1800])])
+def test_rounds_and_bytes_to_match(monkeypatch, tmp_path, stat, target, match, match_bytes) -> None:
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("algorithm: {name: dosfl}\nrounds: 3\n")
+    monkeypatch.setattr(dc, "_runs", fake_runs)
+    row = dc.compare(str(cfg), [0, 1], stat, None, [], [])
+    assert row["target"] == pytest.approx(target)
+    assert row["dosfl_best"] == 0.80 and row["dosfl_mean"] == pytest.approx(0.75)
+    assert row["match_rounds"] == pytest.approx(match, nan_ok=True)
+    assert row["match_bytes"] == pytest.approx(match_bytes, nan_ok=True)
+    assert row["break_even_round"] == 2  # 1016 bytes / 600 bytes per FedAvg round, rounded up
+    md = dc.markdown([row], stat)
+    assert "| d |" in md and (">3" in md) == (stat == "best")
+
+
+def test_rejects_a_non_dosfl_config(tmp_path) -> None:
+    from fedsim.errors import ConfigError
+
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("algorithm: {name: fedavg}\n")
+    with pytest.raises(ConfigError, match="algorithm.name must be dosfl"):
+        dc.compare(str(cfg), [0], "best", None, [], [])
