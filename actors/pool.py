@@ -3,6 +3,10 @@
 The dataset and partition are `ray.put` once and every worker maps them zero-copy; each phase's common
 broadcast is put once and all workers get the same reference. Every wait has a timeout; a worker that
 dies or hangs costs only its clients' results for that phase, and is replaced.
+
+The server is a ServerActor when it reserves resources (runtime.server_gpus or runtime.server_cpus > 0).
+Without a reservation it is hosted in the driver: the loop is synchronous, so a separate process would
+only add its start-up (~3 CPU-seconds of imports) and memory (~1 GB of torch) and a hop for every broadcast.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from actors.client_worker import ClientWorkerActor
 from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase
 from fedsim.errors import FedsimError, ResourceError
+from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
 
 STARTUP_TIMEOUT_S = 600.0
@@ -84,9 +89,13 @@ class RayBackend:
         self.cfg = cfg
         self._refs = (ray.put(arrays), ray.put(part), meta)
         self._spill = str(Path(rt.spill_dir or Path(run_dir).resolve() / "spill"))
-        self._server = ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus,
-                                  max_restarts=0)(self.server_cls).remote(cfg, *self._refs)
-        self.workers = [self._create(i) for i in range(n)]
+        self.workers = [self._create(i) for i in range(n)]  # they boot while the server is built
+        if rt.server_gpus > 0 or rt.server_cpus > 0:
+            self._server = ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus,
+                                      max_restarts=0)(self.server_cls).remote(cfg, *self._refs)
+        else:
+            # zero-copy views of the object store, so the driver's own copy of the data can be freed
+            self._server = Server(cfg, ray.get(self._refs[0]), part, meta, device="cpu", threads=rt.threads or 1)
         self.placement = self._ping(list(range(n)))
         self.server("ping")
 
@@ -107,6 +116,8 @@ class RayBackend:
         return {"placement": self.placement}
 
     def server(self, method: str, *args: Any) -> Any:
+        if isinstance(self._server, Server):  # hosted in the driver
+            return getattr(self._server, method)(*args)
         try:
             return ray.get(getattr(self._server, method).remote(*args), timeout=self.cfg.runtime.round_timeout_s)
         except RayTaskError as exc:
@@ -160,11 +171,16 @@ class RayBackend:
                                                      if owner(c, self.num_workers) == i}) for i in targets])
 
     def rss_bytes(self) -> list[int]:
-        """Resident memory of each actor (workers, then the server)."""
+        """Resident memory of each actor (workers, then the server; the driver's when it hosts the server)."""
+        if isinstance(self._server, Server):
+            import psutil
+
+            return ray.get([w.rss_bytes.remote() for w in self.workers]) + [psutil.Process().memory_info().rss]
         return ray.get([w.rss_bytes.remote() for w in self.workers] + [self._server.rss_bytes.remote()])
 
     def shutdown(self) -> None:
-        for actor in self.workers + ([self._server] if self._server is not None else []):
+        for actor in self.workers + ([self._server] if self._server is not None and
+                                     not isinstance(self._server, Server) else []):
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
