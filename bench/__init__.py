@@ -1,0 +1,1 @@
+"""Benchmarks: fedsim against the shared peer harness (plain PyTorch loop, Flower) and the stress runs."""

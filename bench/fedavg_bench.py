@@ -1,0 +1,98 @@
+"""`make bench`: the shared FedAvg workload through the plain loop, fedsim and Flower, in one invocation.
+
+    python -m bench.fedavg_bench [--configs A,B,C] [--repeat 2] [--systems plain,fedsim,flower]
+
+Configs are the harness's (../shared/bench/README.md): A = ResNet-8, N=100, K=10, R=5; B = ResNet-8,
+N=1000, K=50, R=3; C = MLP, N=10000, K=100, R=2. Each system runs as its own process with the same flags;
+totals include imports and Ray start. Writes results/bench/fedavg.md (medians and ratios) and fedavg.csv
+(every run). Targets: fedsim's steady-state round at most 1.15x the plain loop's on A; its total time below
+Flower's on A and B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.report import fmt, header, medians, run_matrix, write
+from bench.workload import PEER_CONFIGS
+
+SYSTEMS = ["plain", "fedsim", "flower"]
+
+
+def tables(df, configs: list[str], workloads: dict) -> list[str]:
+    """Medians per system, then the ratios the targets are about."""
+    med = medians(df)
+
+    def get(cfg: str, system: str, key: str) -> float | None:
+        try:
+            return float(med.loc[(cfg, system), key])
+        except KeyError:
+            return None
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "n/a" if a is None or b is None or not b else f"{a / b:.2f}x"
+
+    systems = [s for s in SYSTEMS if s in set(df["system"])]
+    n_rep = int(df["repeat"].max()) + 1
+    out = [f"Medians over {n_rep} interleaved repeat(s). Total = process start to exit (imports, Ray start, "
+           "data loading, all rounds, shutdown); s/round = steady state (rounds after the first).", "",
+           "| config | " + " | ".join(f"{s} total s (s/round)" for s in systems) +
+           " | peak RSS MB " + " / ".join(systems) + " | final acc " + " / ".join(systems) + " |",
+           "|---|" + "---:|" * (len(systems) + 2)]
+    for c in configs:
+        w = workloads[c]
+        cells = [f"{fmt(get(c, s, 'total_seconds'), 1)} ({fmt(get(c, s, 'seconds_per_round'))})" for s in systems]
+        rss = " / ".join(fmt(get(c, s, "peak_rss_mb"), 0) for s in systems)
+        acc = " / ".join(fmt(get(c, s, "final_accuracy"), 3) for s in systems)
+        out.append(f"| {c}: N={w.num_clients}, K={w.clients_per_round}, R={w.rounds}, {w.model} | "
+                   + " | ".join(cells) + f" | {rss} | {acc} |")
+    out += ["", "| config | fedsim / plain s/round | fedsim / Flower total | fedsim / Flower s/round | "
+            "fedsim / Flower peak RSS | Flower / plain s/round | target |", "|---|---:|---:|---:|---:|---:|---|"]
+    for c in configs:
+        fs_round, pl_round, fl_round = (get(c, s, "seconds_per_round") for s in ("fedsim", "plain", "flower"))
+        fs_tot, fl_tot = get(c, "fedsim", "total_seconds"), get(c, "flower", "total_seconds")
+        goals = []
+        if c == "A" and fs_round and pl_round:
+            goals.append(f"s/round ≤ 1.15x plain: {'met' if fs_round <= 1.15 * pl_round else 'NOT met'}")
+        if c in ("A", "B") and fs_tot and fl_tot:
+            goals.append(f"total < Flower: {'met' if fs_tot < fl_tot else 'NOT met'}")
+        out.append(f"| {c} | {ratio(fs_round, pl_round)} | {ratio(fs_tot, fl_tot)} | {ratio(fs_round, fl_round)} | "
+                   f"{ratio(get(c, 'fedsim', 'peak_rss_mb'), get(c, 'flower', 'peak_rss_mb'))} | "
+                   f"{ratio(fl_round, pl_round)} | {'; '.join(goals) or '-'} |")
+    bad = df[df["status"] != "ok"]
+    if len(bad):
+        out += ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})"
+                                                for r in bad.itertuples())]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default="A,B,C", help="comma-separated harness configs (A, B, C)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="plain, plain_t1, fedsim, flower")
+    ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the tables use medians")
+    ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
+    ap.add_argument("--fedsim-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for bench.fedsim_fedavg, e.g. --fedsim-arg=-o --fedsim-arg=runtime.threads=1")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--stem", default="fedavg", help="output name under results/bench/")
+    args = ap.parse_args(argv)
+    configs = [c.strip().upper() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in PEER_CONFIGS]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {sorted(PEER_CONFIGS)}")
+    workloads = {c: PEER_CONFIGS[c].with_(rounds=args.rounds) if args.rounds else PEER_CONFIGS[c] for c in configs}
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout)
+    lines = header("fedsim vs the plain loop vs Flower on the shared FedAvg workload",
+                   ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])])
+    lines += tables(df, configs, workloads)
+    csv, md = write(df, lines, args.stem)
+    print("\n".join(lines))
+    print(f"\nwrote {md} and {csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`make bench-scale`: the shared FedAvg workload through fedsim and Flower at 1,000 and 10,000 clients.
+
+    python -m bench.scale_bench [--clients 1000,10000] [--per-round 100] [--rounds 3] [--repeat 1] [--pss]
+
+The harness's workload (synthetic 3x32x32 data, Dirichlet(0.5) partition, the plain loop's client draws)
+with the harness's MLP, 100 clients per round. The plain loop runs too, as the compute floor. Writes
+results/bench/scale.md and scale.csv. Target: fedsim's total time at most half of Flower's, and its peak
+memory (RSS summed over every process of the run) lower. `--pss` also samples PSS (shared pages split
+between processes) once a second; it costs CPU, so its timings are not comparable with a run without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from bench.report import fmt, header, medians, run_matrix, write
+from bench.workload import PeerWorkload
+
+SYSTEMS = ["plain", "fedsim", "flower"]
+
+
+def tables(df, names: list[str], workloads: dict) -> list[str]:
+    med = medians(df)
+
+    def get(name: str, system: str, key: str) -> float | None:
+        try:
+            v = float(med.loc[(name, system), key])
+        except KeyError:
+            return None
+        return None if v != v else v
+
+    pss = "peak_pss_mb" in df and df["peak_pss_mb"].notna().any()
+    n_rep = int(df["repeat"].max()) + 1
+    out = [f"Medians over {n_rep} interleaved repeat(s). Total = process start to exit, imports and Ray start "
+           "included; peak RSS summed over the process and all its descendants (Ray daemons and workers).", "",
+           "| clients (per round) | plain total s | fedsim total s (s/round) | Flower total s (s/round) | "
+           "fedsim / Flower total | peak RSS MB fedsim / Flower | fedsim / Flower RSS |"
+           + (" peak PSS MB fedsim / Flower |" if pss else "") + " target |",
+           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if pss else "") + "---|"]
+    for name in names:
+        w = workloads[name]
+        ft, lt = get(name, "fedsim", "total_seconds"), get(name, "flower", "total_seconds")
+        fr, lr = get(name, "fedsim", "peak_rss_mb"), get(name, "flower", "peak_rss_mb")
+        goal = "n/a"
+        if ft and lt and fr and lr:
+            goal = (f"time ≤ 0.5x: {'met' if ft <= 0.5 * lt else 'NOT met'}; "
+                    f"memory lower: {'met' if fr < lr else 'NOT met'}")
+        row = (f"| {w.num_clients:,} ({w.clients_per_round}) | {fmt(get(name, 'plain', 'total_seconds'), 1)} | "
+               f"{fmt(ft, 1)} ({fmt(get(name, 'fedsim', 'seconds_per_round'))}) | "
+               f"{fmt(lt, 1)} ({fmt(get(name, 'flower', 'seconds_per_round'))}) | "
+               f"{'n/a' if not (ft and lt) else f'{ft / lt:.2f}x'} | {fmt(fr, 0)} / {fmt(lr, 0)} | "
+               f"{'n/a' if not (fr and lr) else f'{fr / lr:.2f}x'} |")
+        if pss:
+            row += f" {fmt(get(name, 'fedsim', 'peak_pss_mb'), 0)} / {fmt(get(name, 'flower', 'peak_pss_mb'), 0)} |"
+        out.append(row + f" {goal} |")
+    bad = df[df["status"] != "ok"]
+    if len(bad):
+        out += ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})"
+                                                for r in bad.itertuples())]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", default="1000,10000", help="registered client counts")
+    ap.add_argument("--per-round", type=int, default=100, help="clients per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", choices=["mlp", "resnet8"], default="mlp")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--pss", action="store_true", help="also sample PSS once a second (costs CPU)")
+    ap.add_argument("--fedsim-arg", action="append", default=[], metavar="ARG")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--stem", default="scale")
+    args = ap.parse_args(argv)
+    if args.pss:
+        os.environ["FLBENCH_PSS_INTERVAL"] = "1"
+    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    workloads = {f"N{n}": PeerWorkload(num_clients=n, clients_per_round=min(args.per_round, n), rounds=args.rounds,
+                                       model=args.model) for n in counts}
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout)
+    lines = header("fedsim vs Flower at scale on the shared FedAvg workload",
+                   ["bench.scale_bench", *(argv if argv is not None else sys.argv[1:])])
+    lines += tables(df, list(workloads), workloads)
+    csv, md = write(df, lines, args.stem)
+    print("\n".join(lines))
+    print(f"\nwrote {md} and {csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

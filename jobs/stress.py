@@ -1,0 +1,403 @@
+"""`fedsim stress CONFIG --clients 100,1000,10000,100000`: round time and memory as the client count grows.
+
+Each point (client count × participants × skip_late) runs the config for a few rounds in a fresh process
+(so start-up counts imports and Ray start, and one point's memory never leaks into the next), and becomes
+one row of a DataFrame, written as parquet and markdown with a log-log plot of time and memory:
+
+- registered clients, participants per round (kept, arrived, late, computed);
+- steady-state wall seconds per round (rounds after the first) and start-up seconds (process start to the
+  first round: imports, data, partition, Ray and its workers);
+- peak RSS summed over the driver and every process under it (Ray's daemons, workers and server actor),
+  sampled by a thread; with `ray job submit` the cluster's daemons are not the driver's children, so the
+  workers and the server are found by pid instead;
+- peak Ray object-store bytes in use; peak GPU memory per worker (nvidia-smi) where there is a GPU;
+- personal-state cache: bytes spilled to disk at the end.
+
+Also `python -m jobs.stress ...`, and as a Ray job: `ray job submit --working-dir . -- python -m jobs.stress ...`.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+from datetime import datetime  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from fedsim.errors import ConfigError, FedsimError  # noqa: E402
+
+RESULT = "STRESS_JSON "
+COLUMNS = ["registered", "participants", "skip_late", "rounds", "s_per_round", "startup_s", "round0_s",
+           "peak_rss_gb", "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb", "object_store_mb",
+           "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "spilled_states", "workers",
+           "processes", "total_s", "run_dir", "status"]
+
+
+# ------------------------------------------------------------------------------------------- measuring
+class MemorySampler(threading.Thread):
+    """Peak of the summed RSS over this process, its descendants and any extra pids; object store; GPU."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.psutil, self.interval = psutil, interval
+        self.root = psutil.Process()
+        self.roles: dict[int, str] = {}  # pid -> worker | server (found after the backend starts)
+        self.peak = {"total": 0, "driver": 0, "worker": 0, "server": 0}
+        self.processes = 0
+        self.object_store = 0
+        self.gpu: dict[int, int] = {}
+        self._stop_ev = threading.Event()
+        self._procs: list = []
+        self._n = 0
+
+    def _scan(self) -> None:
+        ps = self.psutil
+        try:
+            procs = [self.root] + self.root.children(recursive=True)
+        except ps.NoSuchProcess:
+            procs = []
+        known = {p.pid for p in procs}
+        for pid in self.roles:
+            if pid not in known:
+                try:
+                    procs.append(ps.Process(pid))
+                except ps.NoSuchProcess:
+                    pass
+        self._procs = procs
+        self.processes = max(self.processes, len(procs))
+
+    def sample(self) -> None:
+        if self._n % 5 == 0 or not self._procs:
+            self._scan()
+        by_role = {"total": 0, "driver": 0, "worker": 0, "server": 0}
+        for p in self._procs:
+            try:
+                rss = p.memory_info().rss
+            except (self.psutil.NoSuchProcess, self.psutil.AccessDenied, self.psutil.ZombieProcess):
+                continue
+            by_role["total"] += rss
+            role = "driver" if p.pid == self.root.pid else self.roles.get(p.pid)
+            if role:
+                by_role[role] += rss
+        for k, v in by_role.items():
+            self.peak[k] = max(self.peak[k], v)
+        if self._n % 5 == 0:
+            self.object_store = max(self.object_store, object_store_bytes())
+            for pid, mb in gpu_memory_by_pid().items():
+                if self.roles.get(pid) == "worker":
+                    self.gpu[pid] = max(self.gpu.get(pid, 0), mb)
+        self._n += 1
+
+    def run(self) -> None:
+        while not self._stop_ev.is_set():
+            self.sample()
+            self._stop_ev.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_ev.set()
+        self.join(timeout=5)
+
+
+def object_store_bytes() -> int:
+    """Bytes in use in the Ray object store (cluster-wide), 0 without Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 0
+        total = ray.cluster_resources().get("object_store_memory", 0.0)
+        free = ray.available_resources().get("object_store_memory", total)
+        return int(max(total - free, 0))
+    except Exception:  # the cluster is going down between two samples
+        return 0
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """MiB of GPU memory used by each process on this node's GPUs (empty without nvidia-smi)."""
+    if not shutil.which("nvidia-smi"):
+        return {}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    return {int(pid): int(float(mb)) for pid, mb in rows if pid.strip().isdigit()}
+
+
+def dir_stats(path: Path) -> tuple[int, int]:
+    """(bytes, files) under a folder."""
+    if not path.exists():
+        return 0, 0
+    files = [p for p in path.rglob("*.pt") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def measure(cfg, workers: int | None = None, t_start: float | None = None) -> dict:
+    """Run `cfg` once and return its stress row (everything but the plot)."""
+    import numpy as np
+
+    from fedsim.config import clients_per_round, save_config
+    from fedsim.runtime.loop import Simulation, new_run_dir
+    from jobs.cli import make_backend
+
+    t_start = T_START if t_start is None else t_start
+    sampler = MemorySampler()
+    sampler.start()
+    backend = make_backend(cfg, workers)
+    run_dir = new_run_dir(cfg)
+    save_config(cfg, run_dir / "config.yaml")
+    marks: list[float] = []
+    rows: list[dict] = []
+
+    def progress(r: int, row: dict) -> None:
+        marks.append(time.perf_counter())
+        rows.append(row)
+
+    sim = Simulation(cfg, backend, run_dir, progress)
+    try:
+        sim.setup()
+        sampler.roles.update({int(p["pid"]): "worker" for p in getattr(backend, "placement", []) if "pid" in p})
+        server_pid = int(backend.server("ping")["pid"])
+        if server_pid != os.getpid():
+            sampler.roles[server_pid] = "server"
+        sampler._scan()
+        t_loop = time.perf_counter()
+        state = sim.run()
+        sampler.sample()
+    finally:
+        backend.shutdown()
+        sampler.stop()
+    t_done = time.perf_counter()
+    times = np.diff([t_loop] + marks)
+    steady = times[1:] if len(times) > 1 else times
+    clients = state.clients
+    first_phase = {c["phase"] for c in clients[:1]}
+    computed = [c for c in clients if c["phase"] in first_phase and c["wall_s"] and c["wall_s"] > 0]
+    spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
+    spilled_bytes, spilled_files = dir_stats(spill)
+    gb = 2 ** 30
+    R = len(rows)
+    return {
+        "registered": cfg.data.num_clients, "participants": clients_per_round(cfg),
+        "skip_late": bool(cfg.stragglers.skip_late), "rounds": R,
+        "s_per_round": float(np.mean(steady)) if len(steady) else float("nan"),
+        "startup_s": t_loop - t_start, "round0_s": float(times[0]) if len(times) else float("nan"),
+        "peak_rss_gb": sampler.peak["total"] / gb, "peak_rss_driver_gb": sampler.peak["driver"] / gb,
+        "peak_rss_workers_gb": sampler.peak["worker"] / gb, "peak_rss_server_gb": sampler.peak["server"] / gb,
+        "object_store_mb": sampler.object_store / 2 ** 20,
+        "gpu_mb_per_worker": max(sampler.gpu.values()) if sampler.gpu else float("nan"),
+        "arrived": float(np.mean([r.get("arrived", np.nan) for r in rows])) if rows else float("nan"),
+        "late": float(np.mean([r.get("stragglers", np.nan) for r in rows])) if rows else float("nan"),
+        "computed": len(computed) / max(R, 1),
+        "spilled_mb": spilled_bytes / 2 ** 20, "spilled_states": spilled_files,
+        "workers": backend_workers(sampler), "processes": sampler.processes, "total_s": t_done - t_start,
+        "run_dir": str(run_dir), "status": "ok",
+    }
+
+
+def backend_workers(sampler: MemorySampler) -> int:
+    return sum(1 for r in sampler.roles.values() if r == "worker") or 1
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+def parse_counts(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(float(t)) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not out or any(n < 1 for n in out):
+        raise ConfigError(f"{flag}: expected positive integers, got {text!r}")
+    return out
+
+
+def point_overrides(n: int, k: int | None, skip: bool | None, rounds: int, root: Path) -> list[str]:
+    """The overrides of one point: client count, participants (capped at the count), rounds, output."""
+    out = [f"data.num_clients={n}", f"rounds={rounds}", f"results.root={root}", "results.run_id=null"]
+    if k is not None:
+        out += [f"participation.clients_per_round={min(k, n)}", "participation.fraction=null"]
+    if skip is not None:
+        out.append(f"stragglers.skip_late={str(skip).lower()}")
+    return out
+
+
+def load_point(config: str, overrides: list[str], n: int):
+    """The config of one point; participants above the count are capped to it."""
+    from fedsim.config import load_config
+
+    k = load_config(config, [o for o in overrides if not o.startswith("data.num_clients=")]) \
+        .participation.clients_per_round
+    return load_config(config, overrides + ([f"participation.clients_per_round={n}"] if k and k > n else []))
+
+
+def run_point(args: argparse.Namespace, overrides: list[str], n: int) -> dict:
+    """One point, in a fresh process (default) or in this one (--in-process, for tests)."""
+    if args.in_process:
+        return measure(load_point(args.config, overrides, n), args.workers, time.perf_counter())
+    cmd = [sys.executable, "-m", "jobs.stress", "--point", args.config, "--clients", str(n)]
+    cmd += [a for o in overrides for a in ("-o", o)]
+    cmd += ["--workers", str(args.workers)] if args.workers else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                          timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    return {"registered": n, "status": f"failed: {tail[0][:200]}"}
+
+
+def table(df) -> str:
+    """The stress DataFrame as a markdown table (the columns a reader needs)."""
+    cols = ["registered", "participants", "skip_late", "s_per_round", "startup_s", "peak_rss_gb",
+            "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb", "object_store_mb",
+            "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "status"]
+    show = df[[c for c in cols if c in df]].copy()
+    head = "| " + " | ".join(show.columns) + " |"
+    lines = [head, "|" + "---|" * len(show.columns)]
+    for _, row in show.iterrows():
+        cells = []
+        for c in show.columns:
+            v = row[c]
+            if isinstance(v, float):
+                cells.append("n/a" if v != v else (f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+            else:
+                cells.append(str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(df, path: Path) -> None:
+    """Seconds per round and peak RSS against registered clients, log-log, one line per (participants, skip)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedsim.io import atomic_write
+
+    ok = df[df["status"] == "ok"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for (k, skip), g in ok.groupby(["participants", "skip_late"]):
+        g = g.sort_values("registered")
+        label = f"{k} per round" + (", skip late" if skip else "")
+        axes[0].plot(g["registered"], g["s_per_round"], marker="o", label=label)
+        axes[1].plot(g["registered"], g["peak_rss_gb"], marker="o", label=label)
+    for ax, ylabel in zip(axes, ["wall seconds per round (steady state)", "peak RSS, all processes (GiB)"],
+                          strict=True):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("registered clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from jobs.cli import _Parser
+
+    p = _Parser(prog="fedsim stress", description="Run a config at several client counts; time and memory.")
+    p.add_argument("config", help="run config (YAML)")
+    p.add_argument("--clients", required=True, help="registered client counts, e.g. 100,1000,10000,100000")
+    p.add_argument("--participants", help="clients per round to try (default: the config's), e.g. 10,100,1000")
+    p.add_argument("--skip-late", choices=["config", "both"], default="config",
+                   help="'both' runs every point with stragglers.skip_late false and true")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per point (the first is warm-up)")
+    p.add_argument("--out", help="output folder (default results/stress/<config>-<time>)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--workers", type=int, help="client workers")
+    p.add_argument("--in-process", action="store_true", help="run every point in this process (tests)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    p.add_argument("--point", action="store_true", help=argparse.SUPPRESS)  # one point, as a child process
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except FedsimError as exc:
+        print(f"fedsim: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from fedsim.io import atomic_write, atomic_write_text
+
+    counts = parse_counts(args.clients, "--clients")
+    if args.rounds < 1:
+        raise ConfigError("--rounds: must be >= 1")
+    if args.point:  # a child process: one point, one line of JSON
+        cfg = load_point(args.config, args.override, counts[0])
+        print(RESULT + json.dumps(measure(cfg, args.workers)), flush=True)
+        return 0
+    base = load_point(args.config, args.override, max(counts))  # fail early on a bad config
+    ks: list[int | None] = parse_counts(args.participants, "--participants") if args.participants else [None]
+    skips: list[bool | None] = [None]
+    if args.skip_late == "both":
+        if not base.stragglers.enabled:
+            raise ConfigError("--skip-late both: the config has stragglers.enabled: false, so nobody is late")
+        skips = [False, True]
+    out = Path(args.out or Path("results") / "stress" / f"{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for k in ks:
+        for n in counts:
+            for skip in skips:
+                ov = args.override + point_overrides(n, k, skip, args.rounds, out / "runs")
+                print(f"[stress] {n} clients, {min(k, n) if k else 'config'} per round"
+                      + ("" if skip is None else f", skip_late={skip}") + " ...", file=sys.stderr, flush=True)
+                row = run_point(args, ov, n)
+                rows.append(row)
+                print(f"[stress] {row.get('status')}: {row.get('s_per_round', float('nan')):.3f} s/round, start-up "
+                      f"{row.get('startup_s', float('nan')):.1f} s, peak RSS {row.get('peak_rss_gb', float('nan')):.2f}"
+                      " GiB", file=sys.stderr, flush=True)
+    df = pd.DataFrame(rows)
+    df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
+    atomic_write(out / "stress.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+    cmd = "fedsim stress " + " ".join(_argv_text(args))
+    text = (f"# Stress: {args.config}\n\nCommand: `{cmd}`  \nMeasured {datetime.now():%Y-%m-%d %H:%M} on "
+            f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(df)}\n")
+    atomic_write_text(out / "stress.md", text)
+    if (df["status"] == "ok").any():
+        plot(df, out / "stress.png")
+    print(table(df))
+    print(f"wrote {out / 'stress.parquet'}, {out / 'stress.md'}" + (", stress.png" if (df["status"] == "ok").any()
+                                                                     else ""))
+    return 0 if (df["status"] == "ok").all() else 1
+
+
+def _argv_text(args: argparse.Namespace) -> list[str]:
+    """The command line that reproduces this sweep."""
+    out = [args.config, "--clients", args.clients]
+    if args.participants:
+        out += ["--participants", args.participants]
+    if args.skip_late != "config":
+        out += ["--skip-late", args.skip_late]
+    out += ["--rounds", str(args.rounds)]
+    if args.out:
+        out += ["--out", args.out]
+    for o in args.override:
+        out += ["-o", o]
+    if args.workers:
+        out += ["--workers", str(args.workers)]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

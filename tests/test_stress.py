@@ -1,0 +1,86 @@
+"""Stress machinery: the stress command's table, and the bounded personal-state cache that spills to disk."""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from fedsim.checkpoint import load_checkpoint
+from fedsim.results import load
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from fedsim.runtime.store import ClientStateStore, state_nbytes
+from jobs.cli import main as cli
+from tests.conftest import ROOT
+
+SMALL_DATA = "data.options={n_train: 3000, n_test: 200, channels: 1, size: 8}"
+
+
+def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path):
+    out = tmp_path / "stress"
+    code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "10,100", "--rounds", "2",
+                "--participants", "20", "--skip-late", "both", "--in-process", "--out", str(out),
+                "-o", "runtime.backend=local", "-o", "runtime.threads=1", "-o", SMALL_DATA])
+    assert code == 0
+    df = pd.read_parquet(out / "stress.parquet")
+    assert df["registered"].tolist() == [10, 10, 100, 100]
+    assert df["participants"].tolist() == [10, 10, 20, 20]  # capped at the client count
+    assert df["skip_late"].tolist() == [False, True, False, True]
+    assert (df["status"] == "ok").all() and (df["rounds"] == 2).all()
+    assert (df["s_per_round"] > 0).all() and (df["startup_s"] > 0).all() and (df["peak_rss_gb"] > 0.1).all()
+    # 80%-quantile deadline: the late fifth is computed (and dropped) unless skip_late says not to compute it
+    assert (df["late"] > 0).all()
+    assert (df["computed"] == df["participants"]).where(~df["skip_late"], True).all()
+    assert (df["computed"] == df["participants"] - df["late"]).where(df["skip_late"], True).all()
+    md = (out / "stress.md").read_text()
+    assert "| registered | participants | skip_late | s_per_round |" in md and "fedsim stress" in md
+    assert (out / "stress.png").stat().st_size > 1000
+
+
+def test_stress_command_rejects_bad_counts(tmp_path, capsys):
+    assert cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "ten", "--out", str(tmp_path)]) == 2
+    assert "--clients: expected comma-separated integers" in capsys.readouterr().err
+
+
+def _personal_run(make_config, cache: int | None, workers: int = 2):
+    """FedAvg whose clients keep their SGD momentum across rounds: personal state that must survive spills."""
+    cfg = make_config("train.keep_optimizer_state=true", "runtime.threads=1", "results.checkpoint_every=1",
+                      "participation.clients_per_round=6", f"runtime.cache_bytes={'null' if cache is None else cache}",
+                      rounds=4)
+    return run(cfg, LocalBackend(num_workers=workers))
+
+
+def test_a_tiny_cache_gives_the_numbers_of_an_unbounded_one(make_config):
+    unbounded = _personal_run(make_config, None)
+    tiny = _personal_run(make_config, 1)  # one byte: every state but the one in use lives on disk
+    a, b = load(unbounded), load(tiny)
+    keep = [c for c in a["rounds"].columns if not c.endswith("_s")]
+    pd.testing.assert_frame_equal(a["rounds"][keep], b["rounds"][keep])
+    keep = [c for c in a["clients"].columns if not c.endswith("_s")]
+    pd.testing.assert_frame_equal(a["clients"][keep], b["clients"][keep])
+    assert not (unbounded / "spill").exists() and len(list((tiny / "spill").rglob("*.pt"))) >= 4
+    # the checkpoint holds every client's state, spilled ones included, bit for bit
+    ca, cb = (load_checkpoint(p / "checkpoints" / "last.pt")["client_states"] for p in (unbounded, tiny))
+    assert sorted(ca) == sorted(cb) and len(ca) >= 6
+    for cid in ca:
+        for key, t in ca[cid]["optimizer"]["state"].items():
+            assert torch.equal(t["momentum_buffer"], cb[cid]["optimizer"]["state"][key]["momentum_buffer"])
+
+
+def test_a_personal_model_spills_and_reloads_bit_for_bit(tmp_path):
+    from fedsim.models import build_model
+
+    states = {}
+    for cid in range(4):
+        torch.manual_seed(cid)
+        model = build_model("resnet8", 3, 10, 32)
+        model(torch.randn(4, 3, 32, 32))  # BN running stats and num_batches_tracked (int64) move
+        states[cid] = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    store = ClientStateStore(capacity_bytes=state_nbytes(states[0]), spill_dir=tmp_path)
+    for cid, st in states.items():
+        store.put(cid, st)
+    assert store.spills == 3 and len(list(tmp_path.glob("*.pt"))) == 3
+    for cid in (0, 2, 1, 3):
+        got = store.get(cid)["model"]
+        for k, v in states[cid]["model"].items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), (cid, k)
