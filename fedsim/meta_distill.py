@@ -189,7 +189,7 @@ class Distiller:
             y_real: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
         """Learn the tuples on (x_real, y_real); `start(iteration)` gives θ0 of each iteration (resets)."""
         model.train()
-        losses, it = [], 0
+        losses, it, bad = [], 0, 0
         for epoch, idx in self.batches(len(y_real), generator):
             for group in self.opt.param_groups:
                 group["lr"] = self.s.meta_lr * self.s.decay_factor ** (epoch // self.s.decay_every)
@@ -197,13 +197,17 @@ class Distiller:
             idx = idx.to(x_real.device)
             loss = self.meta_loss(model, start(it), rest, x_real[idx], y_real[idx], mask, noise)
             self.opt.zero_grad(set_to_none=True)
+            it += 1
+            if not torch.isfinite(loss):  # the unrolled training diverged: keep the last finite tuples
+                bad += 1
+                continue
             loss.backward()
             self.opt.step()
             losses.append(float(loss.detach()))
-            it += 1
         tail = losses[-max(1, len(losses) // 10):] if losses else [float("nan")]
         return {"meta_loss_first": losses[0] if losses else float("nan"),
-                "meta_loss_last": sum(tail) / len(tail), "meta_iterations": float(it)}
+                "meta_loss_last": sum(tail) / len(tail), "meta_iterations": float(it),
+                "nonfinite_iterations": float(bad)}
 
     def export(self) -> dict[str, torch.Tensor]:
         """The uploaded tuples: inputs, labels (classes or label logits) and effective lrs, detached on the CPU."""

@@ -150,3 +150,15 @@ def test_fit_halves_meta_lr_every_tau_epochs_and_learns() -> None:
     assert seen == pytest.approx([0.05, 0.05, 0.025, 0.025, 0.0125])
     assert out["meta_iterations"] == 5
     assert out["meta_loss_last"] < out["meta_loss_first"]
+
+
+def test_diverged_iterations_are_skipped_and_counted() -> None:
+    """A non-finite real-batch loss (diverged unroll) updates nothing: the last finite tuples are kept."""
+    model, theta0, rest, d, x_real, y_real = tiny_problem(soft=False, lr_per="step")
+    d.s.outer_epochs, d.s.real_batch = 2, 5
+    with torch.no_grad():
+        d.x[0, 0, 0] = float("nan")
+    before = d.x.detach().clone()
+    out = d.fit(model, lambda it: theta0, rest, x_real, y_real, torch.Generator().manual_seed(0))
+    assert out["nonfinite_iterations"] == 2 and out["meta_iterations"] == 2
+    torch.testing.assert_close(d.x.detach(), before, equal_nan=True)
