@@ -35,10 +35,10 @@ from pathlib import Path  # noqa: E402
 from fedsim.errors import ConfigError, FedsimError  # noqa: E402
 
 RESULT = "STRESS_JSON "
-COLUMNS = ["registered", "participants", "skip_late", "rounds", "s_per_round", "startup_s", "round0_s",
-           "peak_rss_gb", "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb", "object_store_mb",
-           "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "spilled_states", "workers",
-           "processes", "total_s", "run_dir", "status"]
+COLUMNS = ["registered", "participants", "skip_late", "rounds", "s_per_round", "ms_per_participant", "startup_s",
+           "round0_s", "peak_rss_gb", "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb",
+           "object_store_mb", "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "spilled_states",
+           "workers", "processes", "total_s", "run_dir", "status"]
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -192,9 +192,12 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
         "registered": cfg.data.num_clients, "participants": clients_per_round(cfg),
         "skip_late": bool(cfg.stragglers.skip_late), "rounds": R,
         "s_per_round": float(np.mean(steady)) if len(steady) else float("nan"),
+        "ms_per_participant": 1000 * float(np.mean(steady)) / max(clients_per_round(cfg), 1) if len(steady)
+        else float("nan"),
         "startup_s": t_loop - t_start, "round0_s": float(times[0]) if len(times) else float("nan"),
         "peak_rss_gb": sampler.peak["total"] / gb, "peak_rss_driver_gb": sampler.peak["driver"] / gb,
-        "peak_rss_workers_gb": sampler.peak["worker"] / gb, "peak_rss_server_gb": sampler.peak["server"] / gb,
+        "peak_rss_workers_gb": sampler.peak["worker"] / gb,
+        "peak_rss_server_gb": sampler.peak["server"] / gb if "server" in sampler.roles.values() else float("nan"),
         "object_store_mb": sampler.object_store / 2 ** 20,
         "gpu_mb_per_worker": max(sampler.gpu.values()) if sampler.gpu else float("nan"),
         "arrived": float(np.mean([r.get("arrived", np.nan) for r in rows])) if rows else float("nan"),
@@ -258,7 +261,7 @@ def run_point(args: argparse.Namespace, overrides: list[str], n: int) -> dict:
 
 def table(df) -> str:
     """The stress DataFrame as a markdown table (the columns a reader needs)."""
-    cols = ["registered", "participants", "skip_late", "s_per_round", "startup_s", "peak_rss_gb",
+    cols = ["registered", "participants", "skip_late", "s_per_round", "ms_per_participant", "startup_s", "peak_rss_gb",
             "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb", "object_store_mb",
             "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "status"]
     show = df[[c for c in cols if c in df]].copy()
@@ -292,10 +295,13 @@ def plot(df, path: Path) -> None:
         label = f"{k} per round" + (", skip late" if skip else "")
         axes[0].plot(g["registered"], g["s_per_round"], marker="o", label=label)
         axes[1].plot(g["registered"], g["peak_rss_gb"], marker="o", label=label)
-    for ax, ylabel in zip(axes, ["wall seconds per round (steady state)", "peak RSS, all processes (GiB)"],
-                          strict=True):
+    for ax, col, ylabel in zip(axes, ["s_per_round", "peak_rss_gb"],
+                               ["wall seconds per round (steady state)", "peak RSS, all processes (GiB)"], strict=True):
         ax.set_xscale("log")
         ax.set_yscale("log")
+        lo, hi = ok[col].min(), ok[col].max()
+        if lo > 0:
+            ax.set_ylim(lo / 3, hi * 3)  # at least a decade, so flat looks flat
         ax.set_xlabel("registered clients")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
