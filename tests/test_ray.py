@@ -53,8 +53,13 @@ def test_fractional_gpu_placement(ray_local, make_config):
 
 
 def test_ray_matches_local(ray_local, make_config):
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "stragglers.enabled=true")
-    on_ray = load(run(cfg, RayBackend()))
+    # three 0.5-CPU workers and a ServerActor that reserves 0.5 CPU (the other server path, in the driver,
+    # is what every other Ray test here uses)
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
+                      "stragglers.enabled=true")
+    backend = RayBackend()
+    on_ray = load(run(cfg, backend))
+    assert on_ray["meta"]["num_workers"] == 3
     cfg.results.run_id = None
     local = load(run(cfg, LocalBackend()))
     pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
