@@ -114,6 +114,14 @@ def _check_bounds(value: Any, meta: Any, path: str, errors: _Errors) -> None:
             errors.add(path, f"must be {word} {bound}, got {value!r}")
 
 
+def _merge(base: dict, update: dict) -> dict:
+    """`update` laid over `base`, recursively for nested mappings."""
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _build(cls: type, data: dict, prefix: str, errors: _Errors) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls) if f.init}
@@ -123,8 +131,11 @@ def _build(cls: type, data: dict, prefix: str, errors: _Errors) -> Any:
         if key not in known:
             errors.add(path, f"unknown key; valid keys are {sorted(known)}")
             continue
+        f = known[key]
+        if isinstance(value, dict) and is_dataclass(hints[key]) and f.default_factory is not MISSING:
+            value = _merge(to_dict(f.default_factory()), value)  # a partial section keeps the field's defaults
         out = _convert(value, hints[key], path, errors)
-        _check_bounds(out, known[key].metadata, path, errors)
+        _check_bounds(out, f.metadata, path, errors)
         kwargs[key] = out
     for name, f in known.items():
         if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:

@@ -43,6 +43,13 @@ def test_bad_values_name_the_key(overrides, message):
         load_config(None, overrides)
 
 
+def test_partial_nested_override_keeps_the_field_defaults():
+    cfg = load_config(None, ["stragglers.bandwidth_mbps.sigma=0.25"])
+    assert cfg.stragglers.bandwidth_mbps.mean == 20.0 and cfg.stragglers.bandwidth_mbps.sigma == 0.25
+    with pytest.raises(ConfigError, match="stragglers.speed.sigmaa: unknown key"):
+        load_config(None, ["stragglers.speed.sigmaa=1"])
+
+
 def test_all_errors_reported_together():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["train.lr=-1", "rounds=0", "bogus=1"])
