@@ -88,7 +88,7 @@ def measure(name: str, iterations: int) -> dict:
 
     torch.set_num_threads(1)
     from fedsim.algorithms.dosfl import distilled_shape
-    from fedsim.meta_distill import DistillSettings, Distiller, trainable, xavier_init_
+    from fedsim.meta_distill import Distiller, DistillSettings, trainable, xavier_init_
     from fedsim.models import build_model
     from fedsim.models import text as _text  # noqa: F401
 
