@@ -29,9 +29,14 @@ def commands(system: str, args: list[str], fedsim_args: list[str]) -> tuple[list
         return [sys.executable, str(peer / "plain_fedavg.py"), *args, "--threads", "1"], peer
     if system == "flower":
         return [str(flower_python()), str(peer / "flower_fedavg.py"), *args, "--client-cpus", "1"], peer
-    if system == "fedsim":
+    if system == "fedsim":  # the default runtime: one single-thread worker per CPU (2 here)
         return [sys.executable, "-m", "bench.fedsim_fedavg", *args, *fedsim_args], REPO
-    raise ValueError(f"unknown system {system!r}; choose plain, plain_t1, fedsim or flower")
+    if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *args, "--client-cpus", "2", "-o", "runtime.threads=2",
+                *fedsim_args], REPO
+    if system == "flower_2c":  # Flower with one actor of 2 CPUs (the harness's other setting)
+        return [str(flower_python()), str(peer / "flower_fedavg.py"), *args, "--client-cpus", "2"], peer
+    raise ValueError(f"unknown system {system!r}; choose plain, plain_t1, fedsim, fedsim_1w, flower or flower_2c")
 
 
 def run_matrix(workloads: dict, systems: list[str], repeat: int, fedsim_args: list[str], tag: str,
@@ -39,7 +44,7 @@ def run_matrix(workloads: dict, systems: list[str], repeat: int, fedsim_args: li
     """Every system on every workload, `repeat` times, interleaved so machine noise hits all of them alike."""
     common = fl_common()
     common.generate_synthetic()  # the data is made once, before any timed run
-    if "flower" in systems:
+    if any(s.startswith("flower") for s in systems):
         flower_python(log)
     rows = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -51,7 +56,7 @@ def run_matrix(workloads: dict, systems: list[str], repeat: int, fedsim_args: li
                 load = load_average()
                 log(f"[{tag}] {name} {system} (repeat {rep + 1}/{repeat}, load {load:.1f}) ...")
                 res = run_program(cmd + ["--tag", f"{name}_{system}_{rep}"], log_path, timeout, cwd)
-                row = {"config": name, "system": system, "repeat": rep, "load_before": round(load, 2), **res}
+                row = {**res, "config": name, "system": system, "repeat": rep, "load_before": round(load, 2)}
                 rows.append(row)
                 log(f"[{tag}] {name} {system}: {res['status']}, total {res.get('total_seconds')} s, "
                     f"{res.get('seconds_per_round')} s/round, peak RSS {res.get('peak_rss_mb')} MB, "
