@@ -3,6 +3,7 @@ the Jobs API on a loopback head, and the cluster config."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -43,7 +43,6 @@ def test_fractional_gpu_placement(ray_local, make_config):
     cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
     backend = RayBackend()
     run_dir = run(cfg, backend)
-    import json
 
     placement = json.loads((run_dir / "meta.json").read_text())["placement"]
     assert len(placement) == 4
@@ -108,56 +107,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SUBMIT = """
+import json, sys, time
+from ray.job_submission import JobStatus, JobSubmissionClient
+address, root, out = sys.argv[1:]
+end = time.time() + 500
+job = None
+while job is None:
+    try:  # the dashboard and its job agent take a while to come up
+        client = JobSubmissionClient(address)
+        job = client.submit_job(
+            entrypoint=f"{sys.executable} -m jobs.run configs/demo.yaml --quiet -o rounds=2 -o data.num_clients=6 "
+                       f"-o participation.clients_per_round=3 -o train.epochs=1 -o results.root={out} "
+                       f"-o results.run_id=submitted",
+            runtime_env={"working_dir": root, "excludes": [".venv", "results", ".git", "*.pt", ".pytest_cache"],
+                         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
+    except Exception as exc:
+        if time.time() > end:
+            raise
+        print("retry:", type(exc).__name__, str(exc)[:200], flush=True)
+        time.sleep(2)
+status = client.get_job_status(job)
+while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED} and time.time() < end:
+    time.sleep(1)
+    status = client.get_job_status(job)
+print(status)
+if status != JobStatus.SUCCEEDED:
+    print(client.get_job_logs(job)[-3000:])
+"""
+
+
 def test_job_submission_on_a_loopback_head(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     temp = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     # A loopback-only head for this test: token authentication off, on the head and the client alike.
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (_free_port() for _ in range(7))
     # --block keeps the head in this process group, so the test stops only its own head (never `ray stop`,
     # which would stop every Ray instance on the machine).
     head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
-                             "--include-dashboard=true", f"--temp-dir={temp}"], env=env, start_new_session=True,
+                             "--include-dashboard=true", f"--temp-dir={temp}",
+                             # its own agent ports: the session's Ray instance already holds the defaults
+                             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+                             f"--ray-client-server-port={client_port}"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        from ray.job_submission import JobStatus, JobSubmissionClient
-
-        client = None
-        for _ in range(120):  # the dashboard takes a while to come up
-            try:
-                client = JobSubmissionClient(f"http://127.0.0.1:{dash}")
-                break
-            except Exception:
-                assert head.poll() is None, "ray start --head exited"
-                time.sleep(1)
-        assert client is not None, "the Jobs API never answered"
+        # The Jobs API client runs in its own process, away from this test session's own Ray instance.
         out = tmp_path / "out"
-        submit = dict(
-            entrypoint=f"{sys.executable} -m jobs.run configs/demo.yaml --quiet -o rounds=2 "
-                       f"-o data.num_clients=6 -o participation.clients_per_round=3 -o train.epochs=1 "
-                       f"-o results.root={out} -o results.run_id=submitted",
-            runtime_env={"working_dir": ROOT, "excludes": [".venv", "results", ".git", "*.pt"],
-                         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-        job = None
-        for _ in range(60):  # the job agent may lag the dashboard
-            try:
-                job = client.submit_job(**submit)
-                break
-            except RuntimeError:
-                time.sleep(2)
-        assert job is not None, "the Jobs API never accepted the job"
-        deadline = time.time() + 400
-        status = client.get_job_status(job)
-        while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED} and time.time() < deadline:
-            time.sleep(1)
-            status = client.get_job_status(job)
-        assert status == JobStatus.SUCCEEDED, client.get_job_logs(job)[-3000:]
+        proc = subprocess.run([sys.executable, "-c", SUBMIT, f"http://127.0.0.1:{dash}", ROOT, str(out)], env=env,
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0 and "SUCCEEDED" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
         res = load(out / "submitted")
         assert list(res["rounds"]["round"]) == [0, 1] and res["meta"]["backend"] == "RayBackend"
     finally:
-        os.environ.pop("RAY_AUTH_MODE", None)
         os.killpg(head.pid, signal.SIGTERM)
         try:
             head.wait(timeout=60)
