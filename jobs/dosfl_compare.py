@@ -10,18 +10,24 @@ runs for R rounds per seed; for each FedAvg seed we report the first round whose
 target and the bytes (up + down) spent until then. The break-even round is DOSFL's total bytes divided by
 FedAvg's bytes per round, rounded up (the paper's Table 3 quantity, from measured bytes). Output: a
 markdown table (printed, and written to --out, default results/dosfl/<config names>.md) and a CSV.
+Runs are named by (config, overrides, seed), so a rerun reuses finished runs (--fresh to redo them).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+FRESH = False  # --fresh: rerun even when a finished run of the same config and seed exists
 
 
 def _runs(raw: dict, seeds: list[int], overrides: list[str]) -> list[pd.DataFrame]:
@@ -38,14 +44,28 @@ def _runs(raw: dict, seeds: list[int], overrides: list[str]) -> list[pd.DataFram
             import torch
 
             torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
+        key = hashlib.sha1(json.dumps([raw, overrides, seed], sort_keys=True, default=str).encode()).hexdigest()
+        cfg.results.run_id = f"{cfg.name}-{cfg.algorithm.name}-s{seed}-{key[:10]}"
+        done = Path(cfg.results.root) / cfg.results.run_id
+        if (done / "rounds.parquet").is_file() and not FRESH:
+            print(f"  {cfg.algorithm.name} seed={seed}: reusing {done}", file=sys.stderr, flush=True)
+            out.append(_best_rows(load(done)["rounds"]))
+            continue
         print(f"  {cfg.algorithm.name} seed={seed} ...", file=sys.stderr, flush=True)
+        if done.exists():
+            shutil.rmtree(done)  # an interrupted run: start it again
         rounds = load(run(cfg, backend=make_backend(cfg)))["rounds"]
-        ev = rounds.dropna(subset=["accuracy"])
-        ev = ev.loc[ev.groupby("round")["accuracy"].idxmax()].sort_values("round")
-        by_round = rounds.groupby("round")[["bytes_up", "bytes_down"]].first()  # one row per model and round
-        ev = ev.drop(columns=["bytes_up", "bytes_down"]).join(by_round, on="round")
-        out.append(ev.reset_index(drop=True))
+        out.append(_best_rows(rounds))
     return out
+
+
+def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
+    """One row per evaluated round: the best global model's accuracy, with that round's bytes."""
+    ev = rounds.dropna(subset=["accuracy"])
+    ev = ev.loc[ev.groupby("round")["accuracy"].idxmax()].sort_values("round")
+    by_round = rounds.groupby("round")[["bytes_up", "bytes_down"]].first()  # one row per model and round
+    ev = ev.drop(columns=["bytes_up", "bytes_down"]).join(by_round, on="round")
+    return ev.reset_index(drop=True)
 
 
 def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
@@ -117,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fedavg", action="append", default=[], metavar="KEY=VALUE", help="FedAvg-only override")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="override for both")
     p.add_argument("--out", default=None)
+    p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     args = p.parse_args(argv)
+    global FRESH
+    FRESH = args.fresh
     try:
         rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override)
                 for c in args.configs]

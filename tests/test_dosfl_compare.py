@@ -41,3 +41,24 @@ def test_rejects_a_non_dosfl_config(tmp_path) -> None:
     cfg.write_text("algorithm: {name: fedavg}\n")
     with pytest.raises(ConfigError, match="algorithm.name must be dosfl"):
         dc.compare(str(cfg), [0], "best", None, [], [])
+
+
+def test_real_runs_are_named_by_config_and_reused(tmp_path, monkeypatch) -> None:
+    """A second call finds the finished run of the same (config, seed) and does not run it again."""
+    import torch
+
+    import fedsim.runtime.loop
+
+    raw = {"data": {"name": "digits", "num_clients": 3, "partition": {"kind": "iid"}}, "model": {"name": "lenet"},
+           "algorithm": {"name": "dosfl", "distill_steps": 2, "distill_batch": 3, "distill_epochs": 1, "epochs": 1},
+           "runtime": {"backend": "local", "threads": 1}, "results": {"root": str(tmp_path)}}
+    old = torch.get_num_threads()
+    try:
+        (first,) = dc._runs(raw, [3], [])
+        monkeypatch.setattr(fedsim.runtime.loop, "run", lambda *a, **k: pytest.fail("ran again"))
+        (again,) = dc._runs(raw, [3], [])
+    finally:
+        torch.set_num_threads(old)
+    assert len(first) == 1 and first["bytes_up"].iloc[0] == 3 * (2 * 3 * 64 * 4 + 2 * 3 * 8 + 2 * 4)
+    pd.testing.assert_frame_equal(first, again)
+    assert len(list(tmp_path.iterdir())) == 1
