@@ -18,8 +18,8 @@ import sys
 from bench.report import fmt, header, medians, run_matrix, write
 from bench.workload import PEER_CONFIGS
 
-SYSTEMS = ["plain", "plain_t1", "fedsim", "fedsim_1w", "flower"]
-ALL = SYSTEMS + ["flower_2c"]
+SYSTEMS = ["plain", "plain_t1", "fedsim", "flower"]
+ALL = SYSTEMS + ["fedsim_1w", "flower_2c"]  # on request: one 2-thread fedsim worker, one 2-CPU Flower actor
 LABEL = {"plain": "plain (2 threads)", "plain_t1": "plain (1 thread)", "fedsim": "fedsim (2 workers × 1 thread)",
          "fedsim_1w": "fedsim (1 worker × 2 threads)", "flower": "Flower (2 actors × 1 CPU)",
          "flower_2c": "Flower (1 actor × 2 CPUs)"}

@@ -3,7 +3,7 @@
     python -m bench.scale_bench [--clients 1000,10000] [--per-round 100] [--rounds 3] [--repeat 1] [--pss]
 
 The harness's workload (synthetic 3x32x32 data, Dirichlet(0.5) partition, the plain loop's client draws)
-with the harness's MLP, 100 clients per round. The plain loop runs too, as the compute floor. Writes
+with the harness's MLP, 100 clients per round. The plain loop runs too (1 thread), as the compute floor. Writes
 results/bench/scale.md and scale.csv. Target: fedsim's total time at most half of Flower's, and its peak
 memory (RSS summed over every process of the run) lower. `--pss` also samples PSS (shared pages split
 between processes) once a second; it costs CPU, so its timings are not comparable with a run without it.
@@ -18,7 +18,7 @@ import sys
 from bench.report import fmt, header, medians, run_matrix, write
 from bench.workload import PeerWorkload
 
-SYSTEMS = ["plain", "fedsim", "flower"]
+SYSTEMS = ["plain_t1", "fedsim", "flower"]
 
 
 def tables(df, names: list[str], workloads: dict) -> list[str]:
@@ -35,7 +35,7 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
     n_rep = int(df["repeat"].max()) + 1
     out = [f"Medians over {n_rep} interleaved repeat(s). Total = process start to exit, imports and Ray start "
            "included; peak RSS summed over the process and all its descendants (Ray daemons and workers).", "",
-           "| clients (per round) | plain total s | fedsim total s (s/round) | Flower total s (s/round) | "
+           "| clients (per round) | plain (1 thread) total s | fedsim total s (s/round) | Flower total s (s/round) | "
            "fedsim / Flower total | peak RSS MB fedsim / Flower | fedsim / Flower RSS |"
            + (" peak PSS MB fedsim / Flower |" if pss else "") + " target |",
            "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if pss else "") + "---|"]
@@ -47,7 +47,7 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
         if ft and lt and fr and lr:
             goal = (f"time ≤ 0.5x: {'met' if ft <= 0.5 * lt else 'NOT met'}; "
                     f"memory lower: {'met' if fr < lr else 'NOT met'}")
-        row = (f"| {w.num_clients:,} ({w.clients_per_round}) | {fmt(get(name, 'plain', 'total_seconds'), 1)} | "
+        row = (f"| {w.num_clients:,} ({w.clients_per_round}) | {fmt(get(name, 'plain_t1', 'total_seconds'), 1)} | "
                f"{fmt(ft, 1)} ({fmt(get(name, 'fedsim', 'seconds_per_round'))}) | "
                f"{fmt(lt, 1)} ({fmt(get(name, 'flower', 'seconds_per_round'))}) | "
                f"{'n/a' if not (ft and lt) else f'{ft / lt:.2f}x'} | {fmt(fr, 0)} / {fmt(lr, 0)} | "
