@@ -3,22 +3,24 @@
     python -m bench.dosfl_memory [--out results/bench/dosfl_memory.md] [--iterations 3]
 
 Each setting runs in a fresh subprocess on random inputs of the right shape (no dataset needed), with the
-configs' default DOSFL settings. Three figures per setting:
+configs' default DOSFL settings. Figures per setting:
   - graph: bytes of the tensors autograd saves for the meta-backward (unique storages), the part that grows
     with S_d·E_d: device-independent, what a GPU would hold on top of model, data and optimiser;
-  - heap: the CPU peak of live heap bytes (glibc mallinfo2, read after every aten op, forward and backward,
-    through a TorchDispatchMode) above the level before the iteration, measured on the last iteration after
-    warm-up: the CPU analogue of torch.cuda.max_memory_allocated;
+  - iteration peak: the resident memory of a warm iteration (the last one) above the level before it,
+    sampled every 0.5 ms, with glibc's mmap threshold fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_) so freed
+    tensors go back to the OS: the CPU analogue of torch.cuda.max_memory_allocated;
   - rss: growth of the process's peak resident memory over the state after setup (an upper bound: it
-    includes allocator caching and first-use buffers);
+    also counts first-use buffers of the first iteration);
   - cuda: torch.cuda.max_memory_allocated above the pre-iteration level, when a GPU is present.
-Use the larger of graph and cuda to size `runtime.client_gpus`: fraction ≥ peak / GPU memory.
+Size `runtime.client_gpus` from the largest of graph, iteration peak and cuda: fraction ≥ peak / GPU memory
+(plus the worker's copy of the dataset and the CUDA context, ~0.5 GiB).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -48,37 +50,29 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * resource.getpagesize()
 
 
-def _heap_probe():
-    """A dispatch mode that records the peak of glibc's live heap bytes after every op (None off glibc)."""
-    import ctypes
+class RssSampler:
+    """Peak resident memory over a code block, sampled from /proc every 0.5 ms by a thread (torch ops free
+    the GIL). Run with MALLOC_MMAP_THRESHOLD_ fixed so freed tensors return to the OS and RSS tracks them."""
 
-    from torch.utils._python_dispatch import TorchDispatchMode
+    def __enter__(self) -> RssSampler:
+        import threading
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+        self.base = self.peak = _rss_bytes()
+        self._stop = threading.Event()
 
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
-        return None
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.peak = max(self.peak, _rss_bytes())
+                self._stop.wait(0.0005)
 
-    def live() -> int:
-        m = libc.mallinfo2()
-        return int(m.uordblks + m.hblkhd)
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
 
-    class Peak(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.base = self.peak = live()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            self.peak = max(self.peak, live())
-            return out
-
-    return Peak
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
 
 
 def measure(name: str, iterations: int) -> dict:
@@ -123,20 +117,12 @@ def measure(name: str, iterations: int) -> dict:
         torch.cuda.synchronize()
         cuda0 = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    times, heap = [], float("nan")
-    probe = _heap_probe() if device.type == "cpu" else None
-    for i in range(iterations + 1):
-        if i == iterations:  # one more, under the heap probe (slower, so not timed)
-            if probe is None:
-                break
-            mode = probe()
-            with mode:
-                loss = d.meta_loss(model, theta0, rest, x, y, mask, noise)
-                d.opt.zero_grad()
-                loss.backward()
-            heap = (mode.peak - mode.base) / 2**20
-            break
+    times, iter_peak = [], float("nan")
+    for i in range(iterations):
         t0 = time.perf_counter()
+        sampler = RssSampler() if i == iterations - 1 and device.type == "cpu" else None
+        if sampler is not None:
+            sampler.__enter__()
         if i == 0:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = d.meta_loss(model, theta0, rest, x, y, mask, noise)
@@ -148,10 +134,14 @@ def measure(name: str, iterations: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if sampler is not None:
+            del loss
+            sampler.__exit__()
+            iter_peak = (sampler.peak - sampler.base) / 2**20
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = sum(p.numel() for p in theta0.values())
     out = {"name": name, "device": str(device), "params": params, "graph_mb": sum(saved.values()) / 2**20,
-           "rss_mb": max(0, peak_rss - rss0) / 2**20, "heap_mb": heap, "s_per_iteration": float(np.median(times)),
+           "rss_mb": max(0, peak_rss - rss0) / 2**20, "iter_mb": iter_peak, "s_per_iteration": float(np.median(times)),
            "unrolled": dset["steps"] * dset["epochs"]}
     if device.type == "cuda":
         out["cuda_mb"] = (torch.cuda.max_memory_allocated() - cuda0) / 2**20
@@ -161,7 +151,7 @@ def measure(name: str, iterations: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dosfl_memory", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/bench/dosfl_memory.md")
-    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -169,21 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for name in SETTINGS:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
         res = subprocess.run([sys.executable, "-m", "bench.dosfl_memory", "--one", name, "--iterations",
-                              str(args.iterations)], capture_output=True, text=True, check=True)
+                              str(args.iterations)], capture_output=True, text=True, check=True, env=env)
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(rows[-1], file=sys.stderr, flush=True)
     cuda = any("cuda_mb" in r for r in rows)
-    head = ["setting", "config", "θ params", "unrolled steps", "graph (MiB)", "peak heap (MiB)",
+    head = ["setting", "config", "θ params", "unrolled steps", "graph (MiB)", "iteration peak (MiB)",
             "peak RSS growth (MiB)"] + \
         (["CUDA peak (MiB)"] if cuda else []) + ["s / meta-iteration", "client_gpus on a 16 GiB GPU"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        peak = max(r["graph_mb"], r.get("cuda_mb", 0.0), r["heap_mb"] if r["heap_mb"] == r["heap_mb"] else 0.0)
+        peak = max(r["graph_mb"], r.get("cuda_mb", 0.0), r["iter_mb"] if r["iter_mb"] == r["iter_mb"] else 0.0)
         frac = peak / (16 * 1024)
         lines.append("| " + " | ".join([
             r["name"], SETTINGS[r["name"]][4], f"{r['params']:,}", str(r["unrolled"]), f"{r['graph_mb']:.1f}",
-            f"{r['heap_mb']:.1f}", f"{r['rss_mb']:.1f}", *([f"{r.get('cuda_mb', float('nan')):.1f}"] if cuda else []),
+            f"{r['iter_mb']:.1f}", f"{r['rss_mb']:.1f}", *([f"{r.get('cuda_mb', float('nan')):.1f}"] if cuda else []),
             f"{r['s_per_iteration']:.3f} ({r['device']})",
             f"≥ {frac:.4f} (memory); the default 0.25 fits" if frac < 0.25 else f"≥ {frac:.3f}"]) + " |")
     import torch
@@ -191,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     text = ("### DOSFL: peak memory per client (one meta-iteration)\n\n" + "\n".join(lines) +
             f"\n\nCommand: `python -m bench.dosfl_memory`; torch {torch.__version__}, 1 thread, "
             f"{rows[0]['device']}. Graph = unique storages autograd saves for the meta-gradient; RSS = growth of "
-            "the CPU process's peak resident set over its state after setup; heap = peak live heap bytes during one "
-            "meta-iteration (after warm-up) above the level before it. client_gpus uses the largest of graph, "
-            "heap and CUDA peak. Real batches are random inputs "
+            "the CPU process's peak resident set over its state after setup (includes first-use buffers); iteration "
+            "peak = resident memory of a warm meta-iteration above the level before it (sampled every 0.5 ms, "
+            "glibc mmap threshold fixed at 128 KiB). client_gpus uses the largest of graph, iteration peak and "
+            "CUDA peak. Real batches are random inputs "
             "of the datasets' shapes.\n")
     print(text)
     from fedsim.io import atomic_write_text
