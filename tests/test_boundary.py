@@ -32,3 +32,21 @@ def test_public_api():
                                              "ConfigError", "DataError", "__version__"])
     for name in fedsim.__all__:
         assert hasattr(fedsim, name)
+
+
+WORKER_IMPORTS = """
+import sys
+import actors.client_worker
+from fedsim.algorithms.base import get_algorithm
+for name in ("fedavg", "fedprox", "feddf", "single_image", "dafkd", "fedgdkd", "dosfl"):
+    get_algorithm(name)
+print(" ".join(m for m in ("pandas", "pyarrow", "torchvision", "sklearn", "faiss", "matplotlib") if m in sys.modules))
+"""
+
+
+def test_client_workers_import_no_driver_libraries():
+    # every worker process pays for what it imports (torchvision alone is ~170 MB RSS, pandas ~100 MB)
+    proc = subprocess.run([sys.executable, "-c", WORKER_IMPORTS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ""

@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms.v2 import functional as TF
 
 from fedsim.errors import ConfigError, DataError
 
@@ -171,8 +169,15 @@ def batched_affine(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
+def _tf():
+    """torchvision's v2 functional ops, imported on first use: a worker that never builds a pool skips ~170 MB."""
+    from torchvision.transforms.v2 import functional
+
+    return functional
+
+
 def _gray(x: torch.Tensor) -> torch.Tensor:
-    return TF.rgb_to_grayscale(x, num_output_channels=1)
+    return _tf().rgb_to_grayscale(x, num_output_channels=1)
 
 
 def _blend(x: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -184,7 +189,7 @@ def _hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     try:
         from torchvision.transforms.v2.functional._color import _hsv_to_rgb, _rgb_to_hsv
     except ImportError:  # private helpers moved: fall back to the public per-image op
-        return torch.stack([TF.adjust_hue(img, float(s)) for img, s in zip(x, shift, strict=True)])
+        return torch.stack([_tf().adjust_hue(img, float(s)) for img, s in zip(x, shift, strict=True)])
     hsv = _rgb_to_hsv(x)
     h, s, v = hsv.unbind(1)
     h = (h + shift.view(-1, 1, 1).to(x.dtype)).remainder(1.0)
@@ -225,6 +230,9 @@ def generate_patches(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
 
 
 def _generate(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
+    from torchvision.transforms import InterpolationMode
+
+    tf = _tf()
     src = torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
     p = draw_params(image.shape[0], image.shape[1], spec)
     mid = spec.mid_size
@@ -235,12 +243,12 @@ def _generate(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
     for start in range(0, spec.n, _CHUNK):
         stop = min(start + _CHUNK, spec.n)
         crops = torch.stack([
-            TF.resize(src[:, y:y + h, x:x + w], [mid, mid], interpolation=InterpolationMode.BICUBIC, antialias=True)
+            tf.resize(src[:, y:y + h, x:x + w], [mid, mid], interpolation=InterpolationMode.BICUBIC, antialias=True)
             for x, y, w, h in p.boxes[start:stop].tolist()])
         t = batched_affine(crops.float() / 255.0, theta[start:stop])
         flip = torch.from_numpy(p.flip[start:stop])
         t[flip] = t[flip].flip(-2)
-        t = TF.center_crop(t, [spec.size, spec.size])
+        t = tf.center_crop(t, [spec.size, spec.size])
         jit = torch.nonzero(torch.from_numpy(p.jitter[start:stop])).flatten()
         if len(jit):
             t[jit] = color_jitter(t[jit], factors[start:stop][jit], order[start:stop][jit])
@@ -263,7 +271,11 @@ class PatchPool:
         """Normalised float32 patches at `indices` (all when None), on `device`."""
         px = self.pixels if indices is None else self.pixels[torch.as_tensor(indices, dtype=torch.long)]
         x = px.to(device).float().div_(255.0)
-        return TF.normalize(x, list(self.mean), list(self.std)) if self.mean else x
+        if not self.mean:
+            return x
+        mean = torch.tensor(self.mean, device=x.device).view(-1, 1, 1)
+        std = torch.tensor(self.std, device=x.device).view(-1, 1, 1)
+        return x.sub_(mean).div_(std)
 
 
 _CACHE: dict[tuple, PatchPool] = {}
