@@ -90,6 +90,7 @@ class RayBackend:
                                 f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
         self.cfg = cfg
         self._refs = (ray.put(arrays), ray.put(part), meta)
+        arrays.clear()  # the object store has the data now: the driver's copy goes (the server maps the store's)
         self._spill = str(Path(rt.spill_dir or Path(run_dir).resolve() / "spill"))
         self.workers = [self._create(i) for i in range(n)]  # they boot while the server is built
         if rt.server_gpus > 0 or rt.server_cpus > 0:

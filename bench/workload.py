@@ -94,8 +94,9 @@ def peer_dataset(w: PeerWorkload):
     """fl_common's cached arrays as a fedsim Dataset (identity normalisation, as the harness trains)."""
     from fedsim.data import Dataset
 
-    x_tr, y_tr, x_te, y_te = (np.asarray(a) for a in fl_common().load_data(w.data_seed, w.n_train, w.n_test,
-                                                                          w.amp))
+    common = fl_common()
+    x_tr, y_tr, x_te, y_te = (np.asarray(a) for a in common.load_data(w.data_seed, w.n_train, w.n_test, w.amp))
+    common._DATA_CACHE.clear()  # the Dataset is the only holder: the backend frees it once the data is shared
     # np.asarray turns the np.memmap subclass into a plain ndarray view: Ray pickles a memmap in-band,
     # so every worker would hold a private copy; a plain array goes out-of-band and is mapped zero-copy.
     return Dataset("synthetic", x_tr, y_tr, x_te, y_te, 10, (0.0,) * 3, (1.0,) * 3)
@@ -130,7 +131,6 @@ class PeerSimulation(Simulation):
         w = self.workload
         with _replaced(loop, load_data=lambda cfg: peer_dataset(w), make_partition=lambda cfg, d: peer_partition(w)):
             super().setup()
-        fl_common()._DATA_CACHE.clear()  # the driver keeps no data once the backend has it, as with fedsim's loaders
 
     def run_round(self, r: int):
         with _replaced(loop, sample_round=lambda cfg, rnd, profiles: self.draws[rnd]):

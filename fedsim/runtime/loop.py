@@ -30,7 +30,9 @@ class Backend(Protocol):
 
     num_workers: int
 
-    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None: ...
+    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None:
+        """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
+
     def server(self, method: str, *args: Any) -> Any: ...
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int],
@@ -103,6 +105,7 @@ class Simulation:
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
+        del data  # `arrays` is now the driver's only reference: the Ray backend frees it once it is shared
         t0 = time.perf_counter()
         self.backend.start(cfg, arrays, self.part, meta, self.run_dir)
         self.startup_s = time.perf_counter() - t0
