@@ -9,13 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsim.config import TrainConfig
+from fedsim.optim import SGD
 
 
-def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer:
-    """The optimizer the config names, over `params`."""
+def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer | SGD:
+    """The optimizer the config names, over `params` (SGD on CPU is fedsim's equal of torch.optim's: see optim)."""
     lr = train.lr if lr is None else lr
+    params = list(params)
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=train.weight_decay)
+    if all(p.device.type == "cpu" for p in params):
+        return SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
@@ -41,7 +45,7 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
 def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
                      generator: torch.Generator,
                      extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
-                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+                     optimizer: torch.optim.Optimizer | SGD | None = None) -> dict[str, float]:
     """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), train)
