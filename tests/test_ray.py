@@ -94,11 +94,13 @@ def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
     backend.run_phase = run_phase
     res = load(run(cfg, backend))
     rounds = res["rounds"].set_index("round")
-    assert rounds.loc[1, "failures"] == 5 and rounds.loc[1, "arrived"] == 5
+    clients = res["clients"]
+    on_dead = clients[(clients["round"] == 1) & (clients["worker"] == 1)]
+    assert len(on_dead) >= 1 and (on_dead["status"] == "failed").all()  # every client sent to the dead worker
+    assert rounds.loc[1, "failures"] == len(on_dead) and rounds.loc[1, "arrived"] == 10 - len(on_dead)
     assert rounds.loc[0, "failures"] == 0 and rounds.loc[2, "failures"] == 0 and rounds.loc[2, "arrived"] == 10
     assert rounds["accuracy"].notna().all()
-    failed = res["clients"][res["clients"]["status"] == "failed"]
-    assert sorted(failed["client"]) == [1, 3, 5, 7, 9] and set(failed["round"]) == {1}
+    assert set(clients[clients["status"] == "failed"]["round"]) == {1}
 
 
 def test_a_phase_past_the_timeout_closes_with_what_arrived(ray_local, make_config):

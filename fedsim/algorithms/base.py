@@ -194,6 +194,11 @@ class Algorithm:
         """Whether the run should stop after `round` (one-shot methods stop after round 0)."""
         return False
 
+    @classmethod
+    def stateless_clients(cls, cfg: Any) -> bool:
+        """Whether clients keep no state between rounds, so any worker may train any client."""
+        return False
+
 
 _ALGORITHMS: dict[str, type[Algorithm]] = {}
 import_failures: dict[str, str] = {}  # module -> error, for modules of fedsim.algorithms that failed to import

@@ -112,6 +112,10 @@ class FedAvg(Algorithm):
     def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
         return Broadcast(common=state.models)
 
+    @classmethod
+    def stateless_clients(cls, cfg) -> bool:
+        return not cfg.train.keep_optimizer_state
+
     def client_weight(self, ctx: ClientContext) -> float:
         return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
 

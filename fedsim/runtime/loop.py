@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.checkpoint import load_checkpoint, save_checkpoint
 from fedsim.config import RunConfig, load_config, save_config
@@ -46,6 +47,22 @@ class Backend(Protocol):
 def owner(client_id: int, num_workers: int) -> int:
     """The worker that hosts a client, fixed for the whole run so personal state stays put."""
     return client_id % num_workers
+
+
+def assign(clients: list[int], num_workers: int, cost: dict[int, int] | None = None) -> dict[int, list[int]]:
+    """Each client's worker for one phase: its owner, or, given `cost` (clients without state), the costliest
+    first to the least-loaded worker, so no worker idles while another trains the round's largest shards."""
+    out: dict[int, list[int]] = {}
+    if cost is None or num_workers == 1:
+        for c in sorted(clients):
+            out.setdefault(owner(c, num_workers), []).append(c)
+        return out
+    load = [0] * num_workers
+    for c in sorted(clients, key=lambda c: (-cost[c], c)):
+        w = min(range(num_workers), key=lambda i: (load[i], i))
+        load[w] += cost[c]
+        out.setdefault(w, []).append(c)
+    return {w: sorted(cs) for w, cs in sorted(out.items())}
 
 
 @dataclass
@@ -102,6 +119,7 @@ class Simulation:
         self.part = make_partition(cfg, data)
         self.num_samples = self.part.train.lengths()
         self.archs = client_archs(cfg)
+        self.balance = get_algorithm(cfg.algorithm.name).stateless_clients(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
@@ -196,9 +214,10 @@ class Simulation:
         W = self.backend.num_workers
         skip = self.cfg.stragglers.skip_late
         rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in arrived + late)  # late clients downloaded too
-        assignments: dict[int, list[int]] = {}
-        for c in sorted(arrived + ([] if skip else late)):
-            assignments.setdefault(owner(c, W), []).append(c)
+        clients = arrived + ([] if skip else late)
+        steps = self.cfg.train.steps
+        cost = {c: steps or max(rec.num_samples.get(c, 0), 1) for c in clients} if self.balance else None
+        assignments = assign(clients, W, cost)
         t0 = time.perf_counter()
         replies, failed = self.backend.run_phase(rec.round, pi, phase, bc, assignments, late,
                                                  self.cfg.runtime.round_timeout_s)

@@ -13,7 +13,7 @@ import pytest
 
 from fedsim.results import collect, load, plot
 from fedsim.runtime.local import LocalBackend
-from fedsim.runtime.loop import run
+from fedsim.runtime.loop import assign, owner, run
 from tests.conftest import ROOT
 
 
@@ -33,6 +33,22 @@ def test_same_numbers_with_one_and_two_workers(make_config):
     pd.testing.assert_frame_equal(cl1, cl2)
     assert set(two["clients"]["worker"]) == {0, 1, 2}
     assert set(one["rounds"]["model"]) == {"cnn", "mlp"}
+
+
+def test_stateless_clients_are_balanced_by_cost_and_stateful_ones_stay_with_their_owner():
+    cost = {0: 100, 1: 10, 2: 10, 3: 10, 4: 60, 5: 50}
+    balanced = assign(list(cost), 2, cost)
+    assert balanced == {0: [0, 1, 2], 1: [3, 4, 5]}  # loads 120 and 120; by owner they would be 170 and 70
+    assert sorted(c for cs in balanced.values() for c in cs) == sorted(cost)
+    assert assign(list(cost), 2) == {0: [0, 2, 4], 1: [1, 3, 5]}
+    assert all(owner(c, 2) == w for w, cs in assign(list(cost), 2).items() for c in cs)
+
+
+def test_clients_with_optimizer_state_are_trained_by_their_owner(make_config):
+    res = load(run(make_config("train.keep_optimizer_state=true", "train.momentum=0.9", rounds=2),
+                   LocalBackend(num_workers=3)))
+    cl = res["clients"]
+    assert (cl["worker"] == cl["client"] % 3).all()
 
 
 def test_skipping_known_late_clients_changes_nothing_but_time(make_config):
