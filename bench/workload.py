@@ -67,8 +67,9 @@ PEER_CONFIGS = {
 
 
 def make_config(w: PeerWorkload, overrides: list[str] | None = None, base: Path = BASE_CONFIG) -> RunConfig:
-    """configs/bench/peer.yaml with the workload's knobs; fl_common's MLP is fedsim's mlp(hidden 64, 1 layer)."""
-    model = ["model.name=resnet8", "model.options={}"] if w.model == "resnet8" else \
+    """configs/bench/peer.yaml with the workload's knobs. fl_common's ResNet-8 is fedsim's with PyTorch's default
+    init (the harness does not re-initialise); its MLP is fedsim's mlp(hidden 64, 1 layer)."""
+    model = ["model.name=resnet8", "model.options={init: torch}"] if w.model == "resnet8" else \
         ["model.name=mlp", "model.options={hidden: 64, layers: 1}"]
     knobs = [f"rounds={w.rounds}", f"seed={w.seed}", f"data.num_clients={w.num_clients}",
              f"participation.clients_per_round={w.clients_per_round}", f"train.epochs={w.local_epochs}",

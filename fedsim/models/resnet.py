@@ -56,7 +56,7 @@ class BasicBlock(nn.Module):
 class CifarResNet(Classifier):
     """ResNet-(6n+2) for CIFAR: 16-channel stem, three stages of n blocks (16/32/64), GAP, linear head."""
 
-    def __init__(self, blocks_per_stage: int, in_channels: int, num_classes: int) -> None:
+    def __init__(self, blocks_per_stage: int, in_channels: int, num_classes: int, init: str = "he") -> None:
         super().__init__()
         self.embed_dim = 64
         self.stem = nn.Sequential(_conv3x3(in_channels, 16), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
@@ -70,7 +70,8 @@ class CifarResNet(Classifier):
         self.layers = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(self.embed_dim, num_classes)
-        _kaiming_init(self)
+        if init == "he":
+            _kaiming_init(self)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Globally pooled features of the last stage, (N, 64)."""
@@ -136,20 +137,27 @@ class WideResNet(Classifier):
         return self.fc(z)
 
 
+def _init_option(model: str, init: object) -> str:
+    """`init`: "he" (He-normal convs, the papers' choice) or "torch" (PyTorch's layer defaults)."""
+    if init not in ("he", "torch"):
+        raise ConfigError(f"model {model}: init must be 'he' or 'torch', got {init!r}")
+    return str(init)
+
+
 @register_model("resnet8")
-def resnet8(in_channels: int, num_classes: int, image_size: int, **kw: object) -> CifarResNet:
+def resnet8(in_channels: int, num_classes: int, image_size: int, init: str = "he", **kw: object) -> CifarResNet:
     """ResNet-8 (one basic block per stage, ~78k parameters): FedDF's small CIFAR backbone."""
     check_options("resnet8", kw)
     check_shape("resnet8", in_channels, num_classes, image_size)
-    return CifarResNet(1, in_channels, num_classes)
+    return CifarResNet(1, in_channels, num_classes, _init_option("resnet8", init))
 
 
 @register_model("resnet20")
-def resnet20(in_channels: int, num_classes: int, image_size: int, **kw: object) -> CifarResNet:
+def resnet20(in_channels: int, num_classes: int, image_size: int, init: str = "he", **kw: object) -> CifarResNet:
     """ResNet-20 (three basic blocks per stage, ~0.27M parameters): the standard CIFAR baseline."""
     check_options("resnet20", kw)
     check_shape("resnet20", in_channels, num_classes, image_size)
-    return CifarResNet(3, in_channels, num_classes)
+    return CifarResNet(3, in_channels, num_classes, _init_option("resnet20", init))
 
 
 @register_model("wrn16_4")

@@ -129,3 +129,16 @@ def test_state_nbytes_counts_parameters_and_buffers() -> None:
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert state_nbytes(state) == 4 * count_parameters(model) + buffers
     assert state_nbytes({"w": torch.zeros(3, dtype=torch.float16)}) == 6
+
+
+def test_resnet_init_he_or_torch_defaults() -> None:
+    def conv_std(init: str) -> float:
+        torch.manual_seed(0)
+        m = build_model("resnet8", in_channels=3, num_classes=10, image_size=32, init=init)
+        return float(m.layers[2].conv2.weight.std())
+
+    fan_out = 64 * 9  # He-normal, fan_out mode: std = sqrt(2 / fan_out); PyTorch's default is ~3x smaller
+    assert conv_std("he") == pytest.approx((2 / fan_out) ** 0.5, rel=0.05)
+    assert conv_std("torch") == pytest.approx((1 / (3 * fan_out)) ** 0.5, rel=0.05)
+    with pytest.raises(ConfigError, match="init must be 'he' or 'torch'"):
+        build_model("resnet8", in_channels=3, num_classes=10, image_size=32, init="xavier")
