@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.report import fmt, header, medians, run_matrix, write
+from bench.report import failed_runs, fmt, header, medians, run_matrix, write
 from bench.workload import PEER_CONFIGS
 
 SYSTEMS = ["plain", "plain_t1", "fedsim", "flower"]
@@ -74,11 +74,7 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
                        f"{ratio(fs_tot, fl_tot)} | {ratio(fs_round, fl_round)} | "
                        f"{ratio(get(c, fs, 'peak_rss_mb'), get(c, 'flower', 'peak_rss_mb'))} | "
                        f"{ratio(fl_round, pl_round)} | {'; '.join(goals) or '-'} |")
-    bad = df[df["status"] != "ok"]
-    if len(bad):
-        out += ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})"
-                                                for r in bad.itertuples())]
-    return out
+    return out + failed_runs(df)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,3 +99,11 @@ def write(df: pd.DataFrame, lines: list[str], stem: str) -> tuple[Path, Path]:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def failed_runs(df) -> list[str]:
+    """A closing line naming every run that did not finish, with its log (empty when all did)."""
+    bad = df[df["status"] != "ok"]
+    if not len(bad):
+        return []
+    return ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})" for r in bad.itertuples())]

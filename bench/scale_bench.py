@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from bench.report import fmt, header, medians, run_matrix, write
+from bench.report import failed_runs, fmt, header, medians, run_matrix, write
 from bench.workload import PeerWorkload
 
 SYSTEMS = ["plain_t1", "fedsim", "flower"]
@@ -55,11 +55,7 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
         if pss:
             row += f" {fmt(get(name, 'fedsim', 'peak_pss_mb'), 0)} / {fmt(get(name, 'flower', 'peak_pss_mb'), 0)} |"
         out.append(row + f" {goal} |")
-    bad = df[df["status"] != "ok"]
-    if len(bad):
-        out += ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})"
-                                                for r in bad.itertuples())]
-    return out
+    return out + failed_runs(df)
 
 
 def main(argv: list[str] | None = None) -> int:
