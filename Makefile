@@ -29,7 +29,7 @@ test: $(STAMP)  ## the whole test suite (slow end-to-end tests included)
 test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: $(STAMP)  ## fedsim vs the plain loop vs Flower on the shared FedAvg workload
+bench: $(STAMP)  ## fedsim vs the plain loop vs Flower on the bench's own FedAvg workload
 	$(BIN)/python -m bench.fedavg_bench
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients

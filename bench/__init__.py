@@ -1,1 +1,1 @@
-"""Benchmarks: fedsim against the shared peer harness (plain PyTorch loop, Flower) and the stress runs."""
+"""Benchmarks: fedsim against a plain PyTorch loop and Flower on the bench's own FedAvg workload; stress runs."""

@@ -1,10 +1,10 @@
-"""`make bench`: the shared FedAvg workload through the plain loop, fedsim and Flower, in one invocation.
+"""`make bench`: the bench's FedAvg workload through the plain loop, fedsim and Flower, in one invocation.
 
-    python -m bench.fedavg_bench [--configs A,B,C] [--repeat 2] [--systems plain,fedsim,flower]
+    python -m bench.fedavg_bench [--configs A,B,C] [--repeat 2] [--systems plain,fedsim,flower] [--cache DIR]
 
-Configs are the harness's (../shared/bench/README.md): A = ResNet-8, N=100, K=10, R=5; B = ResNet-8,
-N=1000, K=50, R=3; C = MLP, N=10000, K=100, R=2. The plain loop runs with 2 threads (the harness's
-setting) and with 1; each system runs as its own process with the same flags;
+Configs (bench.workload.BENCH_CONFIGS): A = ResNet-8, N=100, K=10, R=5; B = ResNet-8, N=1000, K=50, R=3;
+C = MLP, N=10000, K=100, R=2. Each is prepared once (bench.prepare) before any timed run, and every system
+runs as its own process on the same prepared folder. The plain loop runs with 2 threads and with 1;
 totals include imports and Ray start. Writes results/bench/fedavg.md (medians and ratios) and fedavg.csv
 (every run). Targets: fedsim's steady-state round at most 1.15x the plain loop's on A; its total time below
 Flower's on A and B.
@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.common import BenchError
+from bench.prepare import DEFAULT_CACHE
 from bench.report import failed_runs, fmt, header, medians, run_matrix, write
-from bench.workload import PEER_CONFIGS
+from bench.workload import BENCH_CONFIGS
 
 SYSTEMS = ["plain", "plain_t1", "fedsim", "flower"]
 ALL = SYSTEMS + ["fedsim_1w", "flower_2c"]  # on request: one 2-thread fedsim worker, one 2-CPU Flower actor
@@ -53,8 +55,9 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
         acc = " / ".join(fmt(get(c, s, "final_accuracy"), 3) for s in systems)
         out.append(f"| {c}: N={w.num_clients}, K={w.clients_per_round}, R={w.rounds}, {w.model} | "
                    + " | ".join(cells) + f" | {rss} | {acc} |")
-    out += ["", "Plain = the faster of the plain loop's 1- and 2-thread runs (the harness README's fair compute "
-            "limit; two threads lose badly when other jobs share the cores).", "",
+    out += ["", "Plain = the faster of the plain loop's 1- and 2-thread runs (on 2 cores, two single-thread "
+            "processes can beat one two-thread one, and two threads lose badly when other jobs share the cores).",
+            "",
             "| config | fedsim runtime | fedsim / plain s/round | fedsim / Flower total | fedsim / Flower s/round | "
             "fedsim / Flower peak RSS | Flower / plain s/round | target |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for c in configs:
@@ -79,7 +82,7 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="A,B,C", help="comma-separated harness configs (A, B, C)")
+    ap.add_argument("--configs", default="A,B,C", help="comma-separated configs (A, B, C)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(ALL))
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the tables use medians")
     ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
@@ -87,15 +90,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra argument for bench.fedsim_fedavg, e.g. --fedsim-arg=-o --fedsim-arg=runtime.threads=1")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--stem", default="fedavg", help="output name under results/bench/")
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     args = ap.parse_args(argv)
     configs = [c.strip().upper() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in PEER_CONFIGS]
+    unknown = [c for c in configs if c not in BENCH_CONFIGS]
     if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {sorted(PEER_CONFIGS)}")
-    workloads = {c: PEER_CONFIGS[c].with_(rounds=args.rounds) if args.rounds else PEER_CONFIGS[c] for c in configs}
+        ap.error(f"--configs: unknown {unknown}; choose from {sorted(BENCH_CONFIGS)}")
+    workloads = {c: BENCH_CONFIGS[c].with_(rounds=args.rounds) if args.rounds else BENCH_CONFIGS[c] for c in configs}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout)
-    lines = header("fedsim vs the plain loop vs Flower on the shared FedAvg workload",
+    try:
+        df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout, cache=args.cache)
+    except BenchError as exc:
+        print(f"bench.fedavg_bench: error: {exc}", file=sys.stderr)
+        return 2
+    lines = header("fedsim vs the plain loop vs Flower on the bench's FedAvg workload",
                    ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])])
     lines += tables(df, configs, workloads)
     csv, md = write(df, lines, args.stem)

@@ -1,4 +1,4 @@
-"""Shared bits of the bench reports: repeated runs of several systems, medians, ratio tables in markdown."""
+"""The bench reports' common part: every system on every prepared workload, repeated; medians; markdown tables."""
 
 from __future__ import annotations
 
@@ -6,56 +6,64 @@ import os
 import platform
 import shlex
 import sys
-import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import pandas as pd
 
-from bench.peer import REPO, fl_common, flower_python, load_average, peer_dir, run_program
+from bench.common import BenchError, Workload
+from bench.prepare import DEFAULT_CACHE, prepare
+from bench.runner import REPO, flower_python, load_average, run_program
 
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
+SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_1w", "flower", "flower_2c")
 
 
-def commands(system: str, args: list[str], fedsim_args: list[str]) -> tuple[list[str], Path]:
-    """The command line and working folder of one system on one workload."""
-    peer = peer_dir()
+def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
+    """The command line of one system on one prepared workload (run from the repository root)."""
+    work = ["--workload", str(folder)]
     if system == "plain":
-        return [sys.executable, str(peer / "plain_fedavg.py"), *args, "--threads", "2"], peer
+        return [sys.executable, "-m", "bench.plain_fedavg", *work, "--threads", "2"]
     if system == "plain_t1":
-        return [sys.executable, str(peer / "plain_fedavg.py"), *args, "--threads", "1"], peer
+        return [sys.executable, "-m", "bench.plain_fedavg", *work, "--threads", "1"]
     if system == "flower":
-        return [str(flower_python()), str(peer / "flower_fedavg.py"), *args, "--client-cpus", "1"], peer
+        return [str(flower_python()), "-m", "bench.flower_fedavg", *work, "--client-cpus", "1"]
     if system == "fedsim":  # the default runtime: one single-thread worker per CPU (2 here)
-        return [sys.executable, "-m", "bench.fedsim_fedavg", *args, *fedsim_args], REPO
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, *fedsim_args]
     if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
-        return [sys.executable, "-m", "bench.fedsim_fedavg", *args, "--client-cpus", "2", "-o", "runtime.threads=2",
-                *fedsim_args], REPO
-    if system == "flower_2c":  # Flower with one actor of 2 CPUs (the harness's other setting)
-        return [str(flower_python()), str(peer / "flower_fedavg.py"), *args, "--client-cpus", "2"], peer
-    raise ValueError(f"unknown system {system!r}; choose plain, plain_t1, fedsim, fedsim_1w, flower or flower_2c")
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--client-cpus", "2", "-o", "runtime.threads=2",
+                *fedsim_args]
+    if system == "flower_2c":  # Flower with one actor of 2 CPUs
+        return [str(flower_python()), "-m", "bench.flower_fedavg", *work, "--client-cpus", "2"]
+    raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
 
 
-def run_matrix(workloads: dict, systems: list[str], repeat: int, fedsim_args: list[str], tag: str,
-               timeout: float = 1800, log: Callable[[str], None] = print) -> pd.DataFrame:
-    """Every system on every workload, `repeat` times, interleaved so machine noise hits all of them alike."""
-    common = fl_common()
-    common.generate_synthetic()  # the data is made once, before any timed run
+def run_matrix(workloads: dict[str, Workload], systems: list[str], repeat: int, fedsim_args: list[str], tag: str,
+               timeout: float = 1800, log: Callable[[str], None] = print,
+               cache: str | Path = DEFAULT_CACHE) -> pd.DataFrame:
+    """Every system on every workload, `repeat` times, interleaved so machine noise hits all of them alike.
+
+    Every workload is prepared (data, partition, draws, initial weights) before the first timed run.
+    """
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise BenchError(f"--systems: unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
+    folders = {name: prepare(w, cache, log) for name, w in workloads.items()}
     if any(s.startswith("flower") for s in systems):
         flower_python(log)
     rows = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for rep in range(repeat):
-        for name, w in workloads.items():
+        for name in workloads:
             for system in systems:
-                cmd, cwd = commands(system, w.peer_args(), fedsim_args)
+                cmd = commands(system, folders[name], fedsim_args)
                 log_path = OUT / "logs" / f"{tag}-{stamp}-{name}-{system}-{rep}.log"
                 load = load_average()
                 log(f"[{tag}] {name} {system} (repeat {rep + 1}/{repeat}, load {load:.1f}) ...")
-                res = run_program(cmd + ["--tag", f"{name}_{system}_{rep}"], log_path, timeout, cwd)
+                res = run_program(cmd + ["--tag", f"{name}_{system}_{rep}"], log_path, timeout, REPO)
                 row = {**res, "config": name, "system": system, "repeat": rep, "load_before": round(load, 2)}
                 rows.append(row)
                 log(f"[{tag}] {name} {system}: {res['status']}, total {res.get('total_seconds')} s, "
@@ -95,10 +103,6 @@ def write(df: pd.DataFrame, lines: list[str], stem: str) -> tuple[Path, Path]:
     flat.to_csv(csv, index=False)
     md.write_text("\n".join(lines) + "\n")
     return csv, md
-
-
-def now() -> float:
-    return time.perf_counter()
 
 
 def failed_runs(df) -> list[str]:

@@ -1,12 +1,13 @@
-"""`make bench-scale`: the shared FedAvg workload through fedsim and Flower at 1,000 and 10,000 clients.
+"""`make bench-scale`: the bench's FedAvg workload through fedsim and Flower at 1,000 and 10,000 clients.
 
     python -m bench.scale_bench [--clients 1000,10000] [--per-round 100] [--rounds 3] [--repeat 1] [--pss]
 
-The harness's workload (synthetic 3x32x32 data, Dirichlet(0.5) partition, the plain loop's client draws)
-with the harness's MLP, 100 clients per round. The plain loop runs too (1 thread), as the compute floor. Writes
-results/bench/scale.md and scale.csv. Target: fedsim's total time at most half of Flower's, and its peak
-memory (RSS summed over every process of the run) lower. `--pss` also samples PSS (shared pages split
-between processes) once a second; it costs CPU, so its timings are not comparable with a run without it.
+The bench's workload (synthetic 3x32x32 data, Dirichlet(0.5) partition, prepared client draws and initial
+weights; see bench.prepare) with the 3072-64-10 MLP, 100 clients per round. The plain loop runs too (1 thread),
+as the compute floor. Writes results/bench/scale.md and scale.csv. Target: fedsim's total time at most half of
+Flower's, and its peak memory (RSS summed over every process of the run) lower. `--pss` also samples PSS
+(shared pages split between processes) once a second; it costs CPU, so its timings are not comparable with a
+run without it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import argparse
 import os
 import sys
 
+from bench.common import BenchError, Workload
+from bench.prepare import DEFAULT_CACHE
 from bench.report import failed_runs, fmt, header, medians, run_matrix, write
-from bench.workload import PeerWorkload
 
 SYSTEMS = ["plain_t1", "fedsim", "flower"]
 
@@ -70,15 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fedsim-arg", action="append", default=[], metavar="ARG")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--stem", default="scale")
+    ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     args = ap.parse_args(argv)
     if args.pss:
-        os.environ["FLBENCH_PSS_INTERVAL"] = "1"
+        os.environ["BENCH_PSS_INTERVAL"] = "1"
     counts = [int(c) for c in args.clients.split(",") if c.strip()]
-    workloads = {f"N{n}": PeerWorkload(num_clients=n, clients_per_round=min(args.per_round, n), rounds=args.rounds,
+    workloads = {f"N{n}": Workload(num_clients=n, clients_per_round=min(args.per_round, n), rounds=args.rounds,
                                        model=args.model) for n in counts}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout)
-    lines = header("fedsim vs Flower at scale on the shared FedAvg workload",
+    try:
+        df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout, cache=args.cache)
+    except BenchError as exc:
+        print(f"bench.scale_bench: error: {exc}", file=sys.stderr)
+        return 2
+    lines = header("fedsim vs Flower at scale on the bench's FedAvg workload",
                    ["bench.scale_bench", *(argv if argv is not None else sys.argv[1:])])
     lines += tables(df, list(workloads), workloads)
     csv, md = write(df, lines, args.stem)

@@ -1,79 +1,170 @@
-"""The bench harness runs the shared peer workload: fl_common's data, partition, models and the plain loop's draws."""
+"""The bench's three programs do the same math on the same prepared files: the plain loop, fedsim and the Flower app."""
 
 from __future__ import annotations
 
-import argparse
-import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
-from bench.peer import fl_common, peer_dir
-from bench.workload import PeerSimulation, PeerWorkload, make_config, peer_dataset, peer_partition, sampled_clients
-from fedsim.algorithms.fedavg import new_model
+from bench import flower_fedavg, plain_fedavg
+from bench.common import BenchError, Workload, build_model, load_prepared
+from bench.prepare import MODEL_OPTIONS, prepare
+from bench.workload import BenchSimulation, make_config
+from fedsim.data.partition import partition
+from fedsim.data.synthetic import make_synthetic
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import new_run_dir
+from fedsim.runtime.setup import client_seed
+from tests.conftest import ROOT
 
-# a tiny version of the harness's workload: 7 clients, 3 per round, 600 training images
-TINY = PeerWorkload(num_clients=7, clients_per_round=3, rounds=3, model="mlp", n_train=600, n_test=60)
-
-
-def test_the_flags_are_the_harness_flags():
-    ap = argparse.ArgumentParser()
-    fl_common().add_common_args(ap)
-    assert PeerWorkload.from_args(ap.parse_args(TINY.peer_args())) == TINY
-    assert PeerWorkload.from_args(ap.parse_args([])) == PeerWorkload()  # same defaults
+# tiny versions of configs C (the MLP) and A (ResNet-8, BatchNorm buffers)
+TINY = {
+    "mlp": Workload(num_clients=6, clients_per_round=3, rounds=3, model="mlp", n_train=600, n_test=100),
+    "resnet8": Workload(num_clients=5, clients_per_round=2, rounds=2, model="resnet8", n_train=300, n_test=60),
+}
 
 
-def test_data_and_partition_are_fl_commons():
-    C = fl_common()
-    ref = C.load_data(TINY.data_seed, TINY.n_train, TINY.n_test, TINY.amp)
-    data = peer_dataset(TINY)
-    for got, want in zip((data.x_train, data.y_train, data.x_test, data.y_test), ref, strict=True):
-        assert type(got) is np.ndarray and np.array_equal(got, want)  # a plain array: Ray maps it zero-copy
-    parts = C.get_partitions(TINY.num_clients, TINY.alpha, TINY.seed, TINY.data_seed, TINY.n_train, TINY.n_test,
-                             TINY.amp)
-    part = peer_partition(TINY)
-    assert len(part.train) == 7 and all(np.array_equal(part.train[c], parts[c]) for c in range(7))
-    assert part.val.lengths().sum() == 0 and part.test is None
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-cache")
 
 
-def test_draws_are_the_plain_loops():
-    """plain_fedavg.py draws with one generator seeded seed+12345, K of N without replacement, once per round."""
-    src = (peer_dir() / "plain_fedavg.py").read_text()
-    assert "sel_rng = np.random.default_rng(args.seed + 12345)" in src
-    assert re.search(r"sel_rng\.choice\(args\.num_clients, size=args\.clients_per_round, replace=False\)", src)
-    rng = np.random.default_rng(TINY.seed + 12345)
-    want = [sorted(rng.choice(7, size=3, replace=False).tolist()) for _ in range(3)]
-    assert [d.tolist() for d in sampled_clients(TINY)] == want
+def test_prepared_files_are_fedsims_pieces_and_deterministic(cache, tmp_path):
+    w = TINY["mlp"]
+    p = load_prepared(prepare(w, cache))
+    x_tr, y_tr, x_te, y_te = make_synthetic(w.n_train, w.n_test, seed=w.data_seed, amp=w.amp)
+    assert np.array_equal(p.x_train, x_tr) and np.array_equal(p.y_train, y_tr)
+    assert np.array_equal(p.x_test, x_te) and np.array_equal(p.y_test, y_te)
+    parts = partition(y_tr, w.num_clients, "dirichlet", w.seed, alpha=w.alpha, min_samples=1)
+    assert all(np.array_equal(p.shard(c), parts[c]) for c in range(w.num_clients))
+    for r in range(w.rounds):
+        drawn = [c for c, _ in p.round_clients(r)]
+        assert drawn == sorted(set(drawn)) and len(drawn) == w.clients_per_round
+        assert [s for _, s in p.round_clients(r)] == [client_seed(w.seed, r, c, 0) for c in drawn]
+    assert len({tuple(p.draws[r]) for r in range(w.rounds)}) > 1  # rounds draw different clients
+    again = load_prepared(prepare(w, tmp_path))
+    assert np.array_equal(again.draws, p.draws) and np.array_equal(again.flat, p.flat)
+    init, init2 = p.initial_state(), again.initial_state()
+    assert init.keys() == init2.keys() and all(torch.equal(init[k], init2[k]) for k in init)
+    assert prepare(w.with_(seed=1), cache) != p.folder  # every knob names its own folder
 
 
 @pytest.mark.parametrize("arch", ["mlp", "resnet8"])
-def test_models_have_the_harness_shapes(arch):
-    from fedsim.runtime.setup import build_env
+def test_bench_models_are_fedsims(arch):
+    """Same parameter and buffer names, shapes and dtypes; the same state dict gives the same outputs."""
+    from fedsim.models import build_model as fedsim_model
 
-    cfg = make_config(TINY.with_(model=arch))
-    env = build_env(cfg, peer_dataset(TINY), peer_partition(TINY))
-    ours = [tuple(p.shape) for p in new_model(env, cfg.model.name).parameters()]
-    theirs = [tuple(p.shape) for p in fl_common().build_model(arch).parameters()]
-    assert ours == theirs
-    t = cfg.train
-    assert (t.optimizer, t.lr, t.momentum, t.batch_size, t.epochs, t.steps) == ("sgd", 0.01, 0.9, 32, 1, None)
-    assert cfg.data.val_fraction == 0.0 and cfg.eval.batch_size == 125
+    torch.manual_seed(0)
+    ours, theirs = build_model(arch), fedsim_model(arch, 3, 10, 32, **MODEL_OPTIONS[arch])
+    spec = lambda m: [(k, tuple(v.shape), v.dtype) for k, v in m.state_dict().items()]  # noqa: E731
+    assert spec(ours) == spec(theirs)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(8, 3, 32, 32)
+    for train in (False, True):  # eval mode, then train mode (batch statistics, running buffers updated)
+        ours.train(train)
+        theirs.train(train)
+        assert torch.equal(ours(x), theirs(x))
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
 
 
-def test_the_engine_trains_the_drawn_clients_on_their_shards(tmp_path):
-    cfg = make_config(TINY, [f"results.root={tmp_path}", "runtime.backend=local", "runtime.threads=1"])
+def fedsim_run(folder, w: Workload, root):
+    """fedsim on the prepared folder: local backend, two workers, one thread each."""
+    cfg = make_config(w, [f"results.root={root}", "runtime.backend=local", "runtime.threads=1"])
     run_dir = new_run_dir(cfg)
-    sim = PeerSimulation(cfg, LocalBackend(num_workers=2), run_dir, TINY)
+    sim = BenchSimulation(cfg, LocalBackend(num_workers=2), run_dir, folder)
     sim.setup()
     sim.run()
-    clients = load(run_dir)["clients"]
-    parts = peer_partition(TINY).train
-    for r, draw in enumerate(sampled_clients(TINY)):
+    return sim.backend.server("get_state").models[w.model], load(run_dir)
+
+
+@pytest.mark.parametrize("arch", ["mlp", "resnet8"])
+def test_plain_loop_and_fedsim_do_the_same_math(arch, cache, tmp_path):
+    w = TINY[arch]
+    folder = prepare(w, cache)
+    plain = plain_fedavg.run(load_prepared(folder), threads=1, log=lambda m: None)
+    state, tables = fedsim_run(folder, w, tmp_path)
+    rounds, clients = tables["rounds"], tables["clients"]
+    assert rounds["accuracy"].tolist() == plain.accuracy  # every round, not only the last
+    assert rounds["loss"].tolist() == pytest.approx(plain.loss, rel=1e-6)
+    assert state.keys() == plain.state.keys()
+    for k, v in state.items():
+        assert v.dtype == plain.state[k].dtype, k
+        torch.testing.assert_close(v, plain.state[k], rtol=1e-6, atol=1e-7, msg=k)
+    p = load_prepared(folder)
+    if arch == "resnet8":  # BatchNorm: running statistics averaged, the batch counter kept an integer
+        assert state["stem.1.num_batches_tracked"].dtype == torch.int64
+        assert not torch.equal(state["stem.1.running_mean"], p.initial_state()["stem.1.running_mean"])
+    for r in range(w.rounds):  # fedsim trained exactly the prepared draw, each on its whole shard
         got = clients[clients["round"] == r]
-        assert got["client"].tolist() == draw.tolist() and (got["status"] == "ok").all()
-        assert got["samples"].tolist() == [len(parts[c]) for c in draw]
-    rounds = load(run_dir)["rounds"]
-    assert len(rounds) == 3 and rounds["accuracy"].notna().all()
+        assert got["client"].tolist() == p.draws[r].tolist() and (got["status"] == "ok").all()
+        assert got["samples"].tolist() == [len(p.shard(c)) for c in p.draws[r]]
+    assert plain.samples == [int(p.shard_sizes()[p.draws[r]].sum()) for r in range(w.rounds)]
+
+
+@pytest.mark.parametrize("arch", ["mlp", "resnet8"])
+def test_flower_app_pieces_reproduce_the_plain_loop(arch, cache):
+    """The Flower app's server round (its draw and message configs, the ClientApp's training, its average, its
+    central evaluation), driven here without flwr, ends on the plain loop's weights and accuracies."""
+    w = TINY[arch]
+    p = load_prepared(prepare(w, cache))
+    plain = plain_fedavg.run(p, threads=1, log=lambda m: None)
+    state, evaluation, accs = p.initial_state(), flower_fedavg.CentralEvaluation(p), []
+    for server_round in range(1, w.rounds + 1):  # Flower counts rounds from 1
+        plan = flower_fedavg.train_configs(p, server_round, threads=1)
+        assert [cid for cid, _ in plan] == p.draws[server_round - 1].tolist()
+        for _, cfg in plan:  # what a ConfigRecord holds: str and int64 values only
+            assert all(isinstance(v, (str, int)) and (not isinstance(v, int) or abs(v) < 2**63) for v in cfg.values())
+        results = []
+        for cid, cfg in reversed(plan):  # replies arrive in any order
+            new, n, _ = flower_fedavg.client_train(state, cfg)
+            results.append((cid, new, n))
+        state = flower_fedavg.aggregate(results)
+        accs.append(evaluation(state)[0])
+    assert accs == plain.accuracy
+    assert all(torch.equal(state[k], plain.state[k]) for k in plain.state)
+
+
+def test_damaged_or_missing_files_are_named(cache, tmp_path):
+    with pytest.raises(BenchError, match="not a prepared bench workload"):
+        load_prepared(tmp_path)
+    folder = prepare(TINY["mlp"], cache)
+    bad = tmp_path / folder.name
+    bad.mkdir()
+    for f in folder.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (tmp_path / TINY["mlp"].data_key()).symlink_to(cache / TINY["mlp"].data_key())
+    np.save(bad / "draws.npy", np.zeros((1, 1), np.int64))
+    with pytest.raises(BenchError, match=r"draws\.npy does not match workload\.json"):
+        load_prepared(bad)
+    (bad / "init.pt").write_bytes(b"not a weights file")
+    np.save(bad / "draws.npy", np.load(folder / "draws.npy"))
+    with pytest.raises(BenchError, match=r"init\.pt: not a weights file"):
+        load_prepared(bad).initial_state()
+    with pytest.raises(BenchError, match="--clients-per-round"):
+        prepare(TINY["mlp"].with_(clients_per_round=7), cache)
+
+
+def test_program_on_an_unprepared_folder_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.plain_fedavg", "--workload", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "not a prepared bench workload" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_matrix_runs_the_programs_and_reads_their_results(cache, tmp_path, monkeypatch):
+    """bench.report.run_matrix: each system as its own process on one prepared folder, RESULT_JSON read back."""
+    from bench import report
+
+    monkeypatch.setattr(report, "OUT", tmp_path)
+    df = report.run_matrix({"T": TINY["mlp"]}, ["plain_t1", "fedsim"], 1,
+                           ["--backend", "local", "-o", f"results.root={tmp_path / 'runs'}", "-o", "runtime.threads=1"],
+                           "t", cache=cache, log=lambda m: None)
+    assert df["status"].tolist() == ["ok", "ok"], df["log"].tolist()
+    assert df["system"].tolist() == ["plain_t1", "fedsim"]
+    assert df["final_accuracy"].iloc[0] == df["final_accuracy"].iloc[1]
+    assert (df["R"] == 3).all() and (df["peak_rss_mb"] > 0).all() and (df["seconds_per_round"] > 0).all()

@@ -1,7 +1,5 @@
-"""The shared peer benchmark (`../shared/bench`): where it is, its Flower venv, and running its programs.
-
-Nothing from the harness is copied into fedsim: `fl_common` is imported from its folder at run time
-(`FEDSIM_PEER_BENCH` overrides the folder), and the plain and Flower programs run as they are.
+"""Running the bench programs: Flower's own venv (created on first use), one program run with its log, and its
+RESULT_JSON line read back.
 """
 
 from __future__ import annotations
@@ -12,33 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
-
-from fedsim.errors import FedsimError
 
 REPO = Path(__file__).resolve().parents[1]
 FLOWER_VENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.41.*", "psutil"]
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-
-
-def peer_dir() -> Path:
-    """The harness folder: $FEDSIM_PEER_BENCH, else ../shared/bench next to the repository."""
-    path = Path(os.environ.get("FEDSIM_PEER_BENCH") or REPO.parent / "shared" / "bench")
-    if not (path / "fl_common.py").is_file():
-        raise FedsimError(f"peer benchmark not found: {path}/fl_common.py is missing; "
-                          "set FEDSIM_PEER_BENCH to the folder holding fl_common.py")
-    return path
-
-
-def fl_common() -> ModuleType:
-    """The harness's workload module (data, partition, models, memory sampler), imported in place."""
-    folder = str(peer_dir())
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import fl_common as common
-
-    return common
 
 
 def torch_pin() -> str:

@@ -1,0 +1,445 @@
+"""What the plain loop, the Flower app and fedsim's bench run share: the prepared files, the models, one client's
+local training, the weighted mean, the central evaluation and the process-tree memory sampler.
+
+It imports only numpy, torch and psutil, so Flower's venv (which has no fedsim) runs the same code. The
+models carry fedsim's parameter and buffer names, and every step does what fedsim's FedAvg does: the same
+shuffles, the same SGD update, BatchNorm buffers averaged like the weights (integer counters truncated).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (3, 32, 32)
+MODELS = ("resnet8", "mlp")
+FILES = ("workload.json", "partition.npz", "draws.npy", "seeds.npy", "init.pt")
+
+
+class BenchError(Exception):
+    """A bad input of a bench program (a folder that was never prepared, a damaged file): one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every knob of the FedAvg workload; the prepared folder is named after them."""
+
+    num_clients: int = 100
+    clients_per_round: int = 10
+    rounds: int = 5
+    model: str = "resnet8"
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.9
+    alpha: float = 0.5
+    seed: int = 0
+    data_seed: int = 0
+    n_train: int = 20000
+    n_test: int = 2000
+    amp: float = 3.0
+    eval_batch_size: int = 125
+
+    def data_key(self) -> str:
+        """Name of the folder holding the image arrays (shared by every workload on the same data)."""
+        return f"data-s{self.data_seed}-n{self.n_train}-{self.n_test}-amp{self.amp:g}"
+
+    def key(self) -> str:
+        """Name of this workload's folder: the headline knobs plus a digest of all of them."""
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        return f"{self.model}-N{self.num_clients}-K{self.clients_per_round}-R{self.rounds}-{digest}"
+
+    def with_(self, **kw) -> Workload:
+        return Workload(**{**asdict(self), **kw})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Workload:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise BenchError(f"workload.json: unknown key {unknown[0]!r}")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The prepared files
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """One prepared workload: data (x arrays memory-mapped), client shards, draws, shuffle seeds, initial weights."""
+
+    folder: Path
+    workload: Workload
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    offsets: np.ndarray  # client c owns flat[offsets[c]:offsets[c + 1]]
+    flat: np.ndarray
+    draws: np.ndarray  # rounds × clients_per_round, sorted client ids
+    seeds: np.ndarray  # rounds × clients_per_round, each drawn client's shuffle seed
+
+    def shard(self, cid: int) -> np.ndarray:
+        """Sorted training-sample indices of client `cid`."""
+        return self.flat[self.offsets[cid]:self.offsets[cid + 1]]
+
+    def shard_sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def round_clients(self, rnd: int) -> list[tuple[int, int]]:
+        """(client id, shuffle seed) of every client drawn in round `rnd` (0-based), in id order."""
+        return [(int(c), int(s)) for c, s in zip(self.draws[rnd], self.seeds[rnd], strict=True)]
+
+    def client_data(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Client `cid`'s images and labels as tensors."""
+        idx = self.shard(cid)
+        return torch.from_numpy(np.ascontiguousarray(self.x_train[idx])), torch.from_numpy(self.y_train[idx])
+
+    def test_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The test set as tensors (a view of the memory-mapped file)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapping; nothing writes to it
+            return torch.as_tensor(self.x_test), torch.as_tensor(self.y_test)
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The initial global weights (a plain state dict; loaded with weights_only)."""
+        path = self.folder / "init.pt"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # any unreadable file is bad input, not a crash
+            raise BenchError(f"{path}: not a weights file ({type(exc).__name__}: {exc})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise BenchError(f"{path}: expected a state dict of tensors")
+        return dict(state)
+
+
+def load_prepared(folder: str | Path) -> Prepared:
+    """Open a folder written by `python -m bench.prepare`, checking that its files agree with each other."""
+    folder = Path(folder)
+    meta_path = folder / "workload.json"
+    if not meta_path.is_file():
+        raise BenchError(f"{folder}: not a prepared bench workload (no workload.json); "
+                         "create it with `python -m bench.prepare`")
+    try:
+        meta = json.loads(meta_path.read_text())
+        w = Workload.from_dict(meta["workload"])
+        data_dir = folder.parent / meta["data"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{meta_path}: unreadable ({type(exc).__name__}: {exc})") from None
+
+    def npy(path: Path, mmap: bool = False) -> np.ndarray:
+        try:
+            return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"{path}: unreadable ({exc})") from None
+
+    x_train, y_train = npy(data_dir / "x_train.npy", True), npy(data_dir / "y_train.npy")
+    x_test, y_test = npy(data_dir / "x_test.npy", True), npy(data_dir / "y_test.npy")
+    try:
+        with np.load(folder / "partition.npz", allow_pickle=False) as part:
+            offsets, flat = part["offsets"], part["flat"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise BenchError(f"{folder / 'partition.npz'}: unreadable ({exc})") from None
+    draws, seeds = npy(folder / "draws.npy"), npy(folder / "seeds.npy")
+    p = Prepared(folder, w, x_train, y_train, x_test, y_test, offsets, flat, draws, seeds)
+    _check(p)
+    return p
+
+
+def _check(p: Prepared) -> None:
+    """Shapes and ranges of the prepared arrays against the workload."""
+    w = p.workload
+    checks = [
+        (p.x_train.shape == (w.n_train, *IMAGE_SHAPE) and p.x_train.dtype == np.float32, "x_train.npy"),
+        (p.y_train.shape == (w.n_train,) and p.y_train.dtype == np.int64, "y_train.npy"),
+        (p.x_test.shape == (w.n_test, *IMAGE_SHAPE) and p.x_test.dtype == np.float32, "x_test.npy"),
+        (p.y_test.shape == (w.n_test,) and p.y_test.dtype == np.int64, "y_test.npy"),
+        (p.offsets.shape == (w.num_clients + 1,) and p.offsets[0] == 0 and p.offsets[-1] == len(p.flat)
+         and bool(np.all(np.diff(p.offsets) >= 0)), "partition.npz (offsets)"),
+        (len(p.flat) == 0 or (p.flat.min() >= 0 and p.flat.max() < w.n_train), "partition.npz (indices)"),
+        (p.draws.shape == (w.rounds, w.clients_per_round) and p.draws.size > 0 and p.draws.min() >= 0
+         and p.draws.max() < w.num_clients, "draws.npy"),
+        (p.seeds.shape == p.draws.shape and p.seeds.dtype == np.int64, "seeds.npy"),
+    ]
+    for ok, name in checks:
+        if not ok:
+            raise BenchError(f"{p.folder}: {name} does not match workload.json; prepare the folder again")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models (fedsim's `resnet8` and `mlp` with hidden 64, 1 layer: same names, shapes and operations)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """conv3x3-BN-ReLU-conv3x3-BN plus the identity or a 1×1-conv-BN shortcut, then ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, stride=1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(h)) + self.shortcut(x))
+
+
+class ResNet8(nn.Module):
+    """16-channel stem, one block per stage (16, 32, 64 channels), global average pool, linear head."""
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+        self.layers = nn.Sequential(Block(16, 16, 1), Block(16, 32, 2), Block(32, 64, 2))
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+class MLP(nn.Module):
+    """flatten, linear 3072→64, ReLU, linear 64→10."""
+
+    def __init__(self, hidden: int = 64, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(IMAGE_SHAPE)), hidden), nn.ReLU())
+        self.fc = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
+def build_model(name: str) -> nn.Module:
+    """The workload's model by name (its weights come from the prepared init.pt)."""
+    if name == "resnet8":
+        return ResNet8()
+    if name == "mlp":
+        return MLP()
+    raise BenchError(f"model: unknown model {name!r}; choose one of {list(MODELS)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One client's training, the weighted mean, the evaluation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def train_client(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: Workload, seed: int) -> tuple[int, float]:
+    """Train `model` in place on (x, y): `w.local_epochs` shuffled passes of SGD with momentum, a fresh optimizer.
+
+    The shuffles come from a torch generator seeded with `seed`; returns (samples, mean training loss).
+    """
+    n = len(y)
+    if n == 0:
+        return 0, float("nan")
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    momentum: list[torch.Tensor | None] = [None] * len(params)
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
+    loss_sum, seen = 0.0, 0
+    for _ in range(w.local_epochs):
+        perm = torch.randperm(n, generator=g)
+        for start in range(0, n, w.batch_size):
+            idx = perm[start:start + w.batch_size]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            for p in params:
+                p.grad = None
+            loss.backward()
+            sgd_step(params, momentum, w.lr, w.momentum)
+            loss_sum += float(loss.detach()) * len(idx)
+            seen += len(idx)
+    return n, loss_sum / seen
+
+
+@torch.no_grad()
+def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], lr: float, momentum: float) -> None:
+    """p -= lr·b with b = momentum·b + grad (b = grad on the first step): torch.optim.SGD's update, no dampening."""
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        d = p.grad
+        if momentum:
+            if buffers[i] is None:
+                buffers[i] = torch.clone(d).detach()
+            else:
+                buffers[i].mul_(momentum).add_(d)
+            d = buffers[i]
+        p.add_(d, alpha=-lr)
+
+
+def client_update(model: nn.Module, global_state: dict[str, torch.Tensor], p: Prepared, cid: int,
+                  seed: int) -> tuple[dict[str, torch.Tensor], int, float]:
+    """Load the global weights into `model`, train client `cid`; returns (its new state, samples, loss)."""
+    model.load_state_dict(global_state)
+    x, y = p.client_data(cid)
+    n, loss = train_client(model, x, y, p.workload, seed)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, n, loss
+
+
+class WeightedMean:
+    """Σ n_k·state_k / Σ n_k over every entry of the state dict, buffers included, summed in float64.
+
+    Each entry is cast back to its own dtype at the end, so BatchNorm's integer batch counter is truncated.
+    """
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.total = 0.0
+
+    def add(self, state: dict[str, torch.Tensor], weight: float) -> None:
+        for k, v in state.items():
+            term = v.detach().to("cpu", torch.float64) * float(weight)
+            if k in self.sums:
+                self.sums[k] += term
+            else:
+                self.sums[k] = term
+        self.total += float(weight)
+
+    def result(self, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The mean, each entry in the dtype of `like`'s (the previous global state)."""
+        if self.total <= 0:
+            return dict(like)
+        return {k: (self.sums[k] / self.total).to(v.dtype) for k, v in like.items()}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> tuple[float, float]:
+    """(accuracy, mean cross-entropy) of `model` on (x, y) in eval mode, logits computed `batch_size` at a time."""
+    model.eval()
+    logits = torch.cat([model(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+    return (logits.argmax(1) == y).float().mean().item(), F.cross_entropy(logits, y).item()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------------------
+
+
+class TreeMemSampler(threading.Thread):
+    """Peak of the RSS summed over this process and all its descendants (Ray's daemons and workers), sampled
+    every `interval` s by a daemon thread; the process list is refreshed every `rescan_every` samples to stay
+    cheap. With `pss_interval` > 0 it also samples PSS (shared pages split between processes), which is costly."""
+
+    def __init__(self, interval: float = 0.25, rescan_every: int = 4, pss_interval: float = 0.0) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.rescan_every, self.pss_interval = interval, rescan_every, pss_interval
+        self.root = psutil.Process(os.getpid())
+        self.procs: list[psutil.Process] = []
+        self.labels: dict[int, str] = {}
+        self.cpu: dict[int, float] = {}
+        self.peak_rss = self.peak_pss = self.peak_nproc = self.samples = 0
+        self.peak_breakdown: list[tuple[int, str, int]] = []
+        self._last_pss = 0.0
+        self._halt = threading.Event()
+
+    def _rescan(self) -> None:
+        try:
+            self.procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.Error:
+            self.procs = []
+        self.peak_nproc = max(self.peak_nproc, len(self.procs))
+        for p in self.procs:
+            try:
+                self.labels[p.pid] = (" ".join(p.cmdline()) or p.name())[:90]  # Ray retitles its workers late
+                t = p.cpu_times()
+                self.cpu[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+
+    def sample(self) -> None:
+        if self.samples % self.rescan_every == 0 or not self.procs:
+            self._rescan()
+        rss = []
+        for p in self.procs:
+            try:
+                rss.append((p, p.memory_info().rss))
+            except psutil.Error:
+                pass
+        total = sum(r for _, r in rss)
+        if total > self.peak_rss:
+            self.peak_rss = total
+            self.peak_breakdown = [(p.pid, self.labels.get(p.pid, "?"), r) for p, r in rss]
+        now = time.monotonic()
+        if self.pss_interval > 0 and now - self._last_pss >= self.pss_interval:
+            self._last_pss = now
+            pss = 0
+            for p, _ in rss:
+                try:
+                    pss += p.memory_full_info().pss
+                except (psutil.Error, AttributeError):
+                    pass
+            self.peak_pss = max(self.peak_pss, pss)
+        self.samples += 1
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self.sample()
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        self._rescan()
+        self.sample()
+
+    def cpu_summary(self) -> dict[str, float]:
+        """CPU seconds (user + system, as last seen) of this process, of Ray's worker processes, of the rest."""
+        out = {"driver": 0.0, "ray_workers": 0.0, "other": 0.0}
+        for pid, sec in self.cpu.items():
+            kind = "driver" if pid == self.root.pid else \
+                "ray_workers" if self.labels.get(pid, "").startswith("ray::") else "other"
+            out[kind] = round(out[kind] + sec, 2)
+        return out
+
+    def fields(self) -> dict:
+        """The memory fields of RESULT_JSON."""
+        return {"peak_rss_mb": round(self.peak_rss / 2**20, 1),
+                "peak_pss_mb": round(self.peak_pss / 2**20, 1) if self.pss_interval > 0 else None,
+                "peak_nproc": self.peak_nproc, "cpu_seconds": self.cpu_summary(),
+                "peak_breakdown_mb": [[pid, lab, round(r / 2**20, 1)]
+                                      for pid, lab, r in sorted(self.peak_breakdown, key=lambda t: -t[2])][:8]}
+
+
+def pss_interval_from_env() -> float:
+    """Seconds between PSS samples, from $BENCH_PSS_INTERVAL (0 or unset: PSS is not sampled)."""
+    try:
+        return max(0.0, float(os.environ.get("BENCH_PSS_INTERVAL", "0") or 0))
+    except ValueError:
+        raise BenchError(f"BENCH_PSS_INTERVAL: expected seconds, got {os.environ['BENCH_PSS_INTERVAL']!r}") from None
+
+
+def round_summary(round_times: list[float], samples: list[int], t_start: float, t_done: float) -> dict:
+    """Timing fields of RESULT_JSON: steady state = the mean over the rounds after the first."""
+    steady = round_times[1:] if len(round_times) > 1 else round_times
+    return {"total_seconds": round(t_done - t_start, 3),
+            "round_seconds": [round(t, 3) for t in round_times],
+            "seconds_per_round": round(float(np.mean(steady)), 3) if steady else None,
+            "seconds_per_round_all": round(float(np.mean(round_times)), 3) if round_times else None,
+            "round_train_samples": samples,
+            "train_samples_per_second": round(sum(samples) / sum(round_times), 1) if sum(round_times) else None,
+            "train_samples_per_second_e2e": round(sum(samples) / (t_done - t_start), 1)}
+
+
+def emit_result(result: dict) -> None:
+    """The one line `bench.runner.run_program` reads back."""
+    print("RESULT_JSON " + json.dumps(result), flush=True)
