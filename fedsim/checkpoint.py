@@ -1,11 +1,14 @@
-"""Checkpoints that load with `torch.load(weights_only=True)`: dataclasses and arrays packed as plain data."""
+"""Checkpoints that load with `torch.load(weights_only=True)`: dataclasses and arrays packed as plain data.
+
+A checkpoint is data, never code: it names its dataclasses by tag, and loading rebuilds only the classes
+registered with `register_state`, from their own fields, so a crafted file cannot make fedsim call anything else.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -14,14 +17,45 @@ from fedsim.errors import CheckpointError
 from fedsim.io import atomic_torch_save
 
 _CLS, _ND = "__dataclass__", "__ndarray__"
+_STATES: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def state_tag(cls: type) -> str:
+    """The name a checkpoint stores for a dataclass: 'module:qualname'."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def register_state(cls: T) -> T:
+    """Allow dataclass `cls` in checkpoints and spilled client states; use it as a class decorator.
+
+    Only registered classes are packed and rebuilt, so every dataclass an algorithm keeps in its server or
+    client state must be registered; a plugin registers its own state classes the same way.
+    """
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"register_state takes a dataclass, got {cls!r}")
+    _STATES[state_tag(cls)] = cls  # a re-imported module replaces its own entry
+    return cls
+
+
+def registered_states() -> dict[str, type]:
+    """Every class a checkpoint may name, by tag."""
+    _register_builtin_states()
+    return dict(_STATES)
+
+
+def _register_builtin_states() -> None:
+    import fedsim.algorithms  # noqa: F401  (its modules register the built-in state classes)
 
 
 def pack(obj: Any) -> Any:
-    """Dataclasses -> tagged dicts, numpy arrays -> tagged tensors, recursively."""
+    """Registered dataclasses -> tagged dicts, numpy arrays -> tagged tensors, recursively."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         cls = type(obj)
-        return {_CLS: f"{cls.__module__}:{cls.__qualname__}",
-                **{f.name: pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+        tag = state_tag(cls)
+        if _STATES.get(tag) is not cls:
+            raise TypeError(f"{tag} is not a registered state class; decorate it with fedsim.checkpoint.register_state")
+        return {_CLS: tag, **{f.name: pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, np.ndarray):
         return {_ND: torch.from_numpy(np.ascontiguousarray(obj))}
     if isinstance(obj, np.generic):
@@ -34,22 +68,63 @@ def pack(obj: Any) -> Any:
 
 
 def unpack(obj: Any) -> Any:
-    """Inverse of pack; only fedsim's own dataclasses are rebuilt."""
+    """Inverse of pack; rebuilds only registered classes, anything else is a CheckpointError."""
+    _register_builtin_states()
+    return _unpack(obj)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _unpack(obj: Any) -> Any:
     if isinstance(obj, dict):
         if _ND in obj:
+            if len(obj) != 1 or not isinstance(obj[_ND], torch.Tensor):
+                raise CheckpointError("has a malformed array entry")
             return obj[_ND].numpy()
         if _CLS in obj:
-            module, qual = obj[_CLS].split(":")
-            if not module.startswith("fedsim."):
-                raise CheckpointError(f"checkpoint names a class outside fedsim: {obj[_CLS]}")
-            cls: Any = importlib.import_module(module)
-            for part in qual.split("."):
-                cls = getattr(cls, part)
-            return cls(**{k: unpack(v) for k, v in obj.items() if k != _CLS})
-        return {k: unpack(v) for k, v in obj.items()}
+            return _rebuild(obj)
+        return {k: _unpack(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(unpack(v) for v in obj)
+        return type(obj)(_unpack(v) for v in obj)
     return obj
+
+
+def _rebuild(obj: dict) -> Any:
+    tag = obj[_CLS]
+    cls = _STATES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise CheckpointError(f"names {_short(tag)}, which is not a registered fedsim state class")
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(_short(k) for k in obj if k != _CLS and k not in names)
+    if unknown:
+        raise CheckpointError(f"gives {tag} unknown field(s) {', '.join(unknown)}")
+    try:
+        return cls(**{k: _unpack(v) for k, v in obj.items() if k != _CLS})
+    except TypeError as exc:  # a required field is missing
+        raise CheckpointError(f"cannot rebuild {tag}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_packed(path: Path, what: str) -> Any:
+    """Read a file written from `pack(...)`: torch.load(weights_only=True), then unpack; any failure is one
+    CheckpointError line naming `path` and `what` it was meant to be."""
+    try:
+        raw = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # corrupt or foreign file: name it, no traceback
+        raise CheckpointError(f"{path}: unreadable {what} ({type(exc).__name__}: {_first_line(exc)})") from None
+    try:
+        return unpack(raw)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {what} {exc}") from None
+    except Exception as exc:  # a well-formed pickle with an unexpected layout
+        raise CheckpointError(f"{path}: malformed {what} ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def save_checkpoint(path: Path, payload: dict) -> None:
@@ -58,12 +133,10 @@ def save_checkpoint(path: Path, payload: dict) -> None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Read a checkpoint, with a one-line error when it is missing or corrupt."""
+    """Read a checkpoint, with a one-line error when it is missing, corrupt or names a class it may not."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
-    try:
-        return unpack(torch.load(path, weights_only=True, map_location="cpu"))
-    except CheckpointError:
-        raise
-    except Exception as exc:  # corrupt or foreign file: name it, no traceback
-        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from None
+    payload = load_packed(path, "checkpoint")
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: malformed checkpoint (not a dict)")
+    return payload

@@ -16,6 +16,7 @@ import torch
 
 from fedsim.algorithms.base import ClientContext, ClientResult, Env
 from fedsim.algorithms.fedavg import clone_state, new_model
+from fedsim.checkpoint import register_state
 from fedsim.errors import ConfigError
 from fedsim.train import evaluate_classifier
 
@@ -71,6 +72,7 @@ def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
     return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(d.y_test))}
 
 
+@register_state
 @dataclass
 class PersonalScores:
     """Every client's latest personal score: (accuracy, loss, test samples) by client id."""

@@ -35,6 +35,7 @@ from fedsim.algorithms.base import (
     register_algorithm,
 )
 from fedsim.algorithms.fedavg import FedAvg, clone_state, init_global_models, new_model
+from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
 from fedsim.models.dafkd_nets import DomainHead, build_generator, generator_step, gradient_penalty
@@ -91,6 +92,7 @@ class DaFKDParams:
     distill: DaFKDDistill = knob(factory=DaFKDDistill)
 
 
+@register_state
 @dataclass
 class DaFKDState:
     """Global classifier per architecture, the global generator, and what a score phase still needs."""

@@ -22,6 +22,7 @@ from fedsim.algorithms.base import (
     SummedUpdate,
     register_algorithm,
 )
+from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.errors import AggregationError
 from fedsim.models import build_model
@@ -41,6 +42,7 @@ class FedAvgParams:
             raise ValueError(f"weighting must be 'samples' or 'uniform', got {self.weighting!r}")
 
 
+@register_state
 @dataclass
 class GlobalModels:
     """Server state of the FedAvg family: one state dict per architecture."""

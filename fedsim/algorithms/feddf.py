@@ -41,6 +41,7 @@ from fedsim.algorithms.fedavg import (
     new_model,
 )
 from fedsim.algorithms.fedprox import proximal_term
+from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data.proxy import proxy_pool, split_test_halves
 from fedsim.distill import DistillConfig, clip_logits, distill, ensemble_teacher
@@ -98,6 +99,7 @@ class FedDFParams(DistillFLParams):
     proxy_seed: int = knob(0, ge=0, doc="seed of the proxy draw and of the test-set halves")
 
 
+@register_state
 @dataclass
 class FedDFState(GlobalModels):
     """Mirrors (one model per architecture) plus the proxy indices selected for the coming round."""

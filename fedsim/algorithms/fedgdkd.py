@@ -43,6 +43,7 @@ from fedsim.algorithms.base import (
     register_algorithm,
 )
 from fedsim.algorithms.fedavg import as_summable, average_by_arch, clone_state
+from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
 from fedsim.distill import DistillConfig, distill, leave_one_out, soften
@@ -85,6 +86,7 @@ class FedGDKDParams(GanParams):
                           "rounds (0: off); its feature net is trained on the pooled real train set")
 
 
+@register_state
 @dataclass
 class Prev:
     """Last round's knowledge, for catch-up: who got it, and how to rebuild the set and its teacher."""
@@ -95,6 +97,7 @@ class Prev:
     mean_logits: torch.Tensor
 
 
+@register_state
 @dataclass
 class FedGDKDState:
     shared: dict[str, dict[str, torch.Tensor]]  # the aggregated shared models: {"generator": state, ...}

@@ -34,6 +34,7 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
+from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.train import train_classifier
 
@@ -43,6 +44,7 @@ class LocalOnlyParams:
     pretrain_epochs: int = knob(15, ge=0, doc="[C] epochs on the private data before the first round")
 
 
+@register_state
 @dataclass
 class PoolState:
     """Server state of the personal baselines: the shared pool (if any), who holds it, and the scores."""
