@@ -1,9 +1,10 @@
 """Per-worker storage of personal client state: an LRU cache bounded in bytes, spilling to a disk folder.
 
 A client without personal state costs nothing here. States are dicts of tensors (and plain values);
-spilled ones are written with torch.save and read back bit for bit. Every TRIM_EVERY bytes of states
-stored, freed heap pages go back to the OS: long-lived states between a phase's short-lived tensors
-otherwise fragment glibc's heap, and a worker's RSS grew to ~3x its cache.
+spilled ones are packed like checkpoints and read back bit for bit with torch.load(weights_only=True), so a
+spill file is data, never code. Every TRIM_EVERY bytes of states stored, freed heap pages go back to the OS:
+long-lived states between a phase's short-lived tensors otherwise fragment glibc's heap, and a worker's RSS
+grew to ~3x its cache.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fedsim.checkpoint import load_packed, pack
 from fedsim.io import atomic_torch_save
 
 
@@ -98,13 +100,16 @@ class ClientStateStore:
         assert self.spill_dir is not None
         return self.spill_dir / f"{cid}.pt"
 
+    def _read(self, cid: int) -> Any:
+        return load_packed(self._path(cid), f"spilled state of client {cid}")
+
     def get(self, cid: int) -> Any | None:
         """The client's state, or None if it has none yet; reloads spilled states into the cache."""
         if cid in self._mem:
             self._mem.move_to_end(cid)
             return self._mem[cid][0]
         if cid in self._spilled:
-            state = torch.load(self._path(cid), weights_only=False)
+            state = self._read(cid)
             self._spilled.discard(cid)
             self._path(cid).unlink(missing_ok=True)
             self.loads += 1
@@ -145,7 +150,7 @@ class ClientStateStore:
             if cid == keep:
                 self._mem.move_to_end(cid)
                 continue
-            atomic_torch_save(state, self._path(cid))
+            atomic_torch_save(pack(state), self._path(cid))
             del self._mem[cid]
             self._bytes -= size
             self._spilled.add(cid)
@@ -157,7 +162,7 @@ class ClientStateStore:
             if cid in self._mem:
                 yield cid, self._mem[cid][0]
             else:
-                yield cid, torch.load(self._path(cid), weights_only=False)
+                yield cid, self._read(cid)
 
     def export(self) -> dict[int, Any]:
         """All states, for a checkpoint."""
