@@ -1,9 +1,12 @@
-"""Atomic file writes: a killed run never leaves a half-written table, config or checkpoint."""
+"""Atomic file writes: a killed run never leaves a half-written table, config or checkpoint.
+
+Files get the mode a plain open() would give them (0o666 less the umask), so a team can share a results folder.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,8 +16,7 @@ def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
     """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so the rename is atomic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = _create_temporary(path)
     try:
         write(tmp)
         with open(tmp, "rb") as fh:
@@ -24,6 +26,17 @@ def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _create_temporary(path: Path) -> str:
+    """A new empty file next to `path`, created as open() would create it (the umask applies)."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def atomic_write_text(path: Path, text: str) -> None:
