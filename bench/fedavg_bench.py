@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in configs if c not in BENCH_CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown {unknown}; choose from {sorted(BENCH_CONFIGS)}")
-    workloads = {c: BENCH_CONFIGS[c].with_(rounds=args.rounds) if args.rounds else BENCH_CONFIGS[c] for c in configs}
+    rounds = {} if args.rounds is None else {"rounds": args.rounds}
+    workloads = {c: BENCH_CONFIGS[c].with_(**rounds) for c in configs}
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     try:
         df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout, cache=args.cache)

@@ -148,6 +148,19 @@ def test_damaged_or_missing_files_are_named(cache, tmp_path):
         prepare(TINY["mlp"].with_(clients_per_round=7), cache)
 
 
+def test_bench_cli_refuses_bad_knobs_before_running_anything(tmp_path, monkeypatch, capsys):
+    from bench import fedavg_bench, report
+
+    monkeypatch.setattr(report, "OUT", tmp_path / "out")
+    assert fedavg_bench.main(["--configs", "C", "--rounds", "0", "--systems", "plain", "--cache", str(tmp_path)]) == 2
+    assert fedavg_bench.main(["--configs", "C", "--systems", "plain,nope", "--cache", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench.fedavg_bench: error: --rounds: must be >= 1, got 0",
+                   "bench.fedavg_bench: error: --systems: unknown system 'nope'; choose from plain, plain_t1, fedsim, "
+                   "fedsim_1w, flower, flower_2c"]
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # nothing prepared, nothing run
+
+
 def test_program_on_an_unprepared_folder_exits_2_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.plain_fedavg", "--workload", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
