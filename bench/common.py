@@ -67,10 +67,15 @@ class Workload:
 
     @classmethod
     def from_dict(cls, d: dict) -> Workload:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise BenchError(f"workload.json: unknown key {unknown[0]!r}")
+        kinds = {f.name: type(f.default) for f in fields(cls)}
+        if not isinstance(d, dict):
+            raise BenchError("workload.json: 'workload' must be a mapping of knobs")
+        for key, value in d.items():
+            if key not in kinds:
+                raise BenchError(f"workload.json: unknown key {key!r}")
+            want = (int, float) if kinds[key] is float else kinds[key]
+            if not isinstance(value, want) or isinstance(value, bool):
+                raise BenchError(f"workload.json: {key} must be of type {kinds[key].__name__}, got {value!r}")
         return cls(**d)
 
 
@@ -138,9 +143,12 @@ def load_prepared(folder: str | Path) -> Prepared:
     try:
         meta = json.loads(meta_path.read_text())
         w = Workload.from_dict(meta["workload"])
-        data_dir = folder.parent / meta["data"]
+        data_name = meta["data"]
     except (ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{meta_path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data_name, str) or data_name != w.data_key():
+        raise BenchError(f"{meta_path}: 'data' must be {w.data_key()!r}, the data folder of its knobs")
+    data_dir = folder.parent / data_name
 
     def npy(path: Path, mmap: bool = False) -> np.ndarray:
         try:
@@ -178,7 +186,7 @@ def _check(p: Prepared) -> None:
     ]
     for ok, name in checks:
         if not ok:
-            raise BenchError(f"{p.folder}: {name} does not match workload.json; prepare the folder again")
+            raise BenchError(f"{p.folder}: {name} does not match workload.json; delete the folder and prepare it again")
 
 
 # ---------------------------------------------------------------------------------------------------------

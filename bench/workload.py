@@ -61,7 +61,7 @@ def check_seeds(p: Prepared) -> None:
         for cid, seed in p.round_clients(r):
             if client_seed(p.workload.seed, r, cid, 0) != seed:
                 raise BenchError(f"{p.folder / 'seeds.npy'}: round {r}, client {cid} has seed {seed}, but fedsim "
-                                 "derives another; prepare the folder again")
+                                 "derives another; delete the folder and prepare it again")
 
 
 @contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -144,6 +146,13 @@ def test_damaged_or_missing_files_are_named(cache, tmp_path):
     np.save(bad / "draws.npy", np.load(folder / "draws.npy"))
     with pytest.raises(BenchError, match=r"init\.pt: not a weights file"):
         load_prepared(bad).initial_state()
+    meta = json.loads((folder / "workload.json").read_text())
+    for change, message in [({"workload": {**meta["workload"], "num_clients": "6"}}, "num_clients must be of type int"),
+                            ({"workload": {**meta["workload"], "extra": 1}}, "unknown key 'extra'"),
+                            ({"data": "../elsewhere"}, "'data' must be 'data-s0-n600-100-amp3'")]:
+        (bad / "workload.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(BenchError, match=re.escape(message)):
+            load_prepared(bad)
     with pytest.raises(BenchError, match="--clients-per-round"):
         prepare(TINY["mlp"].with_(clients_per_round=7), cache)
 
