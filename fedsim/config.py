@@ -3,22 +3,40 @@
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from fedsim import strict_yaml
 from fedsim.configtools import from_dict, knob, to_dict
 from fedsim.errors import ConfigError
+from fedsim.limits import (
+    MAX_BATCH,
+    MAX_BYTES,
+    MAX_CLIENTS,
+    MAX_CPUS,
+    MAX_EPOCHS,
+    MAX_GPUS,
+    MAX_ROUNDS,
+    MAX_SAMPLES,
+    MAX_SECONDS,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_THREADS,
+    MAX_WORKERS,
+)
 
 
 @dataclass
 class PartitionConfig:
     kind: Literal["iid", "dirichlet", "shards"] = knob("dirichlet", doc="how train samples are split over clients")
     alpha: float = knob(0.5, gt=0, doc="Dirichlet concentration over labels (Hsu et al. 2019); smaller is more skewed")
-    min_samples: int = knob(10, ge=1, doc="every client gets at least this many train samples (dirichlet)")
-    shards_per_client: int = knob(2, ge=1, doc="label-sorted shards per client (shards)")
+    min_samples: int = knob(10, ge=1, le=MAX_SAMPLES,
+                            doc="every client gets at least this many train samples (dirichlet)")
+    shards_per_client: int = knob(2, ge=1, le=MAX_SAMPLES, doc="label-sorted shards per client (shards)")
 
 
 @dataclass
@@ -28,7 +46,7 @@ class DataConfig:
     root: str = knob("~/.fedsim/data", doc="folder holding downloaded datasets")
     download: bool = knob(False, doc="let torchvision/medmnist download missing files (needs internet)")
     options: dict[str, Any] = knob({}, doc="loader options, e.g. {path: my.npz} for npz, {size: 32}")
-    num_clients: int = knob(20, ge=1, doc="registered clients")
+    num_clients: int = knob(20, ge=1, le=MAX_CLIENTS, doc="registered clients")
     partition: PartitionConfig = knob(factory=PartitionConfig)
     val_fraction: float = knob(0.1, ge=0, lt=1, doc="per-client validation split of its train shard")
     client_test: Literal["none", "balanced", "proportional"] = knob(
@@ -38,7 +56,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = knob("cnn", doc="architecture of every client (resnet8, resnet20, wrn16_4, cnn, mlp, lenet, ...)")
-    mix: dict[str, int] = knob({}, doc="heterogeneous clients: {arch: count}; counts must sum to data.num_clients; "
+    mix: dict[str, int] = knob({}, ge=0, le=MAX_CLIENTS,
+                               doc="heterogeneous clients: {arch: count}; counts must sum to data.num_clients; "
                                "clients get architectures in this order by id")
     options: dict[str, Any] = knob({}, doc="builder options passed to every model")
 
@@ -49,15 +68,15 @@ class TrainConfig:
     lr: float = knob(0.05, gt=0, doc="local learning rate")
     momentum: float = knob(0.9, ge=0, lt=1, doc="SGD momentum")
     weight_decay: float = knob(0.0, ge=0, doc="L2 weight decay")
-    epochs: int = knob(1, ge=0, doc="local epochs per round")
-    steps: int | None = knob(None, ge=1, doc="fixed local steps per round instead of epochs")
-    batch_size: int = knob(32, ge=1, doc="local batch size")
+    epochs: int = knob(1, ge=0, le=MAX_EPOCHS, doc="local epochs per round")
+    steps: int | None = knob(None, ge=1, le=MAX_STEPS, doc="fixed local steps per round instead of epochs")
+    batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="local batch size")
     keep_optimizer_state: bool = knob(False, doc="persist each client's optimizer state across rounds")
 
 
 @dataclass
 class ParticipationConfig:
-    clients_per_round: int | None = knob(None, ge=1, doc="clients sampled per round")
+    clients_per_round: int | None = knob(None, ge=1, le=MAX_CLIENTS, doc="clients sampled per round")
     fraction: float | None = knob(None, gt=0, le=1, doc="fraction of clients sampled per round")
     availability: float = knob(1.0, gt=0, le=1, doc="probability that a client is available in a round")
 
@@ -70,7 +89,7 @@ class ParticipationConfig:
 class DistConfig:
     dist: Literal["constant", "lognormal", "uniform"] = knob("lognormal", doc="distribution family")
     mean: float = knob(1.0, gt=0, doc="median (lognormal), value (constant), or midpoint (uniform)")
-    sigma: float = knob(0.5, ge=0, doc="log-space std (lognormal) or half-width fraction (uniform)")
+    sigma: float = knob(0.5, ge=0, le=10, doc="log-space std (lognormal) or half-width fraction (uniform)")
 
 
 @dataclass
@@ -78,10 +97,11 @@ class StragglerConfig:
     enabled: bool = knob(False, doc="simulate device speeds, bandwidths and a round deadline on a virtual clock")
     speed: DistConfig = knob(factory=lambda: DistConfig("lognormal", 1.0, 0.5))
     bandwidth_mbps: DistConfig = knob(factory=lambda: DistConfig("lognormal", 20.0, 0.5))
-    sample_seconds: float = knob(0.01, gt=0, doc="virtual seconds per training sample at speed 1")
+    sample_seconds: float = knob(0.01, gt=0, le=1e6, doc="virtual seconds per training sample at speed 1")
     deadline: Literal["none", "fixed", "quantile"] = knob("quantile", doc="how the round deadline is set")
-    deadline_value: float = knob(0.8, gt=0, doc="seconds (fixed) or quantile of participant durations")
-    over_select: float = knob(0.0, ge=0, doc="sample (1+over_select)·K clients and keep the fastest K")
+    deadline_value: float = knob(0.8, gt=0, doc="virtual seconds (fixed), or the quantile of participant "
+                                  "durations in (0, 1] (quantile)")
+    over_select: float = knob(0.0, ge=0, le=10, doc="sample (1+over_select)·K clients and keep the fastest K")
     skip_late: bool = knob(False, doc="do not compute clients known to miss the deadline (FedScale-style)")
     trace: str | None = knob(None, doc="CSV with columns client,speed,bandwidth_mbps,availability")
 
@@ -90,28 +110,32 @@ class StragglerConfig:
 class RuntimeConfig:
     backend: Literal["ray", "local"] = knob("ray", doc="ray actors, or everything in-process (debugging)")
     ray_address: str | None = knob(None, doc="join this Ray cluster; default: start or join a local one")
-    num_workers: int | None = knob(None, ge=1, doc="client workers; default: as many as the resources allow")
-    client_cpus: float = knob(1.0, gt=0, doc="CPUs per client worker")
-    client_gpus: float = knob(0.0, ge=0, doc="GPU fraction per client worker (0.25 gives 4 workers per GPU)")
-    server_cpus: float = knob(0.0, ge=0, doc="CPUs reserved for the server actor")
-    server_gpus: float = knob(0.0, ge=0, doc="GPU fraction of the server actor")
-    threads: int | None = knob(None, ge=1, doc="torch threads per worker; default: its CPU share")
-    round_timeout_s: float = knob(1800.0, gt=0, doc="wall-clock limit of one phase; late workers count as failed")
-    cache_bytes: int | None = knob(None, ge=0, doc="per-worker cache for personal client state; spills to disk")
+    num_workers: int | None = knob(None, ge=1, le=MAX_WORKERS,
+                                   doc="client workers; default: as many as the resources allow")
+    client_cpus: float = knob(1.0, gt=0, le=MAX_CPUS, doc="CPUs per client worker")
+    client_gpus: float = knob(0.0, ge=0, le=MAX_GPUS,
+                              doc="GPU fraction per client worker (0.25 gives 4 workers per GPU)")
+    server_cpus: float = knob(0.0, ge=0, le=MAX_CPUS, doc="CPUs reserved for the server actor")
+    server_gpus: float = knob(0.0, ge=0, le=MAX_GPUS, doc="GPU fraction of the server actor")
+    threads: int | None = knob(None, ge=1, le=MAX_THREADS, doc="torch threads per worker; default: its CPU share")
+    round_timeout_s: float = knob(1800.0, gt=0, le=MAX_SECONDS,
+                                  doc="wall-clock limit of one phase; late workers count as failed")
+    cache_bytes: int | None = knob(None, ge=0, le=MAX_BYTES,
+                                   doc="per-worker cache for personal client state; spills to disk")
     spill_dir: str | None = knob(None, doc="where spilled client state goes; default: inside the run folder")
 
 
 @dataclass
 class EvalConfig:
-    every: int = knob(1, ge=1, doc="evaluate the global model(s) on the test set every this many rounds")
-    batch_size: int = knob(512, ge=1, doc="evaluation batch size")
+    every: int = knob(1, ge=1, le=MAX_ROUNDS, doc="evaluate the global model(s) on the test set every this many rounds")
+    batch_size: int = knob(512, ge=1, le=MAX_BATCH, doc="evaluation batch size")
 
 
 @dataclass
 class ResultsConfig:
     root: str = knob("results", doc="parent folder of run folders")
     run_id: str | None = knob(None, doc="run folder name; default: <name>-<timestamp>")
-    checkpoint_every: int = knob(1, ge=0, doc="checkpoint every this many rounds (0: never)")
+    checkpoint_every: int = knob(1, ge=0, le=MAX_ROUNDS, doc="checkpoint every this many rounds (0: never)")
 
 
 @dataclass
@@ -123,8 +147,9 @@ class AlgorithmConfig:
 @dataclass
 class RunConfig:
     name: str = knob("run", doc="run name, used in the run folder")
-    seed: int = knob(0, ge=0, doc="run seed: sampling, partition, init and every client draw derive from it")
-    rounds: int = knob(30, ge=1, doc="communication rounds")
+    seed: int = knob(0, ge=0, le=MAX_SEED,
+                     doc="run seed: sampling, partition, init and every client draw derive from it")
+    rounds: int = knob(30, ge=1, le=MAX_ROUNDS, doc="communication rounds")
     algorithm: AlgorithmConfig = knob(factory=AlgorithmConfig)
     data: DataConfig = knob(factory=DataConfig)
     model: ModelConfig = knob(factory=ModelConfig)
@@ -137,14 +162,16 @@ class RunConfig:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'a.b=value' -> (['a', 'b'], value parsed as YAML)."""
+    """'a.b=value' -> (['a', 'b'], value parsed as YAML, like a config file's; text that is no YAML stays text)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, raw = text.split("=", 1)
     if not key.strip():
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = strict_yaml.parse(raw) if raw.strip() else ""
+    except strict_yaml.YAMLShapeError as exc:
+        raise ConfigError(f"override {text!r}: {exc.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -165,18 +192,26 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping, with one-line errors for missing or malformed files."""
+    """Read a config file's mapping, with one-line errors for missing, malformed, empty or non-mapping files."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: cannot be read as text ({type(exc).__name__})") from None
+    try:
+        data = strict_yaml.parse(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{p}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        line, reason = strict_yaml.describe_error(exc)
+        where = f" line {line}" if line else ""
+        if isinstance(exc, strict_yaml.YAMLShapeError):
+            raise ConfigError(f"{p}{where}: {reason}") from None
+        raise ConfigError(f"{p}{where}: not valid YAML ({reason})") from None
+    if data is None:
+        raise ConfigError(f"{p}: the file is empty (or only comments); a config is a mapping such as 'rounds: 5'")
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping at the top level")
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(data).__name__}")
     return data
 
 
@@ -189,6 +224,8 @@ def build_config(raw: dict) -> RunConfig:
     if not isinstance(algo_raw, dict):
         raise ConfigError("algorithm: expected a mapping with a name and the method's parameters")
     name = algo_raw.pop("name", "fedavg")
+    if not isinstance(name, str):
+        raise ConfigError(f"algorithm.name: expected a string, got {name!r}"[:200])
     cfg = from_dict(RunConfig, raw)
     algo_cls = get_algorithm(name)
     params = from_dict(algo_cls.Params, algo_raw, prefix="algorithm")
@@ -204,7 +241,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def validate(cfg: RunConfig) -> None:
-    """Cross-section checks that a single dataclass cannot see."""
+    """Cross-section checks that a single dataclass cannot see; converts data and model options in place."""
     n = cfg.data.num_clients
     k = cfg.participation.clients_per_round
     if k is not None and k > n:
@@ -212,8 +249,34 @@ def validate(cfg: RunConfig) -> None:
     if cfg.model.mix and sum(cfg.model.mix.values()) != n:
         raise ConfigError(f"model.mix: counts sum to {sum(cfg.model.mix.values())}, "
                           f"but data.num_clients is {n}")
-    if any(c < 0 for c in cfg.model.mix.values()):
-        raise ConfigError("model.mix: counts must be >= 0")
+    s = cfg.stragglers
+    if s.deadline == "quantile" and not 0 < s.deadline_value <= 1:
+        raise ConfigError(f"stragglers.deadline_value: with deadline: quantile it is a quantile in (0, 1], "
+                          f"got {s.deadline_value}")
+    check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
+    if cfg.results.run_id is not None:
+        check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
+    from fedsim.data.registry import check_options
+    from fedsim.models.registry import check_model_options
+
+    cfg.data.options = check_options(cfg.data.name, cfg.data.options)
+    for arch, key in ([(a, "model.mix") for a in cfg.model.mix] or [(cfg.model.name, "model.name")]):
+        cfg.model.options = check_model_options(arch, cfg.model.options, key=key)
+
+
+def check_folder_name(key: str, value: str, max_len: int) -> None:
+    """A name that becomes one folder inside results.root: no separators, no '.'/'..', nothing absolute."""
+    bad = None
+    if not value.strip():
+        bad = "is empty"
+    elif value in (".", ".."):
+        bad = "is not a folder name"
+    elif any(sep in value for sep in ("/", "\\", os.sep)) or Path(value).is_absolute():
+        bad = "contains a path separator; it names one folder inside results.root"
+    elif not value.isprintable() or len(value.encode("utf-8", "replace")) > max_len:
+        bad = f"must be printable text of at most {max_len} bytes"
+    if bad:
+        raise ConfigError(f"{key}: {value[:60]!r} {bad}")
 
 
 def config_to_dict(cfg: RunConfig) -> dict:

@@ -2,12 +2,15 @@
 
 Fields declare their range and documentation through `knob(...)`; `from_dict` checks types (int, float,
 bool, str, Literal, Optional, list, dict, nested dataclasses), ranges and unknown keys, and raises one
-ConfigError listing all problems. `describe` renders the documentation for the README's reference.
+ConfigError listing all problems. Floats must be finite unless a knob says `nonfinite=True`; an int knob
+takes an integral float (`1e3`). `describe` renders the documentation for the README's reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
@@ -17,9 +20,10 @@ from fedsim.errors import ConfigError
 
 
 def knob(default: Any = MISSING, *, doc: str = "", ge: float | None = None, gt: float | None = None,
-         le: float | None = None, lt: float | None = None, factory: Any = MISSING) -> Any:
-    """A documented config field with optional numeric bounds."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt}
+         le: float | None = None, lt: float | None = None, nonfinite: bool = False, factory: Any = MISSING) -> Any:
+    """A documented config field with optional numeric bounds (on a number, or on each number of a list or
+    mapping); `nonfinite` lets a float field take inf and nan."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "lt": lt, "nonfinite": nonfinite}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     if isinstance(default, (list, dict)):
@@ -32,6 +36,12 @@ class _Errors(list):
         self.append(f"{path}: {msg}")
 
 
+def _show(value: Any, limit: int = 60) -> str:
+    """repr(value), shortened so an absurd value still gives a readable one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _type_name(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
@@ -42,7 +52,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
+def _convert(value: Any, tp: Any, path: str, errors: _Errors, nonfinite: bool = False) -> Any:
     origin = get_origin(tp)
     if tp is Any:
         return value
@@ -50,68 +60,86 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own message says more than "expected X | null"
+            return _convert(value, real[0], path, errors, nonfinite)
         for arg in args:
             if arg is type(None):
                 continue
             sub = _Errors()
-            out = _convert(value, arg, path, sub)
+            out = _convert(value, arg, path, sub, nonfinite)
             if not sub:
                 return out
-        errors.add(path, f"expected {_type_name(tp)}, got {value!r}")
+        errors.add(path, f"expected {_type_name(tp)}, got {_show(value)}")
         return None
     if origin is Literal:
         if value not in get_args(tp):
-            errors.add(path, f"must be one of {list(get_args(tp))}, got {value!r}")
+            errors.add(path, f"must be one of {list(get_args(tp))}, got {_show(value)}")
         return value
     if is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            errors.add(path, f"expected a mapping, got {value!r}")
+            errors.add(path, f"expected a mapping, got {_show(value)}")
             return None
         return _build(tp, value, path, errors)
     if origin is list:
         (item,) = get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
-            errors.add(path, f"expected a list, got {value!r}")
+            errors.add(path, f"expected a list, got {_show(value)}")
             return None
-        return [_convert(v, item, f"{path}[{i}]", errors) for i, v in enumerate(value)]
+        return [_convert(v, item, f"{path}[{i}]", errors, nonfinite) for i, v in enumerate(value)]
     if origin is dict:
         kt, vt = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
-            errors.add(path, f"expected a mapping, got {value!r}")
+            errors.add(path, f"expected a mapping, got {_show(value)}")
             return None
-        return {k: _convert(v, vt, f"{path}.{k}", errors) for k, v in value.items()}
+        return {k: _convert(v, vt, f"{path}.{k}", errors, nonfinite) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            errors.add(path, f"expected true or false, got {value!r}")
+            errors.add(path, f"expected true or false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            errors.add(path, f"expected an integer, got {value!r}")
+            errors.add(path, f"expected an integer, got {_show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors.add(path, f"expected a number, got {value!r}")
+            errors.add(path, f"expected a number, got {_show(value)}")
             return value
-        return float(value)
+        try:
+            out = float(value)
+        except OverflowError:
+            errors.add(path, f"{_show(value)} is too large for a float")
+            return value
+        if not nonfinite and not math.isfinite(out):
+            errors.add(path, f"must be a finite number, got {_show(value)}")
+        return out
     if tp is str:
         if not isinstance(value, str):
-            errors.add(path, f"expected a string, got {value!r}")
+            errors.add(path, f"expected a string, got {_show(value)}")
         return value
     return value
 
 
 def _check_bounds(value: Any, meta: Any, path: str, errors: _Errors) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_bounds(v, meta, f"{path}[{i}]", errors)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_bounds(v, meta, f"{path}.{k}", errors)
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value:
         return
     for key, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
                           ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
         bound = meta.get(key)
         if bound is not None and not ok(value, bound):
-            errors.add(path, f"must be {word} {bound}, got {value!r}")
+            errors.add(path, f"must be {word} {bound}, got {_show(value)}")
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -134,8 +162,11 @@ def _build(cls: type, data: dict, prefix: str, errors: _Errors) -> Any:
         f = known[key]
         if isinstance(value, dict) and is_dataclass(hints[key]) and f.default_factory is not MISSING:
             value = _merge(to_dict(f.default_factory()), value)  # a partial section keeps the field's defaults
-        out = _convert(value, hints[key], path, errors)
-        _check_bounds(out, f.metadata, path, errors)
+        sub = _Errors()
+        out = _convert(value, hints[key], path, sub, f.metadata.get("nonfinite", False))
+        if not sub:
+            _check_bounds(out, f.metadata, path, sub)
+        errors.extend(sub)
         kwargs[key] = out
     for name, f in known.items():
         if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
@@ -147,6 +178,40 @@ def _build(cls: type, data: dict, prefix: str, errors: _Errors) -> Any:
     except (ValueError, TypeError) as exc:  # __post_init__ cross-field checks
         errors.add(prefix or cls.__name__, str(exc))
         return None
+
+
+def check_value(value: Any, tp: Any, path: str, *, ge: float | None = None, gt: float | None = None,
+                le: float | None = None, lt: float | None = None) -> Any:
+    """`value` converted to type `tp` and checked against the bounds, like a knob; else a ConfigError naming `path`."""
+    errors = _Errors()
+    out = _convert(value, tp, path, errors)
+    if not errors:
+        _check_bounds(out, {"ge": ge, "gt": gt, "le": le, "lt": lt}, path, errors)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    return out
+
+
+def check_kwargs(fn: Any, options: dict, prefix: str, owner: str, skip: tuple[str, ...] = (),
+                 limits: dict[str, dict[str, float]] | None = None) -> dict:
+    """Options meant as keyword arguments of `fn`, checked against its signature: each name must be a named
+    parameter (not in `skip`), each value must fit the parameter's annotation and `limits[name]` (ge/gt/le/lt).
+    Returns the converted options; the ConfigError names `<prefix>.<name>` and the allowed names or type."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of option names to values, got {_show(options)}")
+    params = {p.name: p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip}
+    try:
+        hints = typing.get_type_hints(inspect.unwrap(fn))
+    except (NameError, TypeError):  # an annotation that does not resolve: check names only
+        hints = {}
+    out = {}
+    for name, value in options.items():
+        if name not in params:
+            raise ConfigError(f"{prefix}.{name}: not an option of {owner}; its options are {sorted(params)}")
+        tp = hints.get(name, Any)
+        out[name] = check_value(value, Any if tp is object else tp, f"{prefix}.{name}", **(limits or {}).get(name, {}))
+    return out
 
 
 def from_dict(cls: type, data: dict, prefix: str = "") -> Any:

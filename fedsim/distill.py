@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsim.configtools import knob
+from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_STEPS
 from fedsim.train import batch_indices
 
 Mix = Literal["logits", "probs"]
@@ -98,9 +99,9 @@ def clip_logits(logits: torch.Tensor, c: float) -> torch.Tensor:
 class DistillConfig:
     """How one distillation runs; methods embed it in their Params with their paper's defaults."""
 
-    steps: int | None = knob(500, ge=1, doc="optimizer steps (exclusive with epochs)")
-    epochs: int | None = knob(None, ge=1, doc="passes over the distillation set instead of steps")
-    batch_size: int = knob(32, ge=1, doc="distillation batch size")
+    steps: int | None = knob(500, ge=1, le=MAX_STEPS, doc="optimizer steps (exclusive with epochs)")
+    epochs: int | None = knob(None, ge=1, le=MAX_EPOCHS, doc="passes over the distillation set instead of steps")
+    batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="distillation batch size")
     lr: float = knob(0.005, gt=0, doc="distillation learning rate")
     optimizer: Literal["adam", "sgd"] = knob("adam", doc="distillation optimizer")
     momentum: float = knob(0.0, ge=0, lt=1, doc="SGD momentum")
@@ -112,9 +113,11 @@ class DistillConfig:
     shuffle: bool = knob(True, doc="reshuffle every pass (False: fixed order, cycled)")
     clip_logits: float | None = knob(None, gt=0, doc="rescale student logit rows with norm >= 1/c to norm c")
     grad_clip: float | None = knob(None, gt=0, doc="clip the gradient norm to this value")
-    eval_every: int = knob(50, ge=1, doc="validate the student every this many steps (and after the last)")
+    eval_every: int = knob(50, ge=1, le=MAX_STEPS,
+                           doc="validate the student every this many steps (and after the last)")
     keep_best: bool = knob(True, doc="restore the best-on-validation student at the end (needs a validator)")
-    patience: int | None = knob(None, ge=1, doc="stop after this many steps without a better validation score")
+    patience: int | None = knob(None, ge=1, le=MAX_STEPS,
+                                doc="stop after this many steps without a better validation score")
 
     def __post_init__(self) -> None:
         if (self.steps is None) == (self.epochs is None):

@@ -19,16 +19,18 @@ import numpy as np
 import torch
 
 from fedsim.configtools import knob
+from fedsim.limits import MAX_SAMPLES
 
 
 @dataclass
 class SelectionConfig:
     """Which patches of the pool are distilled on this round; the paper's settings are the defaults."""
 
-    n: int = knob(5000, ge=1, doc="distillation set size after selection")
+    n: int = knob(5000, ge=1, le=MAX_SAMPLES, doc="distillation set size after selection")
     kmeans: bool = knob(True, doc="KMeans class balancing on the global model's embeddings")
-    k: int = knob(1000, ge=1, doc="KMeans clusters")
-    niter: int = knob(25, ge=1, doc="KMeans iterations (FAISS default; the reference ran sklearn to convergence)")
+    k: int = knob(1000, ge=1, le=1_000_000, doc="KMeans clusters")
+    niter: int = knob(25, ge=1, le=10_000,
+                      doc="KMeans iterations (FAISS default; the reference ran sklearn to convergence)")
     heuristic: Literal["hard", "easy", "mixed"] = knob("hard", doc="take the patches farthest from (hard) or "
                                                         "nearest to (easy) their centroid, or a mix")
     mixed: str = knob("50-50", doc="easy-hard percentages for heuristic=mixed")

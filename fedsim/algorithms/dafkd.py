@@ -38,6 +38,7 @@ from fedsim.algorithms.fedavg import FedAvg, clone_state, init_global_models, ne
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
+from fedsim.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
 from fedsim.models.dafkd_nets import DomainHead, build_generator, generator_step, gradient_penalty
 from fedsim.train import batch_indices, make_optimizer
 
@@ -49,8 +50,8 @@ class DaFKDDistill(DistillConfig):
     """The server KD of Eq. 8: lr 0.01 (paper); 40 epochs over 40 batches of 32, Adam (code); T = 1 (A1:
     Eq. 8 has plain softmax; the code uses 20); no validation-based selection (the paper has none)."""
 
-    steps: int | None = knob(None, ge=1, doc="optimizer steps (exclusive with epochs)")
-    epochs: int | None = knob(40, ge=1, doc="passes over the distillation set (code: 40)")
+    steps: int | None = knob(None, ge=1, le=MAX_STEPS, doc="optimizer steps (exclusive with epochs)")
+    epochs: int | None = knob(40, ge=1, le=MAX_EPOCHS, doc="passes over the distillation set (code: 40)")
     lr: float = knob(0.01, gt=0, doc="distillation learning rate (paper: 0.01)")
     keep_best: bool = knob(False, doc="restore the best-on-validation student (DaFKD has no validation set)")
 
@@ -67,16 +68,21 @@ class DaFKDParams:
         "aggregated", doc="A3: D̂_g comes from this round's 'aggregated' generator (text) or the 'start' one (code)")
     generator: Literal["dcgan", "conditional"] = knob(
         "dcgan", doc="A4: unconditional 'dcgan' g(z) (equations, code) or §4.1's label-'conditional' MLP")
-    noise_dim: int = knob(100, ge=1, doc="generator noise dimension d (code: 100)")
-    gen_width: int = knob(64, ge=1, doc="generator width: DCGAN features of the last stage, MLP embedding size")
+    noise_dim: int = knob(100, ge=1, le=MAX_WIDTH, doc="generator noise dimension d (code: 100)")
+    gen_width: int = knob(64, ge=1, le=MAX_CHANNELS,
+                          doc="generator width: DCGAN features of the last stage, MLP embedding size")
     gen_lr: float | None = knob(None, gt=0, doc="generator Adam lr, betas (0.5, 0.99); None: train.lr (paper)")
     schedule: Literal["sequential", "alternating"] = knob(
         "sequential", doc="A5: 'sequential' (CE+D for the local epochs, then G against the fixed D; Eqs. 2-3) "
         "or 'alternating' (a D step and a G step per minibatch; code)")
-    gen_epochs: int | None = knob(None, ge=1, doc="A5: epochs of G steps (None: as many as local epochs; code: 5)")
-    disc_epochs: int | None = knob(None, ge=1, doc="A5: local epochs with the D loss on (None: all; code: 5)")
-    disc_rounds: int | None = knob(None, ge=0, doc="A5: D loss only in rounds < this (None: always; code: 3)")
-    gen_rounds: int | None = knob(None, ge=0, doc="A5: G trained only in rounds < this (None: always; code: 5)")
+    gen_epochs: int | None = knob(None, ge=1, le=MAX_EPOCHS,
+                                  doc="A5: epochs of G steps (None: as many as local epochs; code: 5)")
+    disc_epochs: int | None = knob(None, ge=1, le=MAX_EPOCHS,
+                                   doc="A5: local epochs with the D loss on (None: all; code: 5)")
+    disc_rounds: int | None = knob(None, ge=0, le=MAX_ROUNDS,
+                                   doc="A5: D loss only in rounds < this (None: always; code: 3)")
+    gen_rounds: int | None = knob(None, ge=0, le=MAX_ROUNDS,
+                                  doc="A5: G trained only in rounds < this (None: always; code: 5)")
     gp_weight: float = knob(0.0, ge=0, doc="A5: gradient penalty on real/fake interpolates (code: 0.3)")
     disc_weight: float = knob(1.0, ge=0, doc="weight of Eq. 2's BCE (mean over real+fake) next to CE (Eq. 9)")
     score_mode: Literal["eval", "train"] = knob(
@@ -86,8 +92,8 @@ class DaFKDParams:
     upload: Literal["discriminator", "scores"] = knob(
         "discriminator", doc="A10: 'discriminator' (main text: the server scores) or 'scores' (App. B: clients "
         "upload f·s and f on a seed-regenerated set)")
-    distill_size: int = knob(1280, ge=1, doc="|D̂_g|, generated samples per round (code: 40 × 32)")
-    distill_from_round: int = knob(0, ge=0, doc="rounds before this one only average (code: 1)")
+    distill_size: int = knob(1280, ge=1, le=MAX_SAMPLES, doc="|D̂_g|, generated samples per round (code: 40 × 32)")
+    distill_from_round: int = knob(0, ge=0, le=MAX_ROUNDS, doc="rounds before this one only average (code: 1)")
     eps: float = knob(1e-8, gt=0, doc="ε in α̂ = f / (Σ f + ε)")
     distill: DaFKDDistill = knob(factory=DaFKDDistill)
 

@@ -27,6 +27,7 @@ from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Env, 
 from fedsim.algorithms.fedavg import FedAvg, GlobalModels, new_model
 from fedsim.config import clients_per_round
 from fedsim.configtools import knob
+from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_SEED
 from fedsim.meta_distill import Distiller, DistillSettings, class_balanced_labels, sgd_replay, trainable, xavier_init_
 from fedsim.train import evaluate_classifier
 
@@ -35,11 +36,13 @@ from fedsim.train import evaluate_classifier
 class DOSFLParams:
     mode: Literal["parallel", "serial"] = knob("parallel", doc="parallel DOSFL (one exchange) or serial DOSFL "
                                                "(clients distil one after another against the updated model)")
-    distill_steps: int = knob(10, ge=1, doc="S_d, synthetic steps per client (MNIST value lost [D5]; "
+    distill_steps: int = knob(10, ge=1, le=10_000, doc="S_d, synthetic steps per client (MNIST value lost [D5]; "
                               "Wang et al.'s default 10; IMDB 5)")
-    distill_batch: int = knob(10, ge=1, doc="B_d, synthetic inputs per step (lost for MNIST [D5]; 10 = one per "
+    distill_batch: int = knob(10, ge=1, le=100_000,
+                              doc="B_d, synthetic inputs per step (lost for MNIST [D5]; 10 = one per "
                               "class per step as in Wang et al.; IMDB 1)")
-    distill_epochs: int = knob(3, ge=1, doc="E_d, passes over the S_d steps, on clients and on the server "
+    distill_epochs: int = knob(3, ge=1, le=MAX_EPOCHS,
+                               doc="E_d, passes over the S_d steps, on clients and on the server "
                                "(lost for MNIST [D5]; Wang et al. 3; IMDB 10)")
     distill_lr: float = knob(0.02, gt=0, doc="η0, initial learned lr (lost for MNIST [D5]; Wang et al. 0.02; "
                              "IMDB 0.01)")
@@ -50,13 +53,14 @@ class DOSFLParams:
                                                "3-tuples) or one per unrolled step S_d·E_d (Wang et al.)")
     lr_param: Literal["softplus", "raw"] = knob("softplus", doc="[D1] lrs learned through softplus (Wang et al., "
                                                 "stays positive) or raw as Eq. 4 writes it")
-    epochs: int = knob(30, ge=1, doc="E, distillation epochs per client (30 images, 50 text [v3])")
+    epochs: int = knob(30, ge=1, le=MAX_EPOCHS, doc="E, distillation epochs per client (30 images, 50 text [v3])")
     epoch_unit: Literal["passes", "iterations"] = knob("passes", doc="[D4] an epoch is a pass over the client's "
                                                        "data in real batches, or one meta-iteration")
-    batch_size: int = knob(512, ge=1, doc="B, real-data batch of each meta-iteration [v3]")
+    batch_size: int = knob(512, ge=1, le=MAX_BATCH, doc="B, real-data batch of each meta-iteration [v3]")
     meta_lr: float = knob(0.01, gt=0, doc="α, Adam lr on the synthetic data (MNIST/IMDB 0.01, TREC-6 0.1 [v3])")
     meta_beta1: float = knob(0.5, ge=0, lt=1, doc="Adam β1 (Wang et al.'s 0.5; the seed only says ADAM)")
-    decay_every: int = knob(40, ge=1, doc="τ, halve α every τ epochs (MNIST 40, IMDB 10, TREC-6 30 [v3])")
+    decay_every: int = knob(40, ge=1, le=MAX_EPOCHS,
+                            doc="τ, halve α every τ epochs (MNIST 40, IMDB 10, TREC-6 30 [v3])")
     decay_factor: float = knob(0.5, gt=0, le=1, doc="meta-lr decay factor (seed: 0.5)")
     reset: Literal["none", "soft", "hard"] = knob("none", doc="start of each iteration: θ_server, soft reset "
                                                   "N(θ_server, σ²I), or a fresh Xavier init (Wang et al.)")
@@ -71,7 +75,8 @@ class DOSFLParams:
                                                  "steps; labels and lrs are kept and masked slots get no gradient")
     upload_labels: bool = knob(True, doc="[D7] send hard labels (soft ones always go); the paper counts only "
                                "S_d·B_d·|x|, reported as the `scalars` metric")
-    init_seed: int | None = knob(None, ge=0, doc="seed of θ0 sent to clients; default derived from the run seed")
+    init_seed: int | None = knob(None, ge=0, le=MAX_SEED,
+                                 doc="seed of θ0 sent to clients; default derived from the run seed")
     init_gain: float = knob(1.0, gt=0, doc="Xavier-normal gain of θ0 (biases 0)")
     serial_curve: bool = knob(False, doc="serial: also evaluate the model after each client (rows 'after_k')")
 

@@ -27,6 +27,7 @@ from fedsim.algorithms.fedavg import clone_state
 from fedsim.algorithms.local_only import LocalOnly, PoolState
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, soften
+from fedsim.limits import MAX_BATCH, MAX_CHANNELS, MAX_EPOCHS, MAX_SAMPLES
 from fedsim.models.thesis_nets import CNNDiscriminator, build_generator
 from fedsim.train import predict_logits
 
@@ -34,10 +35,12 @@ from fedsim.train import predict_logits
 @dataclass
 class FDFAugParams(GanParams):
     share_fraction: float = knob(0.05, gt=0, le=1, doc="fraction of each client's data uploaded for the GAN")
-    faug_epochs: int = knob(200, ge=0, doc="[C] epochs of central GAN training on the pooled shares")
-    faug_samples: int = knob(10000, ge=0, doc="[C] class-balanced synthetic samples each client appends")
-    gan_batch_size: int = knob(32, ge=1, doc="central GAN batch size (Table 5.1)")
-    disc_widths: list[int] = knob([8, 16, 16], doc="[C] ACGAN discriminator conv widths (cnn_medium, B.3.2)")
+    faug_epochs: int = knob(200, ge=0, le=MAX_EPOCHS, doc="[C] epochs of central GAN training on the pooled shares")
+    faug_samples: int = knob(10000, ge=0, le=MAX_SAMPLES,
+                             doc="[C] class-balanced synthetic samples each client appends")
+    gan_batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="central GAN batch size (Table 5.1)")
+    disc_widths: list[int] = knob([8, 16, 16], ge=1, le=MAX_CHANNELS,
+                                  doc="[C] ACGAN discriminator conv widths (cnn_medium, B.3.2)")
     disc_lr: float = knob(0.01, gt=0, doc="discriminator SGD learning rate (Table 5.1)")
     real_label: float = knob(0.9, gt=0, le=1, doc="[C] soft BCE target for real samples")
     kd_alpha: float = knob(0.8, ge=0, le=1, doc="[C] kd_gamma: weight of the distillation term")

@@ -45,6 +45,7 @@ from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data.proxy import proxy_pool, split_test_halves
 from fedsim.distill import DistillConfig, clip_logits, distill, ensemble_teacher
+from fedsim.limits import MAX_ROUNDS, MAX_SAMPLES, MAX_SEED, MAX_STEPS
 from fedsim.selection import SelectionConfig, embed_and_predict, select
 from fedsim.train import evaluate_classifier, make_optimizer, predict_logits, train_classifier
 
@@ -70,13 +71,14 @@ class DistillFLParams:
 
     distill: ServerDistill = knob(factory=ServerDistill)
     selection: NoSelection = knob(factory=NoSelection)
-    fedavg_every: int = knob(5, ge=1, doc="FedAvg initialisation every this many rounds (rate 100/50/20% = 1/2/5); "
+    fedavg_every: int = knob(5, ge=1, le=MAX_ROUNDS,
+                             doc="FedAvg initialisation every this many rounds (rate 100/50/20% = 1/2/5); "
                              "other rounds start from the last distilled model")
-    fedavg_first: int = knob(1, ge=0, doc="the first rounds always use FedAvg initialisation")
+    fedavg_first: int = knob(1, ge=0, le=MAX_ROUNDS, doc="the first rounds always use FedAvg initialisation")
     schedule: Literal["fixed", "cosine_restart"] = knob("fixed", doc="distillation steps per round: fixed, or "
                                                         "cosine from distill.steps to steps_min, restarting")
-    steps_min: int = knob(250, ge=1, doc="fewest steps of the cosine_restart schedule (Table 4: 250)")
-    steps_interval: int = knob(5, ge=1, doc="restart period (rounds) of the cosine_restart schedule")
+    steps_min: int = knob(250, ge=1, le=MAX_STEPS, doc="fewest steps of the cosine_restart schedule (Table 4: 250)")
+    steps_interval: int = knob(5, ge=1, le=MAX_ROUNDS, doc="restart period (rounds) of the cosine_restart schedule")
     validation: Literal["pooled", "none"] = knob("pooled", doc="score students on the pooled client validation "
                                                  "splits (held by the server, as in the reference code) or not")
     client_clip: bool = knob(True, doc="clip logits (distill.clip_logits) in the clients' CE too, as the reference")
@@ -95,8 +97,8 @@ class FedDFParams(DistillFLParams):
         "dataset", doc="proxy set: another dataset's train inputs, half of this dataset's test set (the other half "
         "scores the models, as the reference does for a same-dataset proxy), or env.extras['proxy']")
     proxy_dataset: str = knob("cifar100", doc="dataset of the proxy (proxy=dataset), e.g. CIFAR-100 for CIFAR-10")
-    proxy_size: int = knob(500, ge=1, doc="proxy samples drawn (Tables 3-4: 500 CIFAR-100 samples)")
-    proxy_seed: int = knob(0, ge=0, doc="seed of the proxy draw and of the test-set halves")
+    proxy_size: int = knob(500, ge=1, le=MAX_SAMPLES, doc="proxy samples drawn (Tables 3-4: 500 CIFAR-100 samples)")
+    proxy_seed: int = knob(0, ge=0, le=MAX_SEED, doc="seed of the proxy draw and of the test-set halves")
 
 
 @register_state

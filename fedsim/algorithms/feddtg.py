@@ -22,6 +22,7 @@ from fedsim.algorithms._gan import bce, gen_optimizer, randn, step
 from fedsim.algorithms.base import ClientContext, register_algorithm
 from fedsim.algorithms.fedgdkd import GEN, FedGDKD, FedGDKDParams
 from fedsim.configtools import knob
+from fedsim.limits import MAX_CHANNELS
 from fedsim.models.thesis_nets import CNNDiscriminator
 from fedsim.train import batch_indices, make_optimizer
 
@@ -33,7 +34,8 @@ class FedDTGParams(FedGDKDParams):
     catch_up: bool = knob(False, doc="FedDTG has no catch-up distillation")
     kd_noise: Literal["shared", "independent"] = knob("independent", doc="[C] N noise rows, balanced labels")
     half_losses: bool = knob(True, doc="[C] the ½ factors of the author's FedDTG losses")
-    disc_widths: list[int] = knob([8, 16, 16], doc="[C] discriminator conv widths (cnn_medium, B.3.2)")
+    disc_widths: list[int] = knob([8, 16, 16], ge=1, le=MAX_CHANNELS,
+                                  doc="[C] discriminator conv widths (cnn_medium, B.3.2)")
     disc_lr: float = knob(0.01, gt=0, doc="discriminator SGD learning rate (Table 5.1)")
     real_label: float = knob(0.9, gt=0, le=1, doc="[C] soft BCE target for real samples")
 

@@ -47,6 +47,7 @@ from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
 from fedsim.distill import DistillConfig, distill, leave_one_out, soften
+from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES
 from fedsim.models.thesis_nets import build_generator
 from fedsim.train import batch_indices, make_optimizer, predict_logits
 
@@ -75,14 +76,15 @@ class FedGDKDParams(GanParams):
     half_losses: bool = knob(False, doc="[C] halve L_G and each half of L_C as the author's code does")
     kd_alpha: float = knob(0.8, ge=0, le=1, doc="KD weight α in (1-α)·CE + α·τ²·KL (Table 5.1)")
     kd_T: float = knob(4.0, gt=0, doc="soft-target temperature τ (Table 5.1)")
-    kd_epochs: int = knob(5, ge=1, doc="distillation epochs d over the synthetic set (Table 5.1)")
-    kd_batch_size: int = knob(32, ge=1, doc="distillation batch size (Table 5.1)")
-    kd_size: int = knob(10000, ge=1, doc="distillation set size N (Table 5.1)")
+    kd_epochs: int = knob(5, ge=1, le=MAX_EPOCHS, doc="distillation epochs d over the synthetic set (Table 5.1)")
+    kd_batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="distillation batch size (Table 5.1)")
+    kd_size: int = knob(10000, ge=1, le=MAX_SAMPLES, doc="distillation set size N (Table 5.1)")
     kd_noise: Literal["shared", "independent"] = knob(
         "shared", doc="'shared': ⌈N/c⌉ noise rows reused for every class (eq. 4.10, c·⌈N/c⌉ samples); "
         "'independent': [C] N noise rows with balanced labels")
     catch_up: bool = knob(True, doc="catch-up distillation for clients absent last round (§4.5)")
-    fid_every: int = knob(0, ge=0, doc="INTERNAL-ONLY generator Fréchet distance every this many evaluated "
+    fid_every: int = knob(0, ge=0, le=MAX_ROUNDS,
+                          doc="INTERNAL-ONLY generator Fréchet distance every this many evaluated "
                           "rounds (0: off); its feature net is trained on the pooled real train set")
 
 

@@ -24,19 +24,21 @@ from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Phase
 from fedsim.algorithms.local_only import LocalOnly, PoolState, pool_data
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, soften
+from fedsim.limits import MAX_BATCH, MAX_EPOCHS
 from fedsim.train import predict_logits
 
 
 @dataclass
 class FedMDParams:
     public_fraction: float = knob(0.05, gt=0, le=1, doc="fraction of each client's data pooled as the public set")
-    pretrain_public_epochs: int = knob(20, ge=0, doc="[C] transfer learning: epochs on the public set")
-    pretrain_private_epochs: int = knob(5, ge=0, doc="[C] transfer learning: then epochs on the private set")
-    digest_epochs: int = knob(5, ge=1, doc="[C] epochs of KD towards the consensus per round")
-    revisit_epochs: int = knob(5, ge=0, doc="[C] epochs on the private data per round after digesting")
+    pretrain_public_epochs: int = knob(20, ge=0, le=MAX_EPOCHS, doc="[C] transfer learning: epochs on the public set")
+    pretrain_private_epochs: int = knob(5, ge=0, le=MAX_EPOCHS,
+                                        doc="[C] transfer learning: then epochs on the private set")
+    digest_epochs: int = knob(5, ge=1, le=MAX_EPOCHS, doc="[C] epochs of KD towards the consensus per round")
+    revisit_epochs: int = knob(5, ge=0, le=MAX_EPOCHS, doc="[C] epochs on the private data per round after digesting")
     kd_alpha: float = knob(0.8, ge=0, le=1, doc="KD weight α (Table 5.1)")
     kd_T: float = knob(4.0, gt=0, doc="soft-target temperature τ (Table 5.1)")
-    kd_batch_size: int = knob(32, ge=1, doc="digest batch size")
+    kd_batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="digest batch size")
 
 
 @register_algorithm

@@ -36,12 +36,13 @@ from fedsim.algorithms.base import (
 )
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
+from fedsim.limits import MAX_EPOCHS
 from fedsim.train import train_classifier
 
 
 @dataclass
 class LocalOnlyParams:
-    pretrain_epochs: int = knob(15, ge=0, doc="[C] epochs on the private data before the first round")
+    pretrain_epochs: int = knob(15, ge=0, le=MAX_EPOCHS, doc="[C] epochs on the private data before the first round")
 
 
 @register_state

@@ -15,6 +15,7 @@ from fedsim.algorithms.base import Env, register_algorithm
 from fedsim.algorithms.feddf import DistillFLParams, FedDF
 from fedsim.configtools import knob
 from fedsim.data.single_image import PatchPool, PatchSpec, patch_pool
+from fedsim.limits import MAX_SAMPLES, MAX_SEED
 from fedsim.selection import SelectionConfig
 
 
@@ -23,13 +24,13 @@ class SingleImageParams(DistillFLParams):
     selection: SelectionConfig = knob(factory=SelectionConfig)
     image: str = knob("china", doc="the shared image: china (scikit-learn), ihc (scikit-image pathology), noise, "
                       "or a path (the paper used ameyoko_small.jpg / colonpath_sample.jpg, not shipped)")
-    pool_size: int = knob(50_000, ge=1, doc="patches generated from the image (the paper: 50,000)")
-    patch_size: int | None = knob(None, ge=1, doc="patch side in pixels; default: the dataset's image size")
-    pool_seed: int | None = knob(None, ge=0, doc="seed of the patch generation; default: the run seed")
+    pool_size: int = knob(50_000, ge=1, le=MAX_SAMPLES, doc="patches generated from the image (the paper: 50,000)")
+    patch_size: int | None = knob(None, ge=1, le=1024, doc="patch side in pixels; default: the dataset's image size")
+    pool_seed: int | None = knob(None, ge=0, le=MAX_SEED, doc="seed of the patch generation; default: the run seed")
     init_crop: float = knob(0.5, gt=0, le=1, doc="first random crop, as a fraction of the image's shorter side")
     scale_min: float = knob(0.002, gt=0, le=1, doc="smallest area fraction of the random resized crop (1/500)")
-    degrees: float = knob(30.0, ge=0, doc="random rotation range, ± degrees")
-    shear: float = knob(30.0, ge=0, doc="random x-shear range, ± degrees")
+    degrees: float = knob(30.0, ge=0, le=180, doc="random rotation range, ± degrees")
+    shear: float = knob(30.0, ge=0, lt=90, doc="random x-shear range, ± degrees")
     jitter_p: float = knob(0.5, ge=0, le=1, doc="probability of ColorJitter(0.4, 0.4, 0.4, 0.1)")
     vflip: bool = knob(False, doc="random vertical flips (off in the paper runs)")
 

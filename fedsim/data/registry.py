@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsim.configtools import check_kwargs
 from fedsim.errors import ConfigError
 
 
@@ -43,17 +44,40 @@ class Dataset:
 
 
 Loader = Callable[..., Dataset]
+Limits = dict[str, dict[str, float]]
 _LOADERS: dict[str, Loader] = {}
+_LIMITS: dict[str, Limits] = {}
+_CHECKS: dict[str, Callable[[dict], None]] = {}
 
 
-def register_dataset(name: str) -> Callable[[Loader], Loader]:
-    """Register `fn(root: Path, download: bool, **options) -> Dataset` under `name`."""
+def register_dataset(name: str, limits: Limits | None = None,
+                     check: Callable[[dict], None] | None = None) -> Callable[[Loader], Loader]:
+    """Register `fn(root: Path, download: bool, *, option=default, ...) -> Dataset` under `name`.
+
+    The keyword parameters after `root` and `download` are the dataset's `data.options`: their annotations give
+    the types, and `limits` maps an option to its numeric bounds, e.g. {"size": {"ge": 1, "le": 256}}. `check`,
+    if given, further validates the converted options when the config is loaded (before any data is read)."""
 
     def wrap(fn: Loader) -> Loader:
         _LOADERS[name] = fn
+        _LIMITS[name] = dict(limits or {})
+        if check is not None:
+            _CHECKS[name] = check
         return fn
 
     return wrap
+
+
+def check_options(name: str, options: dict, prefix: str = "data.options") -> dict:
+    """`options` of dataset `name` checked against its loader's signature and limits (converted, e.g. 1e3 -> 1000);
+    an unknown dataset, option name, type or value is a one-line ConfigError naming the key."""
+    if name not in _LOADERS:
+        raise ConfigError(f"data.name: unknown dataset {name!r}; choose one of {dataset_names()}")
+    out = check_kwargs(_LOADERS[name], options, prefix, f"dataset {name!r}", skip=("root", "download"),
+                       limits=_LIMITS[name])
+    if name in _CHECKS:
+        _CHECKS[name](out)
+    return out
 
 
 def dataset_names() -> list[str]:
@@ -62,6 +86,5 @@ def dataset_names() -> list[str]:
 
 def load_dataset(name: str, root: str | Path = "data", download: bool = False, **options) -> Dataset:
     """Load a registered dataset; an unknown name lists the valid ones."""
-    if name not in _LOADERS:
-        raise ConfigError(f"data.name: unknown dataset {name!r}; choose one of {dataset_names()}")
+    options = check_options(name, options)
     return _LOADERS[name](Path(root).expanduser(), download, **options)

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from fedsim.data._images import normalise_, resize
-from fedsim.data.registry import Dataset, load_dataset, register_dataset
+from fedsim.data.registry import Dataset, check_options, load_dataset, register_dataset
 from fedsim.errors import ConfigError
+from fedsim.limits import MAX_SEED
 
 
 def _unit(x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
@@ -28,22 +29,25 @@ def _unit(x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.
     return x * s + m
 
 
-@register_dataset("subsample")
+def _check_base(options: dict) -> None:
+    """The base dataset's own options, checked when the config loads."""
+    if options.get("of") and options["of"] != "subsample":
+        check_options(options["of"], options.get("options") or {}, prefix="data.options.options")
+
+
+@register_dataset("subsample", limits={"fraction": {"gt": 0, "le": 1}, "seed": {"ge": 0, "le": MAX_SEED},
+                                      "size": {"ge": 1, "le": 1024}}, check=_check_base)
 def load_subsample(root: Path, download: bool, *, of: str | None = None, fraction: float = 1.0, seed: int = 0,
                    size: int | None = None, mean: float | None = None, std: float | None = None,
-                   options: dict[str, Any] | None = None, **unknown: Any) -> Dataset:
+                   options: dict[str, Any] | None = None) -> Dataset:
     """`fraction` of dataset `of`'s training set (seeded), optionally resized to `size` and normalised with a
     fixed `mean`/`std` per channel (default: keep the base loader's statistics)."""
-    if unknown:
-        raise ConfigError(f"data.{sorted(unknown)[0]}: not an option of dataset 'subsample'; its options are "
-                          "['of', 'fraction', 'seed', 'size', 'mean', 'std', 'options']")
     if not of or of == "subsample":
-        raise ConfigError("data.of: name the dataset to subsample, e.g. of: mnist")
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"data.fraction: must be in (0, 1], got {fraction}")
+        raise ConfigError("data.options.of: name the dataset to subsample, e.g. of: mnist")
     if (mean is None) != (std is None) or (std is not None and std <= 0):
-        raise ConfigError(f"data.mean/std: give both, std > 0; got mean={mean}, std={std}")
-    base = load_dataset(of, root, download, **(options or {}))
+        raise ConfigError(f"data.options.mean/std: give both, std > 0; got mean={mean}, std={std}")
+    base_options = check_options(of, options or {}, prefix="data.options.options")
+    base = load_dataset(of, root, download, **base_options)
     rng = np.random.default_rng(seed)
     n = len(base.y_train)
     keep = np.sort(rng.permutation(n)[:max(1, int(round(fraction * n)))])

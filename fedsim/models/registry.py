@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fedsim.configtools import check_kwargs
 from fedsim.errors import ConfigError
 
 
@@ -59,6 +60,15 @@ def positive_int(model: str, key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"model {model}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def check_model_options(name: str, options: dict, prefix: str = "model.options", key: str = "model.name") -> dict:
+    """`options` for architecture `name` (the value of config `key`) checked against its builder's named parameters
+    and their annotations (converted, e.g. 1e2 -> 100); an unknown architecture, option or type is a ConfigError."""
+    if name not in _BUILDERS:
+        raise ConfigError(f"{key}: unknown architecture {name!r}; choose one of {model_names()}")
+    return check_kwargs(_BUILDERS[name], options, prefix, f"model {name!r}",
+                        skip=("in_channels", "num_classes", "image_size"))
 
 
 def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module:

@@ -19,6 +19,7 @@ from torch import nn
 
 from fedsim.configtools import knob
 from fedsim.errors import ConfigError
+from fedsim.limits import MAX_CHANNELS, MAX_WIDTH
 from fedsim.models.registry import (
     Classifier,
     check_options,
@@ -123,9 +124,11 @@ def cnn_custom(in_channels: int, num_classes: int, image_size: int, widths: obje
 class GeneratorConfig:
     """The conditional generator's size; the defaults are Appendix B.3.1 for 32×32 inputs."""
 
-    nz: int = knob(100, ge=1, doc="latent dimension nz (also the label-embedding width)")
-    ngf: int = knob(100, ge=1, doc="channels entering the output ConvT (the Linear gives ngf·2^blocks)")
-    init_size: int = knob(4, ge=1, doc="spatial size after the Linear; image_size / init_size must be 2^k, k>=1")
+    nz: int = knob(100, ge=1, le=MAX_WIDTH, doc="latent dimension nz (also the label-embedding width)")
+    ngf: int = knob(100, ge=1, le=MAX_CHANNELS,
+                    doc="channels entering the output ConvT (the Linear gives ngf·2^blocks)")
+    init_size: int = knob(4, ge=1, le=1024,
+                          doc="spatial size after the Linear; image_size / init_size must be 2^k, k>=1")
 
 
 class ConditionalGenerator(nn.Module):

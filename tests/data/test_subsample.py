@@ -33,9 +33,11 @@ def test_without_resize_rows_are_the_base_rows(tmp_path) -> None:
     np.testing.assert_allclose(norm.x_train, (view.x_train * base.std[0] + base.mean[0] - 0.5) / 0.5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw, key", [({}, "data.of"), ({"of": "digits", "fraction": 0}, "data.fraction"),
-                                     ({"of": "digits", "mean": 0.5}, "data.mean"),
-                                     ({"of": "digits", "frac": 0.5}, "data.frac")])
+@pytest.mark.parametrize("kw, key", [({}, "data.options.of"),
+                                     ({"of": "digits", "fraction": 0}, "data.options.fraction"),
+                                     ({"of": "digits", "mean": 0.5}, "data.options.mean"),
+                                     ({"of": "digits", "frac": 0.5}, "data.options.frac"),
+                                     ({"of": "digits", "options": {"size": "abc"}}, "data.options.options.size")])
 def test_bad_options_name_the_key(tmp_path, kw, key) -> None:
     with pytest.raises(ConfigError, match=key):
         load_dataset("subsample", tmp_path, **kw)

@@ -1,0 +1,107 @@
+"""The YAML dialect of config files and `-o` values: safe, no duplicate keys, and floats as people write them.
+
+PyYAML follows YAML 1.1, where `1e-3` is a string (a float needs a dot and a signed exponent) and a repeated
+key silently replaces the first. Here `1e-3`, `5E4`, `.5`, `-.5` and `-2e+1` are floats, a duplicate key is
+an error naming the key and both lines, and a document whose aliases expand past `MAX_NODES` values or that
+nests deeper than `MAX_DEPTH` is refused (so a few lines of anchors cannot expand into gigabytes).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+from yaml.nodes import MappingNode
+
+MAX_NODES = 1_000_000
+MAX_DEPTH = 100
+
+FLOAT_TAG = "tag:yaml.org,2002:float"
+MERGE_TAG = "tag:yaml.org,2002:merge"
+FLOAT = re.compile(r"""^(?:
+      [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    | [-+]?\.(?:inf|Inf|INF)
+    | \.(?:nan|NaN|NAN))$""", re.X)
+
+
+class YAMLShapeError(yaml.YAMLError):
+    """A well-formed document that is still refused: a duplicate key, or one too large or deep once expanded."""
+
+    def __init__(self, problem: str, line: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem, self.line = problem, line
+
+
+class StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys and reads exponent-only and sign-dot numbers as floats."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        if isinstance(node, MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == MERGE_TAG:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.get(key)
+                except TypeError:  # an unhashable key: SafeConstructor reports it below
+                    break
+                line = key_node.start_mark.line + 1
+                if seen is not None:
+                    raise YAMLShapeError(f"duplicate key {key!r} (first at line {seen})", line)
+                first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _with_yaml12_floats(resolvers: dict) -> dict:
+    """A copy of `resolvers` whose float rule is FLOAT, at the float rule's place (before the int rule)."""
+    out = {}
+    for first, rules in resolvers.items():
+        out[first] = [(tag, FLOAT if tag == FLOAT_TAG else rx) for tag, rx in rules]
+    for first in "-+0123456789.":
+        if not any(tag == FLOAT_TAG for tag, _ in out.get(first, [])):
+            out.setdefault(first, []).insert(0, (FLOAT_TAG, FLOAT))
+    return out
+
+
+StrictLoader.yaml_implicit_resolvers = _with_yaml12_floats(yaml.SafeLoader.yaml_implicit_resolvers)
+
+
+def check_size(data: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse a value that, with every alias expanded, holds more than `max_nodes` values or nests too deep."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > max_nodes:
+            raise YAMLShapeError(f"more than {max_nodes:,} values once its aliases are expanded")
+        if depth > max_depth:
+            raise YAMLShapeError(f"nested more than {max_depth} levels deep")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple, set)):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def parse(text: str) -> Any:
+    """Parse one YAML document with StrictLoader; raises yaml.YAMLError (YAMLShapeError for refused shapes)."""
+    try:
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506  (StrictLoader is a SafeLoader)
+    except RecursionError:
+        raise YAMLShapeError(f"nested more than {MAX_DEPTH} levels deep") from None
+    check_size(data)
+    return data
+
+
+def describe_error(exc: yaml.YAMLError) -> tuple[int | None, str]:
+    """(line, one-line reason) of a parse error, for messages that name the file or override."""
+    if isinstance(exc, YAMLShapeError):
+        return exc.line, exc.problem
+    mark = getattr(exc, "problem_mark", None)
+    reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
+    return (mark.line + 1 if mark is not None else None), reason
