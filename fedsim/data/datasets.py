@@ -12,9 +12,7 @@ which is reported as a DataError.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import pickle
 import re
 import zipfile
@@ -31,9 +29,11 @@ from fedsim.data._images import (
     resize,
     to_nchw,
 )
+from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
+from fedsim.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
 
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
@@ -46,27 +46,6 @@ _READ_ERRORS = (
     pickle.UnpicklingError, zipfile.BadZipFile,
 )
 DOWNLOAD_HINT = "or set data.download: true to fetch them when online"
-
-
-def _dataset(name: str) -> Callable[[Callable[..., Dataset]], Callable[..., Dataset]]:
-    """Register a loader whose keyword-only parameters are its options; unknown options are a ConfigError."""
-
-    def wrap(fn: Callable[..., Dataset]) -> Callable[..., Dataset]:
-        allowed = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
-
-        @functools.wraps(fn)
-        def loader(root: Path, download: bool, **options: Any) -> Dataset:
-            unknown = sorted(set(options) - set(allowed))
-            if unknown:
-                raise ConfigError(
-                    f"data.options.{unknown[0]}: not an option of dataset {name!r}; its options are {allowed}"
-                )
-            return fn(Path(root), bool(download), **options)
-
-        register_dataset(name)(loader)
-        return fn
-
-    return wrap
 
 
 def _one_line(err: BaseException) -> str:
@@ -130,7 +109,7 @@ def _finish(
 # ---------------------------------------------------------------- embedded / generated
 
 
-@_dataset("digits")
+@register_dataset("digits", limits={"size": {"ge": 1, "le": 256}})
 def load_digits(root: Path, download: bool, *, size: int = 8) -> Dataset:
     """scikit-learn's 1,797 8×8 digits (embedded, no download), stratified 80/20 split with seed 0.
 
@@ -140,8 +119,6 @@ def load_digits(root: Path, download: bool, *, size: int = 8) -> Dataset:
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
-    if size < 1:
-        raise ConfigError(f"data.options.size: must be >= 1, got {size}")
     bunch = sk_digits()
     images, labels = bunch.images.astype(np.float32), bunch.target.astype(np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(images, labels, test_size=0.2, stratify=labels, random_state=0)
@@ -150,7 +127,9 @@ def load_digits(root: Path, download: bool, *, size: int = 8) -> Dataset:
     return ds
 
 
-@_dataset("synthetic")
+@register_dataset("synthetic", limits={
+    "n_train": {"ge": 1, "le": MAX_SAMPLES}, "n_test": {"ge": 0, "le": MAX_SAMPLES}, "channels": {"ge": 1, "le": 64},
+    "size": {"ge": 4, "le": 1024}, "num_classes": {"ge": 1, "le": MAX_CLASSES}, "seed": {"ge": 0, "le": MAX_SEED}})
 def load_synthetic(
     root: Path,
     download: bool,
@@ -201,13 +180,13 @@ def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -
     return _finish(name, x_tr, y_tr, x_te, y_te, 100 if hundred else 10, stats, channels_last=True)
 
 
-@_dataset("cifar10")
+@register_dataset("cifar10")
 def load_cifar10(root: Path, download: bool, *, verify: bool = False) -> Dataset:
     """CIFAR-10 from `<root>/cifar-10-batches-py` (python pickle batches); standard CIFAR-10 mean/std."""
     return _cifar("cifar10", root, download, verify, hundred=False)
 
 
-@_dataset("cifar100")
+@register_dataset("cifar100")
 def load_cifar100(root: Path, download: bool, *, verify: bool = False) -> Dataset:
     """CIFAR-100 (fine labels) from `<root>/cifar-100-python`; standard CIFAR-100 mean/std."""
     return _cifar("cifar100", root, download, verify, hundred=True)
@@ -230,21 +209,21 @@ def _idx(name: str, root: Path, download: bool, cls_name: str, files: list[str],
 _MNIST_FILES = [f"{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")]
 
 
-@_dataset("mnist")
+@register_dataset("mnist")
 def load_mnist(root: Path, download: bool) -> Dataset:
     """MNIST from raw IDX files in `<root>/MNIST/raw`; the usual mean 0.1307, std 0.3081."""
     x_tr, y_tr, x_te, y_te = _idx("mnist", root, download, "MNIST", _MNIST_FILES)
     return _finish("mnist", x_tr, y_tr, x_te, y_te, 10, MNIST_STATS)
 
 
-@_dataset("fashionmnist")
+@register_dataset("fashionmnist")
 def load_fashionmnist(root: Path, download: bool) -> Dataset:
     """Fashion-MNIST from raw IDX files in `<root>/FashionMNIST/raw`; mean 0.2860, std 0.3530."""
     x_tr, y_tr, x_te, y_te = _idx("fashionmnist", root, download, "FashionMNIST", _MNIST_FILES)
     return _finish("fashionmnist", x_tr, y_tr, x_te, y_te, 10, FASHIONMNIST_STATS)
 
 
-@_dataset("emnist")
+@register_dataset("emnist")
 def load_emnist(root: Path, download: bool, *, split: str = "balanced") -> Dataset:
     """EMNIST `split` from `<root>/EMNIST/raw`, images transposed upright; `letters` labels shifted to 0..25."""
     if split not in EMNIST_CLASSES:
@@ -257,7 +236,7 @@ def load_emnist(root: Path, download: bool, *, split: str = "balanced") -> Datas
     return _finish("emnist", x_tr, y_tr, x_te, y_te, EMNIST_CLASSES[split], split=split)
 
 
-@_dataset("svhn")
+@register_dataset("svhn")
 def load_svhn(root: Path, download: bool, *, extra: bool = False, verify: bool = False) -> Dataset:
     """SVHN cropped digits from `<root>/{train,test}_32x32.mat` (+ extra_32x32.mat into train if `extra`)."""
     from torchvision import datasets as tvd
@@ -338,7 +317,7 @@ def _register_medmnist() -> list[str]:
     for flag, info in _medmnist_info().items():
         if info["python_class"].endswith("3D") or info["task"].startswith("multi-label"):
             continue
-        _dataset(flag)(_medmnist_loader(flag))
+        register_dataset(flag)(_medmnist_loader(flag))
         flags.append(flag)
     return flags
 
@@ -351,7 +330,7 @@ MEDMNIST_FLAGS = _register_medmnist()
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
-@_dataset("npz")
+@register_dataset("npz", limits={"num_classes": {"ge": 1, "le": MAX_CLASSES}})
 def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes: int | None = None) -> Dataset:
     """A user's `.npz` with x_train, y_train, x_test, y_test; images N×H×W or N×H×W×C (N×C×H×W if C<=4<W).
 
@@ -390,6 +369,11 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
             f"{images['x_train'].shape[1:]} (C×H×W)"
         )
     found = int(max(labels["y_train"].max(), labels["y_test"].max(initial=0))) + 1
+    samples = len(labels["y_train"]) + len(labels["y_test"])
+    if found > samples:
+        key = "y_train" if labels["y_train"].max() + 1 == found else "y_test"
+        raise DataError(f"npz: {file}: {key} has class id {found - 1}, but there are only {samples} samples; "
+                        "class ids must be 0..C-1 with C at most the number of samples")
     if num_classes is not None and num_classes < found:
         raise ConfigError(f"data.options.num_classes: {num_classes} but {file} has labels up to {found - 1}")
     scale = 255.0 if arrays["x_train"].dtype == np.uint8 else 1.0
@@ -401,8 +385,9 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
 
 def _npz_images(file: Path, key: str, x: np.ndarray) -> np.ndarray:
     """Validate one image array and return it N×C×H×W (not yet scaled)."""
-    if x.ndim not in (3, 4) or not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
-        raise DataError(f"npz: {file}: {key} must be numeric N×H×W or N×H×W×C, got {x.dtype} {x.shape}")
+    numeric = (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)) or x.dtype == bool
+    if x.ndim not in (3, 4) or not numeric:
+        raise DataError(f"npz: {file}: {key} must be real numbers N×H×W or N×H×W×C, got {x.dtype} {x.shape}")
     if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
         raise DataError(f"npz: {file}: {key} contains NaN or infinite values")
     if x.ndim == 4:
@@ -412,15 +397,11 @@ def _npz_images(file: Path, key: str, x: np.ndarray) -> np.ndarray:
 
 
 def _npz_labels(file: Path, key: str, y: np.ndarray) -> np.ndarray:
-    """Validate class ids: 1-d (or N×1) non-negative integers."""
+    """Validate class ids: 1-d (or N×1) integers in 0..MAX_CLASSES-1 (integral floats are accepted)."""
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
     if y.ndim != 1:
         raise DataError(f"npz: {file}: {key} must be 1-d class ids, got shape {y.shape}")
-    if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
-        y = y.astype(np.int64)
-    if not np.issubdtype(y.dtype, np.integer):
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
         raise DataError(f"npz: {file}: {key} must hold integer class ids, got {y.dtype}")
-    if len(y) and y.min() < 0:
-        raise DataError(f"npz: {file}: {key} has negative class ids")
-    return y.astype(np.int64)
+    return checked_labels(y, f"npz: {file}: {key}")

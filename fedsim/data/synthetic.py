@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from fedsim.errors import ConfigError
+from fedsim.limits import MAX_ARRAY_BYTES
 
 MAX_SHIFT = 4
 
@@ -35,6 +36,11 @@ def make_synthetic(
             raise ConfigError(f"data.options.{key}: synthetic data needs {key} >= 1, got {value}")
     if n_test < 0:
         raise ConfigError(f"data.options.n_test: must be >= 0, got {n_test}")
+    nbytes = (n_train + n_test) * channels * size * size * 4
+    if nbytes > MAX_ARRAY_BYTES:
+        raise ConfigError(f"data.options: synthetic images of {n_train + n_test} × {channels}×{size}×{size} would "
+                          f"take {nbytes / 2**30:,.0f} GiB (the limit is {MAX_ARRAY_BYTES / 2**30:,.0f} GiB); "
+                          "lower n_train, n_test, channels or size")
     rng = np.random.default_rng(seed)
     n = n_train + n_test
     protos = rng.standard_normal((num_classes, channels, size // 4, size // 4))

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import functools
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
+from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
 from fedsim.errors import ConfigError, DataError
+from fedsim.limits import MAX_CLASSES
 
 PAD, UNK = 0, 1
 TOKEN = re.compile(r"[\w']+|[^\w\s]")
@@ -125,7 +128,7 @@ def _resolve(root: Path, path: str | None, key: str, name: str) -> Path:
     return root / file if not file.is_absolute() and not file.exists() and (root / file).exists() else file
 
 
-@register_dataset("text_tsv")
+@register_dataset("text_tsv", limits={"max_len": {"ge": 1, "le": 100_000}, "max_vocab": {"ge": 1, "le": 100_000_000}})
 def load_text_tsv(root: Path, download: bool, *, train: str | None = None, test: str | None = None,
                   embedding: str | None = None, max_len: int = 200, max_vocab: int | None = None,
                   lowercase: bool = True) -> Dataset:
@@ -137,7 +140,13 @@ def load_text_tsv(root: Path, download: bool, *, train: str | None = None, test:
     vocab, table = load_embedding_table(str(_resolve(root, embedding, "embedding", "text_tsv")), max_vocab)
     if not vocab:
         raise ConfigError("data.options.embedding: text_tsv needs a GloVe-format .txt file (words give the ids)")
-    if all(s.isdigit() for s in tr_labels + te_labels):
+    if all(s.isascii() and s.isdigit() for s in tr_labels + te_labels):
+        for key, labels in (("train", tr_labels), ("test", te_labels)):
+            big = next((i for i, s in enumerate(labels) if int(s) >= MAX_CLASSES), None)
+            if big is not None:
+                raise DataError(f"text_tsv: {_resolve(root, train if key == 'train' else test, key, 'text_tsv')}: "
+                                f"example {big + 1} has class id {labels[big]}; class ids must be below "
+                                f"{MAX_CLASSES:,}")
         y_tr, y_te = (np.asarray([int(s) for s in ls], dtype=np.int64) for ls in (tr_labels, te_labels))
         classes = int(max(y_tr.max(), y_te.max())) + 1
     else:
@@ -159,18 +168,31 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
     file = _resolve(root, path, "path", "text_npz")
     if not file.is_file():
         raise DataError(f"text_npz: file not found: {file}")
-    with np.load(file) as data:
-        missing = [k for k in ("x_train", "y_train", "x_test", "y_test", "embedding") if k not in data.files]
-        if missing:
-            raise DataError(f"text_npz: {file} has no key {missing[0]!r}")
-        arrays = {k: data[k] for k in data.files}
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            missing = [k for k in ("x_train", "y_train", "x_test", "y_test", "embedding") if k not in data.files]
+            if missing:
+                raise DataError(f"text_npz: {file} has no key {missing[0]!r}")
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as err:
+        raise DataError(f"text_npz: could not read {file} ({type(err).__name__}: {' '.join(str(err).split())})") \
+            from None
     for k in ("x_train", "x_test"):
         x = arrays[k]
         if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
             raise DataError(f"text_npz: {file}: {k} must be N×L integer token ids, got {x.dtype} {x.shape}")
         if len(x) and (x.min() < 0 or x.max() >= len(arrays["embedding"])):
             raise DataError(f"text_npz: {file}: {k} has ids outside the {len(arrays['embedding'])}-row embedding")
-    ys = [np.asarray(arrays[k]).reshape(-1).astype(np.int64) for k in ("y_train", "y_test")]
+    ys = []
+    for k in ("y_train", "y_test"):
+        y = np.asarray(arrays[k]).reshape(-1)
+        if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)):
+            raise DataError(f"text_npz: {file}: {k} must hold integer class ids, got {y.dtype}")
+        ys.append(checked_labels(y, f"text_npz: {file}: {k}"))
+    if len(ys[0]) != len(arrays["x_train"]) or len(ys[1]) != len(arrays["x_test"]):
+        raise DataError(f"text_npz: {file}: x_train/y_train or x_test/y_test have different lengths")
+    if len(ys[0]) == 0:
+        raise DataError(f"text_npz: {file}: x_train is empty")
     return Dataset(name="text_npz", x_train=arrays["x_train"].astype(np.int64), y_train=ys[0],
                    x_test=arrays["x_test"].astype(np.int64), y_test=ys[1],
                    num_classes=int(max(ys[0].max(), ys[1].max(initial=0))) + 1,
