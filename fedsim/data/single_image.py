@@ -24,11 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.errors import ConfigError, DataError
+from fedsim.limits import MAX_ARRAY_BYTES
 
 BUILTIN_IMAGES = ("china", "ihc", "noise")
 NOISE_SHAPE = (512, 512, 3)
 _CHUNK = 2048
 _MAX_REDRAWS = 10_000
+MAX_IMAGE_PIXELS = 100_000_000  # checked from the file's header, before it is decoded
 
 
 def load_image(source: str) -> np.ndarray:
@@ -47,13 +49,36 @@ def load_image(source: str) -> np.ndarray:
     if not path.is_file():
         raise DataError(f"single image {source!r}: file not found; use one of {list(BUILTIN_IMAGES)} "
                         "or the path of an image file")
+    return _read_image_file(source, path)
+
+
+def _read_image_file(source: str, path: Path) -> np.ndarray:
+    """Decode an image file to H×W×3 uint8, refusing more than MAX_IMAGE_PIXELS from the header, before decoding."""
+    import re
+    import struct
+    import warnings
+    import zlib
+
     from PIL import Image, UnidentifiedImageError
 
-    try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB")).copy()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise DataError(f"single image {source!r}: cannot be read as an image ({type(exc).__name__}: {exc})") from None
+    limit = f"the limit is {MAX_IMAGE_PIXELS / 1e6:g} megapixels"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # MAX_IMAGE_PIXELS is checked here
+        try:
+            with Image.open(path) as im:
+                width, height = im.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise DataError(f"single image {source!r}: {width}×{height} pixels "
+                                    f"({width * height / 1e6:.1f} megapixels) is too large; {limit}")
+                return np.asarray(im.convert("RGB")).copy()
+        except Image.DecompressionBombError as exc:  # PIL's own, larger limit fired while reading the header
+            pixels = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f" ({int(pixels.group(1)) / 1e6:.1f} megapixels)" if pixels else ""
+            raise DataError(f"single image {source!r}: the image{size} is too large; {limit}") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, IndexError, TypeError,
+                struct.error, zlib.error) as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise DataError(f"single image {source!r}: cannot be read as an image ({reason})") from None
 
 
 def image_id(source: str) -> str:
@@ -88,6 +113,11 @@ class PatchSpec:
             raise ConfigError(f"single image pool: n and size must be >= 1, got n={self.n}, size={self.size}")
         if not (0 < self.init_crop <= 1 and 0 < self.scale_min <= 1):
             raise ConfigError("single image pool: init_crop and scale_min must be in (0, 1]")
+        nbytes = self.n * 3 * self.size * self.size
+        if nbytes > MAX_ARRAY_BYTES:
+            raise ConfigError(f"algorithm.pool_size: {self.n} patches of {self.size}×{self.size} pixels would take "
+                              f"{nbytes / 2**30:,.0f} GiB (the limit is {MAX_ARRAY_BYTES / 2**30:,.0f} GiB); "
+                              "lower algorithm.pool_size or algorithm.patch_size")
 
     @property
     def mid_size(self) -> int:
