@@ -43,21 +43,75 @@ def make_profiles(cfg: RunConfig) -> Profiles:
     return Profiles(speed, bw, np.full(n, cfg.participation.availability))
 
 
+TRACE_COLUMNS = ("client", "speed", "bandwidth_mbps")
+
+
 def _read_trace(path: str, n: int) -> Profiles:
+    """Profiles of clients 0..n-1 from a CSV with columns client, speed, bandwidth_mbps and optionally availability.
+
+    Speeds and bandwidths must be finite and > 0, availabilities in (0, 1]; every client needs exactly one row
+    (rows for other ids are ignored). Anything else is a DataError naming the file, the column and the first bad
+    row (counted from 1 after the header), so a typo in a trace never turns into a silently wrong run.
+    """
     import pandas as pd
 
     try:
-        df = pd.read_csv(path)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"stragglers.trace: cannot read {path}: {exc}") from None
-    need = {"client", "speed", "bandwidth_mbps"}
-    if not need <= set(df.columns):
-        raise DataError(f"stragglers.trace: {path} lacks columns {sorted(need - set(df.columns))}")
-    df = df.set_index("client").reindex(range(n))
-    if df[["speed", "bandwidth_mbps"]].isna().any().any():
-        raise DataError(f"stragglers.trace: {path} has no row for some of the {n} clients")
-    avail = df["availability"].fillna(1.0).to_numpy() if "availability" in df else np.ones(n)
-    return Profiles(df["speed"].to_numpy(float), df["bandwidth_mbps"].to_numpy(float) * 1e6 / 8, avail)
+        df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
+    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
+        raise DataError(f"stragglers.trace: cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
+    df.columns = [str(c).strip() for c in df.columns]
+    missing = [c for c in TRACE_COLUMNS if c not in df.columns]
+    if missing:
+        raise DataError(f"stragglers.trace: {path} lacks columns {missing} (it has {list(df.columns)})")
+    row_no = np.arange(len(df)) + 1  # data rows, counted from 1 after the header (blank lines skipped)
+    clients = _trace_column(df, "client", path, row_no)
+    not_id = (clients % 1 != 0) | (clients < 0) | (clients > 2**53)
+    if not_id.any():
+        bad = int(np.flatnonzero(not_id)[0])
+        raise DataError(f"stragglers.trace: {path} column client, row {row_no[bad]}: "
+                        f"{df['client'].iloc[bad]!r} is not a client id (0, 1, 2, ...)")
+    ids = clients.astype(np.int64)
+    _, first = np.unique(ids, return_index=True)
+    dup = np.setdiff1d(np.arange(len(ids)), first)
+    if len(dup):
+        row = int(dup.min())
+        raise DataError(f"stragglers.trace: {path} column client, row {row_no[row]}: client {ids[row]} "
+                        "appears more than once")
+    absent = np.setdiff1d(np.arange(n), ids)
+    if len(absent):
+        raise DataError(f"stragglers.trace: {path} column client: no row for client {absent[0]} "
+                        f"({len(absent)} of the {n} clients in data.num_clients have none)")
+    rows = np.full(n, -1, dtype=np.int64)
+    keep = ids < n
+    rows[ids[keep]] = np.flatnonzero(keep)
+    speed = _trace_column(df, "speed", path, row_no, rows, low=0.0)
+    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, low=0.0)
+    avail = _trace_column(df, "availability", path, row_no, rows, low=0.0, high=1.0) \
+        if "availability" in df.columns else np.ones(n)
+    return Profiles(speed, bandwidth * 1e6 / 8, avail)
+
+
+def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarray | None = None,
+                  low: float | None = None, high: float | None = None) -> np.ndarray:
+    """One trace column (at `rows`, else all of it) as finite floats in (low, high]; else a DataError."""
+    import pandas as pd
+
+    text = df[column].to_numpy()
+    if rows is not None:
+        text, row_no = text[rows], row_no[rows]
+    values = pd.to_numeric(pd.Series(text), errors="coerce").to_numpy(float)
+    bad = ~np.isfinite(values)
+    if low is not None:
+        bad |= ~(values > low)
+    if high is not None:
+        bad |= ~(values <= high)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        allowed = "a number" if low is None else f"a number in ({low:g}, {high:g}]" if high is not None \
+            else f"a number > {low:g}"
+        raise DataError(f"stragglers.trace: {path} column {column}, row {row_no[i]}: {text[i]!r} is not "
+                        f"{allowed}")
+    return values
 
 
 def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
@@ -113,7 +167,7 @@ def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
     if s.deadline == "fixed":
         deadline = s.deadline_value
     elif s.deadline == "quantile":
-        deadline = float(np.quantile(kept_dur, min(s.deadline_value, 1.0))) if len(kept_dur) else math.inf
+        deadline = float(np.quantile(kept_dur, s.deadline_value)) if len(kept_dur) else math.inf
     else:
         deadline = math.inf
     late = kept[kept_dur > deadline]
