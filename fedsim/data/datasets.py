@@ -3,11 +3,11 @@
 Third-party readers (torchvision, medmnist) are imported lazily so `import fedsim.data` stays fast, and
 every failure of theirs becomes a one-line `DataError` that says which files are expected where.
 
-Integrity: torchvision verifies the md5 of CIFAR and SVHN files on every load. fedsim keeps that check
-when `download` is true (so a corrupt file is fetched again) or when the option `verify=True` is given;
-otherwise files already on disk are trusted as user-provided (re-hashing ~180 MB per run buys nothing,
-and it would reject legitimate re-packed or subset copies). A truncated file still fails to unpickle,
-which is reported as a DataError.
+Integrity: the md5 of CIFAR and SVHN files is checked when `download` is true (so a corrupt file is fetched
+again) or when the option `verify=True` is given; otherwise files already on disk are taken as given
+(re-hashing ~180 MB per run buys nothing, and it would reject legitimate re-packed or subset copies).
+CIFAR's pickled batches are read as data (`fedsim.data.safe_pickle`): a file that names any code is refused.
+A truncated file is reported as a DataError.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fedsim.data._images import (
 )
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
+from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
 from fedsim.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
@@ -151,29 +152,39 @@ def load_synthetic(
 
 
 def _trusting(cls: type) -> type:
-    """A CIFAR/SVHN subclass whose integrity check only asks that the files exist (md5=None)."""
-    attrs: dict[str, Any] = {}
-    if hasattr(cls, "train_list"):  # CIFAR10/100
-        attrs["train_list"] = [[f, None] for f, _ in cls.train_list]
-        attrs["test_list"] = [[f, None] for f, _ in cls.test_list]
-        attrs["meta"] = {**cls.meta, "md5": None}
-    else:  # SVHN
-        attrs["split_list"] = {k: [url, f, None] for k, (url, f, _) in cls.split_list.items()}
-    return type(cls.__name__, (cls,), attrs)
+    """An SVHN subclass whose integrity check only asks that the files exist (md5=None)."""
+    split_list = {k: [url, f, None] for k, (url, f, _) in cls.split_list.items()}
+    return type(cls.__name__, (cls,), {"split_list": split_list})
 
 
 def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -> Dataset:
+    """CIFAR's python batches, read as data (`load_pickle_data`): torchvision's reader would unpickle any code."""
     from torchvision import datasets as tvd
+    from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
     stock = tvd.CIFAR100 if hundred else tvd.CIFAR10
-    cls = stock if (download or verify) else _trusting(stock)
     folder = root / stock.base_folder
     files = [f for f, _ in stock.train_list + stock.test_list] + [stock.meta["filename"]]
+    label_key = "fine_labels" if hundred else "labels"
+
+    def read(entries: list[list[str]]) -> tuple[np.ndarray, list[int]]:
+        xs, ys = [], []
+        for filename, md5 in entries:
+            if (download or verify) and not check_integrity(str(folder / filename), md5):
+                raise ValueError(f"{filename} fails its md5 check")
+            try:
+                raw = load_pickle_data(folder / filename)
+            except DataError as exc:  # reported with the folder and the fix, like any unreadable file
+                raise ValueError(str(exc).replace(str(folder) + "/", "")) from None
+            batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
+            xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            ys.extend(int(v) for v in batch[label_key])
+        return np.concatenate(xs).transpose(0, 2, 3, 1), ys
 
     def load() -> tuple:
-        train = cls(str(root), train=True, download=download)
-        test = cls(str(root), train=False, download=False)
-        return train.data, train.targets, test.data, test.targets
+        if download and not all((folder / f).is_file() for f in files):
+            download_and_extract_archive(stock.url, str(root), filename=stock.filename, md5=stock.tgz_md5)
+        return (*read(stock.train_list), *read(stock.test_list))
 
     x_tr, y_tr, x_te, y_te = _guarded(name, folder, files, download, load)
     stats = CIFAR100_STATS if hundred else CIFAR10_STATS

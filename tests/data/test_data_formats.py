@@ -85,9 +85,9 @@ def test_cifar_missing_and_corrupt_files_are_data_errors(tmp_path: Path) -> None
         load_dataset("cifar10", tmp_path)
 
 
-def test_cifar_verify_keeps_torchvision_md5_check(tmp_path: Path) -> None:
+def test_cifar_verify_keeps_the_md5_check(tmp_path: Path) -> None:
     _write_cifar10(tmp_path)
-    with pytest.raises(DataError, match="corrupted"):  # our files are not the published ones
+    with pytest.raises(DataError, match="data_batch_1 fails its md5 check"):  # our files are not the published ones
         load_dataset("cifar10", tmp_path, verify=True)
 
 
@@ -168,3 +168,27 @@ def test_medmnist_missing_file_names_expected_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"bloodmnist_64\.npz") as err:
         load_dataset("bloodmnist", tmp_path / "nowhere", size=64)
     assert str(tmp_path / "nowhere") in str(err.value) and "data.download: true" in str(err.value)
+
+
+class _RunsCode:
+    """A pickle payload that runs a shell command when unpickled by plain pickle.load."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_cifar_batch_is_refused_without_running_it(tmp_path: Path) -> None:
+    _write_cifar10(tmp_path)
+    marker = tmp_path / "ran"
+    _pickle(tmp_path / "cifar-10-batches-py" / "data_batch_2", {"labels": [0], "data": _RunsCode(marker)})
+    with pytest.raises(DataError, match="data_batch_2.*refusing to load") as err:
+        load_dataset("cifar10", tmp_path)
+    assert "\n" not in str(err.value) and not marker.exists()
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_2", "rb") as fh:  # the control: plain pickle runs it
+        pickle.load(fh)
+    assert marker.exists()

@@ -1,0 +1,56 @@
+"""Reading pickled dataset files (CIFAR's python batches) as data: only plain values and numpy arrays come back.
+
+A downloaded file is data, never code: `pickle.load` would call any function the file names. This
+unpickler resolves only the few numpy names that rebuild an array, so a crafted file fails to load instead.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedsim.errors import DataError
+
+# What numpy pickles an ndarray as (numpy 1.x and 2.x module paths), and how protocol 2 writes bytes
+# (`_codecs.encode` of a latin-1 string); nothing else is resolvable.
+_ARRAY_GLOBALS = {
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+}
+
+
+class _ArrayOnlyUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ARRAY_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays and plain values)")
+
+
+def _check(obj: Any, path: Path) -> Any:
+    if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
+        raise DataError(f"{path}: holds an object array; expected numbers")
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _check(v, path)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _check(v, path)
+    return obj
+
+
+def load_pickle_data(path: str | Path) -> Any:
+    """Unpickle `path` allowing only numbers, strings, bytes, containers and numeric numpy arrays.
+
+    A malformed or crafted file is a one-line DataError; a missing or unreadable one raises OSError, so
+    the caller can say which files it expected where."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            obj = _ArrayOnlyUnpickler(fh, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            OverflowError, UnicodeDecodeError, MemoryError) as exc:
+        raise DataError(f"{path}: not a readable data pickle ({type(exc).__name__}: {exc})") from None
+    return _check(obj, path)
