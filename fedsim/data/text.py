@@ -50,7 +50,8 @@ def _load(path: str, mtime: int, max_vocab: int | None) -> tuple[dict[str, int],
     file = Path(path)
     if file.suffix in (".npy", ".npz"):
         try:
-            table = np.load(file) if file.suffix == ".npy" else np.load(file)["embedding"]
+            table = np.load(file, allow_pickle=False) if file.suffix == ".npy" else \
+                np.load(file, allow_pickle=False)["embedding"]
         except (OSError, ValueError, KeyError) as err:
             raise DataError(f"{file}: could not read an embedding table ({type(err).__name__}: {err})") from None
         if table.ndim != 2 or not np.issubdtype(table.dtype, np.floating):
