@@ -43,11 +43,11 @@ def run_meta() -> dict:
                              cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    try:
-        import ray
+    from importlib.metadata import PackageNotFoundError, version
 
-        ray_version = ray.__version__
-    except ImportError:
+    try:
+        ray_version = version("ray")  # without importing Ray (seconds) into a local run
+    except PackageNotFoundError:
         ray_version = ""
     import fedsim
 
@@ -62,24 +62,56 @@ def write_meta(run_dir: Path, extra: dict) -> None:
     atomic_write_text(run_dir / "meta.json", json.dumps({**run_meta(), **extra}, indent=2, default=str))
 
 
-def _run_dir(path: str | Path) -> Path:
+def read_table(path: Path) -> pd.DataFrame:
+    """A parquet table of a run, with a one-line CheckpointError naming the file if it is missing or corrupt."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # truncated, foreign or corrupt file: name it, no traceback
+        raise CheckpointError(f"{path}: unreadable table ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+def _read_text(path: Path, parse) -> dict:
+    """A run's config.yaml or meta.json as a dict ({} when absent), naming the file when it is corrupt."""
+    if not path.is_file():
+        return {}
+    try:
+        data = parse(path.read_text())
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {_first_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a mapping")
+    return data
+
+
+def run_folder(path: str | Path) -> Path:
+    """The run folder `path` names (also as a bare run id under ./results); it must hold rounds.parquet."""
     p = Path(path)
     if not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
         p = Path("results") / p
-    if not (p / "rounds.parquet").is_file():
-        raise CheckpointError(f"{p}: not a fedsim run folder (no rounds.parquet)")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: not a fedsim run folder (no such folder)")
+    if not (p / "rounds.parquet").exists():
+        raise CheckpointError(f"{p}: not a fedsim run folder (no {p / 'rounds.parquet'})")
     return p
 
 
 def load(path: str | Path) -> dict[str, pd.DataFrame | dict]:
-    """A run's tables: {"rounds": DataFrame, "clients": DataFrame, "config": dict, "meta": dict}."""
+    """A run's tables: {"rounds": DataFrame, "clients": DataFrame, "config": dict, "meta": dict}.
+
+    A missing clients.parquet gives an empty table; a corrupt file of any kind is a CheckpointError naming it."""
     import yaml
 
-    p = _run_dir(path)
-    clients = pd.read_parquet(p / "clients.parquet") if (p / "clients.parquet").is_file() else pd.DataFrame()
-    config = yaml.safe_load((p / "config.yaml").read_text()) if (p / "config.yaml").is_file() else {}
-    meta = json.loads((p / "meta.json").read_text()) if (p / "meta.json").is_file() else {}
-    return {"rounds": pd.read_parquet(p / "rounds.parquet"), "clients": clients, "config": config, "meta": meta}
+    p = run_folder(path)
+    rounds = read_table(p / "rounds.parquet")
+    clients = read_table(p / "clients.parquet") if (p / "clients.parquet").exists() else pd.DataFrame()
+    return {"rounds": rounds, "clients": clients, "config": _read_text(p / "config.yaml", yaml.safe_load),
+            "meta": _read_text(p / "meta.json", json.loads)}
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -94,17 +126,75 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def collect(paths: Iterable[str | Path], table: str = "rounds") -> pd.DataFrame:
-    """Concatenate one table of many runs, with a `run` column and every config key as `config.<key>`."""
+def _is_run(p: Path) -> bool:
+    return (p / "rounds.parquet").exists()
+
+
+def _looks_like_run(p: Path) -> bool:
+    """A folder a run started in (it has its config or meta) whether or not it finished a round."""
+    return _is_run(p) or (p / "config.yaml").exists() or (p / "meta.json").exists()
+
+
+def find_runs(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[str]]:
+    """Run folders named by `paths` and the incomplete ones skipped (as "path: reason").
+
+    `paths` is one path or glob pattern (a str or Path is one item, never its letters) or an iterable of
+    them; a folder that is not itself a run but holds run folders (a results root) stands for its runs."""
+    import glob
+
+    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    runs: list[Path] = []
+    skipped: list[str] = []
+    for item in items:
+        text = str(item)
+        if glob.has_magic(text):
+            matches = [Path(m) for m in sorted(glob.glob(text)) if Path(m).is_dir()]
+            if not matches:
+                raise CheckpointError(f"{text}: matches no folder")
+        else:
+            if not Path(text).is_dir():
+                raise CheckpointError(f"{text}: no such run folder")
+            matches = [Path(text)]
+        for p in matches:
+            if _is_run(p):
+                runs.append(p)
+            elif _looks_like_run(p):
+                skipped.append(f"{p}: incomplete (no rounds.parquet)")
+            else:
+                children = sorted(c for c in p.iterdir() if c.is_dir() and _looks_like_run(c))
+                if not children and len(matches) == 1 and not glob.has_magic(text):
+                    raise CheckpointError(f"{p}: neither a run folder nor a folder of runs")
+                for c in children:
+                    (runs.append(c) if _is_run(c) else skipped.append(f"{c}: incomplete (no rounds.parquet)"))
+    return list(dict.fromkeys(runs)), skipped
+
+
+def collect(paths: str | Path | Iterable[str | Path], table: str = "rounds") -> pd.DataFrame:
+    """Concatenate one table of many runs, with a `run` column and every config key as `config.<key>`.
+
+    `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a
+    run started in but that hold no rounds.parquet, and runs whose files are unreadable, are skipped with
+    a warning; the skipped ones are listed in `df.attrs["skipped"]`."""
+    import warnings
+
+    runs, skipped = find_runs(paths)
     frames = []
-    for path in paths:
-        res = load(path)
+    for path in runs:
+        try:
+            res = load(path)
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+            continue
         df = res[table].copy()
-        df.insert(0, "run", Path(path).name)
+        df.insert(0, "run", path.name)
         for k, v in flatten(res["config"]).items():
             df[f"config.{k}"] = v
         frames.append(df)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if skipped:
+        warnings.warn(f"fedsim.collect skipped {len(skipped)} folder(s): " + "; ".join(skipped), stacklevel=2)
+    out.attrs["skipped"] = skipped
+    return out
 
 
 def summary(rounds: pd.DataFrame) -> pd.DataFrame:
@@ -121,8 +211,9 @@ def plot(path: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = _run_dir(path)
-    df = load(p)["rounds"].dropna(subset=["accuracy"]) if "accuracy" in load(p)["rounds"] else None
+    p = run_folder(path)
+    rounds = load(p)["rounds"]
+    df = rounds.dropna(subset=["accuracy"]) if "accuracy" in rounds else None
     if df is None or df.empty:
         raise CheckpointError(f"{p}: no evaluated rounds to plot")
     fig, ax = plt.subplots(figsize=(6, 4))

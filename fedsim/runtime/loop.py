@@ -9,7 +9,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,10 +18,12 @@ import pandas as pd
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.checkpoint import load_checkpoint, save_checkpoint
-from fedsim.config import RunConfig, load_config, save_config
-from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, write_meta, write_table
+from fedsim.config import RunConfig
+from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, read_table, write_meta, write_table
 from fedsim.runtime.clock import Schedule, durations, make_profiles, sample_round, schedule
+from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
 from fedsim.runtime.setup import Partition, client_archs, load_data, make_partition
+from fedsim.runtime.signals import shielded
 from fedsim.runtime.worker import WorkerReply
 
 
@@ -92,15 +93,8 @@ class RunState:
 
 
 def new_run_dir(cfg: RunConfig) -> Path:
-    """results/<run_id>/, with a timestamped id by default; never reuses an existing folder."""
-    root = Path(cfg.results.root)
-    run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
-    path = root / run_id
-    if (path / "rounds.parquet").exists():
-        from fedsim.errors import ConfigError
-
-        raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
-                          "or choose another run_id")
+    """results/<run_id>/, created now, with a timestamped id by default; never reuses a folder holding a run."""
+    path = planned_run_dir(cfg)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -129,15 +123,12 @@ class Simulation:
         self.startup_s = time.perf_counter() - t0
         self.profiles = make_profiles(cfg)
 
-    def restore(self) -> RunState:
+    def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
         """Resume from the last checkpoint, dropping table rows written after it."""
         ck = load_checkpoint(self.ckpt_path)
         self.backend.server("set_state", ck["server_state"])
         self.backend.load_states(ck["client_states"])
         last = ck["round"]
-        rounds = pd.read_parquet(self.run_dir / "rounds.parquet")
-        clients_path = self.run_dir / "clients.parquet"
-        clients = pd.read_parquet(clients_path) if clients_path.exists() else pd.DataFrame(columns=["round"])
         return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
                         clients[clients["round"] <= last].to_dict("records"))
 
@@ -161,13 +152,16 @@ class Simulation:
         return state
 
     def write(self, state: RunState, checkpoint: bool, round: int) -> None:
-        """Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones)."""
-        write_table(state.rounds, self.run_dir / "rounds.parquet", ROUND_COLUMNS)
-        write_table(state.clients, self.run_dir / "clients.parquet", CLIENT_COLUMNS)
-        if checkpoint:
-            save_checkpoint(self.ckpt_path, {"round": round, "virtual_time": state.virtual_time,
-                                             "server_state": self.backend.server("get_state"),
-                                             "client_states": self.backend.export_states()})
+        """Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones).
+
+        Ctrl-C and SIGTERM wait until both are written, so an interrupted run keeps its last round."""
+        with shielded():
+            write_table(state.rounds, self.run_dir / "rounds.parquet", ROUND_COLUMNS)
+            write_table(state.clients, self.run_dir / "clients.parquet", CLIENT_COLUMNS)
+            if checkpoint:
+                save_checkpoint(self.ckpt_path, {"round": round, "virtual_time": state.virtual_time,
+                                                 "server_state": self.backend.server("get_state"),
+                                                 "client_states": self.backend.export_states()})
 
     def run_round(self, r: int) -> tuple[list[dict], list[dict], float]:
         """Sample and schedule the round, run its phases in order, evaluate; returns rows and virtual seconds."""
@@ -257,30 +251,48 @@ class Simulation:
                                       if owner(c, self.backend.num_workers) == w}, workers=[w])
 
 
+def resume_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The tables a checkpointed run wrote; a missing or corrupt one fails now, before anything starts."""
+    return read_table(run_dir / "rounds.parquet"), read_table(run_dir / "clients.parquet")
+
+
 def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | None = None,
-        progress: Callable[[int, dict], None] | None = None) -> Path:
-    """Run (or resume) a simulation; returns the run folder."""
+        progress: Callable[[int, dict], None] | None = None,
+        on_start: Callable[[Path], None] | None = None) -> Path:
+    """Run (or resume) a simulation; returns the run folder.
+
+    A new run's folder is created once data, partition and backend are ready (`on_start` is then called
+    with it), and removed again if the run stops before its first round is written: a run that cannot
+    start leaves nothing behind. A resumed run keeps its saved config (see fedsim.runtime.rundir).
+    """
     from fedsim.runtime.local import LocalBackend
 
+    tables = None
     if resume is not None:
         run_dir = Path(resume)
-        from fedsim.errors import CheckpointError
-
-        if not (run_dir / "config.yaml").is_file():
-            raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = resume_config(run_dir)
+        if (run_dir / "checkpoints" / "last.pt").exists():
+            tables = resume_tables(run_dir)
     else:
-        assert cfg is not None
-        run_dir = new_run_dir(cfg)
-        save_config(cfg, run_dir / "config.yaml")
+        if cfg is None:
+            raise ValueError("run() needs a config or a run folder to resume")
+        run_dir = planned_run_dir(cfg)
     backend = backend or LocalBackend()
     sim = Simulation(cfg, backend, run_dir, progress)
+    created: NewRunDir | None = None
     try:
         sim.setup()
+        if resume is None:
+            created = NewRunDir(run_dir, cfg)
+        state = sim.restore(*tables) if tables is not None else None
         write_meta(run_dir, {"backend": type(backend).__name__, "num_workers": backend.num_workers,
                              "startup_s": sim.startup_s, **getattr(backend, "describe", lambda: {})()})
-        state = sim.restore() if resume is not None and sim.ckpt_path.exists() else None
+        if on_start is not None:
+            on_start(run_dir)
         sim.run(state)
     finally:
-        backend.shutdown()
+        with shielded():
+            backend.shutdown()
+            if created is not None and not created.has_rounds():
+                created.remove()
     return run_dir

@@ -1,0 +1,127 @@
+"""Run folders: created only once a run can start, gone again if it fails before its first round is written,
+and checked on resume against the config the run started with.
+
+A new run writes its resolved config twice: `config.yaml`, for people to read (and to edit, to extend a
+run), and `checkpoints/config.yaml`, the copy fedsim never rewrites. On `--resume`, the two are compared
+key by key: keys that change what the saved state means (data, partition, model, algorithm, training,
+participation, stragglers, seed) must be unchanged, or the checkpoint's states would be loaded into a
+different experiment; keys in RESUME_SAFE may change (more `rounds`, another backend or worker count,
+evaluation cadence, where the results and datasets live). Runs saved before the copy existed are not
+checked; their first resume writes it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from fedsim.config import RunConfig, config_to_dict, load_config, save_config
+from fedsim.errors import CheckpointError, ConfigError, FedsimError
+
+RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "data.root", "data.download")
+STARTED_CONFIG = Path("checkpoints") / "config.yaml"
+
+
+def planned_run_dir(cfg: RunConfig) -> Path:
+    """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run."""
+    run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
+    path = Path(cfg.results.root) / run_id
+    if (path / "rounds.parquet").exists():
+        raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
+                          "or choose another run_id")
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"results.run_id: {path} exists and is not a folder")
+    return path
+
+
+class NewRunDir:
+    """A run folder this process created, removable as a whole until the run's first round is written."""
+
+    def __init__(self, path: Path, cfg: RunConfig) -> None:
+        self.path = path
+        self._existed = path.exists()
+        self._top = path  # the outermost folder this run creates (results.root itself may be new)
+        while not self._top.parent.exists() and self._top.parent != self._top:
+            self._top = self._top.parent
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, path / "config.yaml")
+            save_config(cfg, path / STARTED_CONFIG)
+        except OSError as exc:
+            self.remove()
+            raise ConfigError(f"results.root: cannot create the run folder {path} ({exc.strerror or exc})") from None
+
+    def has_rounds(self) -> bool:
+        return (self.path / "rounds.parquet").exists()
+
+    def remove(self) -> None:
+        """Delete what this run wrote; a folder that existed before (empty, or the user's) is kept itself."""
+        if not self._existed:
+            shutil.rmtree(self._top, ignore_errors=True)
+            return
+        for name in ("config.yaml", "meta.json", "checkpoints", "spill"):
+            target = self.path / name
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            elif target.exists():
+                target.unlink(missing_ok=True)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, value in a, value in b) wherever two nested dicts differ; a key on one side only counts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{prefix}{k}.")
+        return out
+    return [] if _same(a, b) else [(prefix.rstrip("."), a, b)]
+
+
+def resume_safe(key: str) -> bool:
+    """Whether a resumed run may carry a different value for `key` than it started with."""
+    return any(key == safe or key.startswith(safe + ".") for safe in RESUME_SAFE)
+
+
+def unsafe_changes(started: RunConfig, now: RunConfig) -> list[tuple[str, Any, Any]]:
+    """(key, started value, current value) for every key outside RESUME_SAFE that differs, sorted by key."""
+    return [d for d in _differences(config_to_dict(started), config_to_dict(now)) if not resume_safe(d[0])]
+
+
+def resume_config(run_dir: Path) -> RunConfig:
+    """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
+    cfg = load_config(path)
+    started_path = run_dir / STARTED_CONFIG
+    if not started_path.is_file():
+        if started_path.parent.is_dir():
+            save_config(cfg, started_path)
+        return cfg
+    try:
+        started = load_config(started_path)
+    except FedsimError as exc:
+        raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
+    diff = unsafe_changes(started, cfg)
+    if diff:
+        shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff)
+        raise ConfigError(f"{path}: {shown} changed since the run started ({started_path}); a resumed run keeps "
+                          f"them (only {', '.join(RESUME_SAFE)} may change); start a new run instead")
+    return cfg
