@@ -22,6 +22,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.client_worker import ClientWorkerActor
+from actors.reaper import watch
 from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase
 from fedsim.errors import FedsimError, ResourceError
@@ -60,6 +61,30 @@ def cluster_nodes() -> list[dict[str, float]]:
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
+def init_ray(address: str | None) -> None:
+    """ray.init, keeping the CLI's SIGTERM handler: Ray's own exits the driver mid-round with a crash dump,
+    while the CLI's unwinds like Ctrl-C (tables kept, Ray shut down). A local Ray that this call starts is
+    watched by actors/reaper.py, so not even a kill -9 of the driver leaves its daemons running."""
+    import signal
+
+    from fedsim.runtime.signals import is_sigterm_handler
+
+    previous = signal.getsignal(signal.SIGTERM)
+    ours = is_sigterm_handler(previous)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+    except SystemExit as exc:  # Ray's handler caught a SIGTERM during start-up
+        if ours and exc.code == signal.SIGTERM:
+            previous(signal.SIGTERM, None)
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None and getattr(node, "head", False):  # a local Ray of our own, not a cluster joined
+        watch(node.get_session_dir_path())
+
+
 class RayBackend:
     """Workers as Ray actors pinned to CPU/GPU fractions, and a ServerActor."""
 
@@ -80,9 +105,8 @@ class RayBackend:
     def start(self, cfg, arrays: dict, part, meta: dict, run_dir: Path) -> None:
         rt = cfg.runtime
         if not ray.is_initialized():
-            ray.init(address=rt.ray_address, include_dashboard=False, log_to_driver=True,
-                     configure_logging=False)
-            self._started_ray = True
+            self._started_ray = True  # before init: a start interrupted half-way is still shut down
+            init_ray(rt.ray_address)
         fits = size_pool(cfg, cluster_nodes())
         n = self._requested or rt.num_workers or fits
         if n > fits:

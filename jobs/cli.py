@@ -1,6 +1,8 @@
 """The `fedsim` command: run, resume, show and plot runs, sweeps and stress tests.
 
 Every user error (config, data, checkpoint, arguments) is printed as one line and exits with code 2.
+Ctrl-C (exit 130) and SIGTERM (exit 143, what schedulers and `ray job stop` send) stop a run the same way:
+the finished rounds' tables and checkpoint stay, the backend shuts down, and one line says how to resume.
 """
 
 from __future__ import annotations
@@ -10,12 +12,28 @@ import os
 import sys
 from pathlib import Path
 
-from fedsim.errors import FedsimError
+from fedsim.errors import ConfigError, FedsimError
+from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def make_backend(cfg, workers: int | None = None):
@@ -61,15 +79,26 @@ def print_summary(run_dir: Path) -> None:
     print(f"results: {run_dir}")
 
 
+def _resume_conflicts(args: argparse.Namespace) -> None:
+    """A resumed run keeps its saved config: a CONFIG or -o overrides next to --resume are refused, not ignored."""
+    if args.config:
+        raise ConfigError(f"--resume {args.resume} takes no CONFIG ({args.config}): a resumed run keeps its saved "
+                          "config; start a new run with the CONFIG instead")
+    if args.override:
+        shown = " ".join(f"-o {o}" for o in args.override)
+        raise ConfigError(f"--resume {args.resume} cannot take overrides ({shown}): a resumed run keeps its saved "
+                          f"config; to extend it, edit rounds in {Path(args.resume) / 'config.yaml'}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.config import load_config
     from fedsim.runtime.loop import run
+    from fedsim.runtime.rundir import resume_config
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.resume:
-        if not (Path(args.resume) / "config.yaml").is_file():
-            raise FedsimError(f"--resume {args.resume}: not a run folder (no config.yaml)")
-        cfg = load_config(Path(args.resume) / "config.yaml")
+        _resume_conflicts(args)
+        cfg = resume_config(Path(args.resume))
     else:
         if not args.config:
             raise FedsimError("fedsim run: give a CONFIG file, or --resume RUN")
@@ -77,9 +106,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.backend:
         cfg.runtime.backend = args.backend
     update, bar = progress_bar(cfg.rounds) if not args.quiet else (None, None)
+    where: dict = {"run_dir": None, "round": None}
+
+    def progress(r: int, row: dict) -> None:
+        where["round"] = r
+        if update is not None:
+            update(r, row)
+
     try:
         run_dir = run(cfg if not args.resume else None, backend=make_backend(cfg, args.workers),
-                      resume=args.resume, progress=update)
+                      resume=args.resume, progress=progress, on_start=lambda d: where.update(run_dir=d))
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
+                                                                                      INTERRUPTED_EXIT_CODE)
+        saved = (where["run_dir"] or args.resume) and (Path(where["run_dir"] or args.resume) / "rounds.parquet")
+        if saved and saved.exists():
+            after = f" after round {where['round']}" if where["round"] is not None else ""
+            print(f"fedsim: {word}{after}; resume with `fedsim run --resume {saved.parent}`", file=sys.stderr)
+        else:
+            print(f"fedsim: {word} before the first round finished; nothing was written", file=sys.stderr)
+        return code
     finally:
         if bar is not None:
             bar.close()
@@ -90,10 +138,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from fedsim.results import load, summary
+    from fedsim.results import load, read_table, run_folder, summary
 
     res = load(args.run)
-    df = res["clients"] if args.clients else summary(res["rounds"])
+    df = read_table(run_folder(args.run) / "clients.parquet") if args.clients else summary(res["rounds"])
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", args.rows,
                            "display.float_format", "{:.4f}".format):
         print(df.to_string(index=False, max_rows=args.rows))
@@ -147,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override any config field, e.g. -o rounds=5 -o train.lr=0.01")
     r.add_argument("--resume", metavar="RUN", help="continue a killed run from its last checkpoint")
     r.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
-    r.add_argument("--workers", type=int, help="number of client workers")
+    r.add_argument("--workers", type=_count(1), help="number of client workers")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
     res = sub.add_parser("results", help="inspect runs")
@@ -155,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = rsub.add_parser("show", help="print a run's table")
     show.add_argument("run")
     show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
-    show.add_argument("--rows", type=int, default=60)
+    show.add_argument("--rows", type=_count(0), default=60, help="at most this many rows")
     show.set_defaults(fn=cmd_show)
     pl = sub.add_parser("plot", help="accuracy vs round as PNG")
     pl.add_argument("run")
@@ -175,15 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except FedsimError as exc:
-        print(f"fedsim: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("fedsim: interrupted; resume with `fedsim run --resume <run folder>`", file=sys.stderr)
-        return 130
+    with catch_sigterm():
+        args = build_parser().parse_args(argv)
+        try:
+            return args.fn(args)
+        except FedsimError as exc:
+            print(f"fedsim: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
+                                                                                          INTERRUPTED_EXIT_CODE)
+            print(f"fedsim: {word}", file=sys.stderr)
+            return code
 
 
 if __name__ == "__main__":
