@@ -1,0 +1,295 @@
+"""A run's lifecycle under hostile conditions, through the real CLI: bad arguments, resumes with changed
+configs, damaged tables, runs that cannot start, SIGTERM and killed drivers. Each must end in one line (exit 2,
+or 143 for SIGTERM), never a traceback, and leave no folder behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+from tests.runtime.test_loop import deterministic
+
+ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ROOT}
+
+
+def write_config(path: Path, results: Path, run_id: str | None = None, **top) -> Path:
+    """A tiny digits config (4 clients, 2 per round, local backend, 1 thread) writing into `results`."""
+    cfg = {"name": "tiny", "rounds": 2, "data": {"name": "digits", "num_clients": 4, "partition": {"kind": "iid"}},
+           "participation": {"clients_per_round": 2}, "train": {"epochs": 1},
+           "runtime": {"backend": "local", "threads": 1}, "results": {"root": str(results), "run_id": run_id},
+           **top}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def fedsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every folder (None) and file (its bytes) under root, by relative path."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(("fedsim: error: ", "fedsim run: error: ")), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """One finished 2-round run, copied by the tests that damage it."""
+    base = tmp_path_factory.mktemp("finished")
+    cfg = write_config(base / "tiny.yaml", base / "results", run_id="done")
+    proc = fedsim("run", str(cfg), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base / "results" / "done"
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path) -> Path:
+    dst = tmp_path / "results" / "copy"
+    shutil.copytree(finished, dst)
+    return dst
+
+
+@pytest.mark.parametrize("workers", ["-3", "0", "two"])
+def test_workers_must_be_a_positive_integer(tmp_path, workers):
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
+    proc = fedsim("run", str(cfg), "--workers", workers)
+    assert_one_line_error(proc, "--workers", workers)
+    assert not (tmp_path / "results").exists()
+
+
+def test_resume_refuses_overrides_and_a_config_instead_of_ignoring_them(run_copy, tmp_path):
+    before = tree(run_copy)
+    line = assert_one_line_error(fedsim("run", "--resume", str(run_copy), "-o", "rounds=5", "-o", "train.lr=0.1"),
+                                 "-o rounds=5", "-o train.lr=0.1", "keeps its saved config")
+    assert str(run_copy / "config.yaml") in line  # says where to extend the run instead
+    cfg = write_config(tmp_path / "other.yaml", tmp_path / "results")
+    assert_one_line_error(fedsim("run", str(cfg), "--resume", str(run_copy)), str(cfg), "keeps its saved config")
+    assert tree(run_copy) == before
+
+
+@pytest.mark.parametrize("edits", [
+    {"model.name": "mlp"},
+    {"data.partition.kind": "dirichlet", "algorithm.name": "fedprox", "train.keep_optimizer_state": True, "seed": 7},
+])
+def test_resume_refuses_a_config_edited_into_another_experiment(run_copy, edits):
+    raw = yaml.safe_load((run_copy / "config.yaml").read_text())
+    for dotted, value in edits.items():
+        *sections, key = dotted.split(".")
+        node = raw
+        for section in sections:
+            node = node[section]
+        node[key] = value
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    before = tree(run_copy)
+    line = assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), "changed since the run started",
+                                 *edits)
+    assert "algorithm.mu" in line if "algorithm.name" in edits else "rounds" in line  # what may change instead
+    assert tree(run_copy) == before
+
+
+def test_resume_extends_a_run_whose_rounds_were_raised(run_copy, tmp_path):
+    raw = yaml.safe_load((run_copy / "config.yaml").read_text())
+    raw["rounds"] = 3
+    raw["eval"]["batch_size"] = 100  # harmless too
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    proc = fedsim("run", "--resume", str(run_copy), "--quiet")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = write_config(tmp_path / "three.yaml", tmp_path / "fresh", rounds=3)
+    assert fedsim("run", str(cfg), "--quiet", "-o", "results.run_id=three").returncode == 0
+    extended = pd.read_parquet(run_copy / "rounds.parquet")
+    assert list(extended["round"]) == [0, 1, 2]
+    fresh = pd.read_parquet(tmp_path / "fresh" / "three" / "rounds.parquet")
+    pd.testing.assert_frame_equal(deterministic(extended), deterministic(fresh))
+
+
+@pytest.mark.parametrize("table", ["rounds.parquet", "clients.parquet"])
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_damaged_tables_fail_in_one_line_naming_the_file(run_copy, capsys, table, damage):
+    from jobs.cli import main
+
+    target = run_copy / table
+    if damage == "missing":
+        target.unlink()
+    else:
+        target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 2])  # a truncated copy
+    before = tree(run_copy)
+    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), table)
+    readers = [["results", "show", str(run_copy), "--clients"]]
+    if table == "rounds.parquet" or damage == "corrupt":
+        readers += [["results", "show", str(run_copy)], ["plot", str(run_copy)]]
+    for args in readers:  # in-process: the same entry point, without an interpreter start each
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("fedsim: error: "), err
+        assert table in err
+    assert tree(run_copy) == before
+
+
+@pytest.mark.parametrize("override, fragment, into_existing", [
+    ("data.name=nope", "data.name", False),                      # no such dataset
+    ("model.name=nosuch", "model", True),                        # no such architecture
+    ("stragglers.trace=/no/such/trace.csv", "trace.csv", False),  # no such device trace
+])
+def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, into_existing):
+    results = tmp_path / "results"
+    cfg = write_config(tmp_path / "tiny.yaml", results / "new", stragglers={"enabled": True})
+    if not into_existing:
+        assert_one_line_error(fedsim("run", str(cfg), "--quiet", "-o", override), fragment)
+        assert not results.exists()  # not the run folder, nor the results root it would have created
+        return
+    (results / "mine").mkdir(parents=True)  # a run_id naming an existing empty folder: kept, nothing added
+    assert_one_line_error(fedsim("run", str(cfg), "--quiet", "-o", override, "-o", f"results.root={results}",
+                                 "-o", "results.run_id=mine"), fragment)
+    assert tree(results) == {"mine": None}
+
+
+@pytest.mark.parametrize("stop", ["error", "interrupt"])
+def test_a_run_stopped_during_its_first_round_leaves_no_folder(tmp_path, monkeypatch, capsys, stop):
+    from fedsim.errors import AggregationError
+    from fedsim.runtime.loop import Simulation
+    from jobs.cli import main
+
+    def first_round(self, r):
+        raise AggregationError("server step failed") if stop == "error" else KeyboardInterrupt()
+
+    monkeypatch.setattr(Simulation, "run_round", first_round)
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
+    code = main(["run", str(cfg), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == (2 if stop == "error" else 130), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert ("server step failed" in err) if stop == "error" else ("nothing was written" in err)
+    assert not (tmp_path / "results").exists()
+
+
+def test_collect_skips_and_names_incomplete_folders(finished, tmp_path):
+    import fedsim
+
+    root = tmp_path / "results"
+    shutil.copytree(finished, root / "a")
+    shutil.copytree(finished, root / "b")
+    (root / "failed").mkdir()
+    shutil.copy(finished / "config.yaml", root / "failed" / "config.yaml")  # what a failed start used to leave
+    (root / "bench").mkdir()  # not a run at all: ignored
+    with pytest.warns(UserWarning, match="failed"):
+        df = fedsim.collect(str(root))  # one folder of runs, not its letters
+    assert sorted(df["run"].unique()) == ["a", "b"] and len(df) == 4
+    assert len(df.attrs["skipped"]) == 1 and "failed" in df.attrs["skipped"][0]
+    with pytest.warns(UserWarning):
+        assert sorted(fedsim.collect(root)["run"].unique()) == ["a", "b"]
+    assert sorted(fedsim.collect(str(root / "[ab]"))["run"].unique()) == ["a", "b"]  # a glob pattern
+    one = fedsim.collect(root / "a")
+    assert set(one["run"]) == {"a"} and one.attrs["skipped"] == [] and "config.algorithm.name" in one
+    with pytest.raises(fedsim.FedsimError, match="nope"):
+        fedsim.collect(str(root / "nope"))
+
+
+def _wait_for_rounds(run_dir: Path, proc: subprocess.Popen, timeout: float = 400) -> int:
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        try:
+            done = len(pd.read_parquet(run_dir / "rounds.parquet"))
+            if done >= 1:
+                return done
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no round written (exit {proc.poll()}): {proc.stderr.read() if proc.stderr else ''}")
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_the_finished_rounds_and_resume_completes_the_run(tmp_path):
+    rounds = 30
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=rounds, train={"epochs": 2})
+    run_dir = tmp_path / "results" / "t"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=t"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for_rounds(run_dir, proc)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        next(ln for ln in err.splitlines() if ln.startswith("fedsim: terminated after round"))]
+    assert f"--resume {run_dir}" in err
+    done = len(pd.read_parquet(run_dir / "rounds.parquet"))
+    assert 1 <= done < rounds, "the run must stop part-way"
+    assert not list(run_dir.rglob(".*.tmp"))
+    resumed = fedsim("run", "--resume", str(run_dir), "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert fedsim("run", str(cfg), "--quiet", "-o", "results.run_id=full").returncode == 0
+    pd.testing.assert_frame_equal(deterministic(pd.read_parquet(run_dir / "rounds.parquet")),
+                                  deterministic(pd.read_parquet(tmp_path / "results" / "full" / "rounds.parquet")))
+
+
+def _ray_processes(driver: int) -> list:
+    """The driver's descendants: Ray's daemons (gcs_server, raylet, agents), its workers and fedsim's watcher."""
+    import psutil
+
+    return psutil.Process(driver).children(recursive=True)
+
+
+def _survivors(procs: list, wait_s: float = 30) -> list[str]:
+    import psutil
+
+    end = time.time() + wait_s
+    while True:
+        alive = []
+        for p in procs:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+            except psutil.NoSuchProcess:
+                continue
+        if not alive or time.time() > end:
+            return alive
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_ray_driver_leaves_no_ray_daemons(tmp_path, sig):
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=200, train={"epochs": 2},
+                       runtime={"backend": "ray", "num_workers": 2, "client_cpus": 0.5, "threads": 1})
+    run_dir = tmp_path / "results" / "r"
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=r"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_rounds(run_dir, proc)
+        started = _ray_processes(proc.pid)
+        names = " ".join(" ".join(p.cmdline()) for p in started)
+        assert "raylet" in names and "gcs_server" in names and "ray::DashboardAgent" in names, names
+        proc.send_signal(sig)
+        err = proc.communicate(timeout=180)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, err[-3000:]
+        assert "Traceback" not in err and "fedsim: terminated after round" in err.strip().splitlines()[-1], err[-3000:]
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert _survivors(started) == []
