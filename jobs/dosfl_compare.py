@@ -10,52 +10,34 @@ runs for R rounds per seed; for each FedAvg seed we report the first round whose
 target and the bytes (up + down) spent until then. The break-even round is DOSFL's total bytes divided by
 FedAvg's bytes per round, rounded up (the paper's Table 3 quantity, from measured bytes). Output: a
 markdown table (printed, and written to --out, default results/dosfl/<config names>.md) and a CSV.
-Runs are named by (config, overrides, seed), so a rerun reuses finished runs (--fresh to redo them).
+Runs are named by a hash of their resolved config (jobs.sweep.run_cached), so a rerun reuses finished runs
+(--fresh to redo them).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
-import json
 import math
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-FRESH = False  # --fresh: rerun even when a finished run of the same config and seed exists
 
-
-def _runs(raw: dict, seeds: list[int], overrides: list[str]) -> list[pd.DataFrame]:
-    """Run `raw` once per seed; returns each run's rounds table (best-accuracy model row per round)."""
+def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False) -> list[tuple[Path, pd.DataFrame]]:
+    """Run (or reuse) `raw` once per seed; returns each run's folder and rounds (best-accuracy model per round)."""
     from fedsim.config import apply_overrides, build_config
     from fedsim.results import load
-    from fedsim.runtime.loop import run
-    from jobs.cli import make_backend
+    from jobs.sweep import run_cached
 
     out = []
     for seed in seeds:
         cfg = build_config(apply_overrides(raw, [*overrides, f"seed={seed}"]))
-        if cfg.runtime.threads:
-            import torch
-
-            torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
-        key = hashlib.sha1(json.dumps([raw, overrides, seed], sort_keys=True, default=str).encode()).hexdigest()
-        cfg.results.run_id = f"{cfg.name}-{cfg.algorithm.name}-s{seed}-{key[:10]}"
-        done = Path(cfg.results.root) / cfg.results.run_id
-        if (done / "rounds.parquet").is_file() and not FRESH:
-            print(f"  {cfg.algorithm.name} seed={seed}: reusing {done}", file=sys.stderr, flush=True)
-            out.append(_best_rows(load(done)["rounds"]))
-            continue
         print(f"  {cfg.algorithm.name} seed={seed} ...", file=sys.stderr, flush=True)
-        if done.exists():
-            shutil.rmtree(done)  # an interrupted run: start it again
-        rounds = load(run(cfg, backend=make_backend(cfg)))["rounds"]
-        out.append(_best_rows(rounds))
+        run_dir = run_cached(cfg, fresh)
+        out.append((run_dir, _best_rows(load(run_dir)["rounds"])))
     return out
 
 
@@ -69,8 +51,8 @@ def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
 
 
 def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
-            overrides: list[str]) -> dict:
-    """One row of the comparison table for one DOSFL config."""
+            overrides: list[str], fresh: bool = False) -> dict:
+    """One row of the comparison table for one DOSFL config; `per_seed` holds each seed's runs and scores."""
     from fedsim.config import apply_overrides, read_yaml
     from fedsim.errors import ConfigError
 
@@ -78,7 +60,8 @@ def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, f
     if (raw.get("algorithm") or {}).get("name") != "dosfl":
         raise ConfigError(f"{path}: algorithm.name must be dosfl for a DOSFL/FedAvg comparison")
     print(f"{path}: DOSFL", file=sys.stderr)
-    dosfl = _runs(raw, seeds, [])
+    dosfl_runs = _runs(raw, seeds, [], fresh)
+    dosfl = [d for _, d in dosfl_runs]
     acc = np.array([d["accuracy"].iloc[0] for d in dosfl])
     d_bytes = np.array([d["bytes_up"].iloc[0] + d["bytes_down"].iloc[0] for d in dosfl])
     target = float(acc.max() if stat == "best" else acc.mean())
@@ -87,7 +70,8 @@ def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, f
     if fedavg_rounds:
         fed_raw["rounds"] = fedavg_rounds
     print(f"{path}: FedAvg for {fed_raw.get('rounds', 30)} rounds, target {target:.4f}", file=sys.stderr)
-    fed = _runs(fed_raw, seeds, fedavg_over)
+    fed_runs = _runs(fed_raw, seeds, fedavg_over, fresh)
+    fed = [f for _, f in fed_runs]
     match, match_bytes = [], []
     for f in fed:
         hit = f[f["accuracy"] >= target]
@@ -95,34 +79,50 @@ def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, f
         match.append(int(hit["round"].iloc[0]) + 1 if len(hit) else math.nan)
         match_bytes.append(float(cum[hit.index[0]]) if len(hit) else math.nan)
     per_round = float(np.mean([(f["bytes_up"] + f["bytes_down"]).iloc[0] for f in fed]))
+    per_seed = []
+    for i, seed in enumerate(seeds):
+        (d_run, _), (f_run, f) = dosfl_runs[i], fed_runs[i]
+        per_seed.append({"seed": seed, "dosfl_run": str(d_run), "fedavg_run": str(f_run),
+                         "dosfl_acc": float(acc[i]), "dosfl_bytes": float(d_bytes[i]),
+                         "fedavg_match_round": match[i], "fedavg_match_bytes": match_bytes[i],
+                         "fedavg_final": float(f["accuracy"].iloc[-1]), "fedavg_rounds": len(f)})
     return {"config": path, "seeds": len(seeds), "dosfl_best": float(acc.max()), "dosfl_mean": float(acc.mean()),
             "dosfl_std": float(acc.std()), "dosfl_bytes": float(d_bytes.mean()),
             "dosfl_up": float(np.mean([d["bytes_up"].iloc[0] for d in dosfl])), "target": target,
             "fedavg_rounds": len(fed[0]), "fedavg_final_mean": float(np.mean([f["accuracy"].iloc[-1] for f in fed])),
             "match_rounds": match, "match_bytes": match_bytes, "fedavg_bytes_per_round": per_round,
-            "break_even_round": math.ceil(d_bytes.mean() / per_round) if per_round > 0 else math.nan}
+            "break_even_round": math.ceil(d_bytes.mean() / per_round) if per_round > 0 else math.nan,
+            "per_seed": per_seed}
 
 
 def _fmt_bytes(b: float) -> str:
     return "—" if not np.isfinite(b) else (f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.1f} KiB")
 
 
-def markdown(rows: list[dict], stat: str) -> str:
+def summary(rows: list[dict], stat: str) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """Table head and one (config name, cells) row per compared config."""
     head = ["config", "DOSFL acc, 1 round (best / mean ± std, %)", "DOSFL bytes", "target",
             "FedAvg rounds to match (per seed)", "FedAvg bytes to match (mean)", "FedAvg acc after R (mean, %)",
             "break-even round"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = []
     for r in rows:
         m = np.array(r["match_rounds"], dtype=float)
         reached = [str(int(v)) if np.isfinite(v) else f">{r['fedavg_rounds']}" for v in m]
         mb = np.array(r["match_bytes"], dtype=float)
-        lines.append("| " + " | ".join([
-            Path(r["config"]).stem,
-            f"{100 * r['dosfl_best']:.2f} / {100 * r['dosfl_mean']:.2f} ± {100 * r['dosfl_std']:.2f}",
+        name = Path(r["config"]).stem
+        out.append((name, [
+            name, f"{100 * r['dosfl_best']:.2f} / {100 * r['dosfl_mean']:.2f} ± {100 * r['dosfl_std']:.2f}",
             _fmt_bytes(r["dosfl_bytes"]), f"{stat} = {100 * r['target']:.2f}", ", ".join(reached),
             _fmt_bytes(float(np.nanmean(mb))) if np.isfinite(mb).any() else "not reached",
-            f"{100 * r['fedavg_final_mean']:.2f} (R = {r['fedavg_rounds']})", str(r["break_even_round"])]) + " |")
-    return "\n".join(lines)
+            f"{100 * r['fedavg_final_mean']:.2f} (R = {r['fedavg_rounds']})", str(r["break_even_round"])]))
+    return head, out
+
+
+def markdown(rows: list[dict], stat: str) -> str:
+    from jobs.sweep import markdown as md_table
+
+    head, out = summary(rows, stat)
+    return md_table(head, [cells for _, cells in out])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,10 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     args = p.parse_args(argv)
-    global FRESH
-    FRESH = args.fresh
     try:
-        rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override)
+        rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override, args.fresh)
                 for c in args.configs]
     except FedsimError as exc:
         print(f"fedsim: error: {exc}", file=sys.stderr)
@@ -155,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     dest = Path(args.out or Path("results") / "dosfl" / ("_".join(Path(c).stem for c in args.configs) + ".md"))
     atomic_write_text(dest, text)
-    atomic_write(dest.with_suffix(".csv"), lambda tmp: pd.DataFrame(rows).to_csv(tmp, index=False))
+    table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_seed"} for r in rows])
+    atomic_write(dest.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))
     return 0
 
 

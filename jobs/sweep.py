@@ -1,17 +1,26 @@
 """Run arms × grid × seeds of a base config in one job and write a paper-style markdown table.
 
-    python -m jobs.sweep configs/x/sweep.yaml [--out table.md] [--dry-run]
+    python -m jobs.sweep configs/x/sweep.yaml [--out table.md] [--dry-run] [--fresh]
 
 The table is built from the runs' result DataFrames: best and final accuracy (mean ± std over seeds,
-population std), rounds to reach the target accuracy, and accuracy at fixed round budgets.
+population std), rounds to reach the target accuracy, and accuracy at fixed round budgets (empty past
+the rounds a run made). Runs are named by a hash of their resolved config, so a rerun reuses the runs
+that finished and redoes only the rest (--fresh redoes all).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import itertools
+import json
 import os
+import platform
+import shutil
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,32 +103,34 @@ def curve(rounds: pd.DataFrame, metric: str, model: str) -> pd.Series:
 
 
 def score(c: pd.Series, target: float | None, budgets: list[int]) -> dict[str, float]:
-    """best, final, rounds-to-target and accuracy-at-budget of one run."""
+    """best, final, rounds-to-target and accuracy-at-budget of one run; a budget past its last round is NaN."""
     out = {"best": float(c.max()), "final": float(c.iloc[-1])}
     if target is not None:
         hit = c[c >= target]
         out["rounds_to_target"] = float(hit.index[0]) if len(hit) else np.nan
+    last = c.index.max() if len(c) else 0
     for b in budgets:
         upto = c[c.index <= b]
-        out[f"at_{b}"] = float(upto.iloc[-1]) if len(upto) else np.nan
+        out[f"at_{b}"] = float(upto.iloc[-1]) if len(upto) and b <= last else np.nan
     return out
 
 
 def _pm(values: pd.Series, pct: bool = True) -> str:
+    """mean ± std of the values that exist; an empty cell when none does."""
     v = values.dropna().to_numpy() * (100 if pct else 1)
     if len(v) == 0:
-        return "—"
+        return ""
     return f"{v.mean():.2f} ± {v.std():.2f}" if pct else f"{v.mean():.1f} ± {v.std():.1f}"
 
 
-def table(df: pd.DataFrame, sw: Sweep) -> str:
-    """Markdown: one row per grid point and arm, mean ± std over seeds (accuracies in %)."""
+def summary(df: pd.DataFrame, sw: Sweep) -> tuple[list[str], list[tuple[tuple, list[str]]]]:
+    """Table head and rows, one per grid point and arm: ((grid values..., arm), cells), mean ± std over seeds."""
     grid_cols = list(sw.grid)
     head = [*grid_cols, "method", "best acc (%)", "final acc (%)"]
     if sw.target is not None:
         head.append(f"rounds to {sw.target * 100:g}%")
     head += [f"acc @ {b} rounds (%)" for b in sw.budgets]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for keys, g in df.groupby([*grid_cols, "arm"] if grid_cols else ["arm"], sort=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
         cells = [str(k) for k in keys] + [_pm(g["best"]), _pm(g["final"])]
@@ -128,15 +139,111 @@ def table(df: pd.DataFrame, sw: Sweep) -> str:
             cell = _pm(g["rounds_to_target"], pct=False) if reached else "not reached"
             cells.append(cell + (f" ({reached}/{len(g)} seeds)" if 0 < reached < len(g) else ""))
         cells += [_pm(g[f"at_{b}"]) for b in sw.budgets]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append((keys, cells))
+    return head, rows
 
 
-def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = False) -> str:
-    from fedsim.config import load_config
-    from fedsim.results import load
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def table(df: pd.DataFrame, sw: Sweep) -> str:
+    """Markdown: one row per grid point and arm, mean ± std over seeds (accuracies in %)."""
+    head, rows = summary(df, sw)
+    return markdown(head, [cells for _, cells in rows])
+
+
+def run_key(cfg: Any) -> str:
+    """Hash of the resolved config, without where its results go: equal keys mean the same experiment."""
+    from fedsim.config import config_to_dict
+
+    d = config_to_dict(cfg)
+    d["results"] = {k: v for k, v in d["results"].items() if k not in ("root", "run_id")}
+    d["data"] = {k: v for k, v in d["data"].items() if k != "root"}
+    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+FINISHED = "finished.json"  # written into a run folder once its run returned: {wall_s, hardware}
+
+
+def hardware(cfg: Any) -> str:
+    """CPU count, torch threads and platform of the process running `cfg`."""
+    import torch
+
+    return (f"{os.cpu_count()} CPUs, torch threads {cfg.runtime.threads or torch.get_num_threads()}, "
+            f"{platform.platform()}")
+
+
+def run_cached(cfg: Any, fresh: bool = False) -> Path:
+    """Run `cfg` in results.root/<name>-<algorithm>-s<seed>-<hash>/, or return that folder if a run finished there.
+
+    A folder without the finished marker is an interrupted run: it is removed and run again."""
+    from fedsim.io import atomic_write_text
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
+
+    cfg.results.run_id = f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
+    folder = Path(cfg.results.root) / cfg.results.run_id
+    if (folder / FINISHED).is_file() and (folder / "rounds.parquet").is_file() and not fresh:
+        print(f"  reusing {folder}", file=sys.stderr, flush=True)
+        return folder
+    if folder.exists():
+        shutil.rmtree(folder)
+    if cfg.runtime.threads and cfg.runtime.backend == "local":
+        import torch
+
+        torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
+    t0 = time.perf_counter()
+    run_dir = run(cfg, backend=make_backend(cfg))
+    info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg)}
+    atomic_write_text(run_dir / FINISHED, json.dumps(info) + "\n")
+    return run_dir
+
+
+def finished_info(run_dir: str | Path) -> dict:
+    """The finished marker of a run folder written by run_cached."""
+    return json.loads((Path(run_dir) / FINISHED).read_text())
+
+
+@contextlib.contextmanager
+def ray_session(configs: list) -> Iterator[None]:
+    """One Ray instance for every Ray-backed config of a job (none if all run locally)."""
+    started = False
+    if any(c.runtime.backend == "ray" for c in configs):
+        import ray
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        if not ray.is_initialized():
+            ray.init(address=configs[0].runtime.ray_address, include_dashboard=False, configure_logging=False)
+            started = True
+    try:
+        yield
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+
+
+def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False) -> pd.DataFrame:
+    """Run (or reuse) every planned run; one row per run with its grid point, arm, seed, folder and scores."""
+    from fedsim.results import load
+
+    rows = []
+    with ray_session(configs):
+        for i, (r, cfg) in enumerate(zip(runs, configs)):
+            print(f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}", file=sys.stderr, flush=True)
+            run_dir = run_cached(cfg, fresh)
+            c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
+            rows.append({**r["grid"], "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
+                         "rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)})
+    return pd.DataFrame(rows)
+
+
+def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = False, fresh: bool = False) -> str:
+    from fedsim.config import load_config
 
     sweep_file = Path(sweep_file)
     sw = load_sweep(sweep_file)
@@ -144,28 +251,7 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     configs = [load_config(r["config"], r["overrides"]) for r in runs]  # validate everything before running
     if dry_run:
         return "\n".join(f"{r['arm']} {r['grid']} seed={r['seed']}: {r['config']} {r['overrides']}" for r in runs)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = False
-    if any(c.runtime.backend == "ray" for c in configs):
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=configs[0].runtime.ray_address, include_dashboard=False, configure_logging=False)
-            started = True
-    rows = []
-    try:
-        for i, (r, cfg) in enumerate(zip(runs, configs)):
-            print(f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}", file=sys.stderr, flush=True)
-            run_dir = run(cfg, backend=make_backend(cfg))
-            c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
-            rows.append({**r["grid"], "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
-                         **score(c, sw.target, sw.budgets)})
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
-    df = pd.DataFrame(rows)
+    df = execute(runs, configs, sw, fresh)
     md = f"### {sw.title}\n\n{table(df, sw)}\n\nCommand: `python -m jobs.sweep {sweep_file}`; " \
          f"seeds {sw.seeds}; mean ± std (population) over seeds.\n"
     dest = Path(out or sw.out or Path("results") / "sweeps" / f"{_slug(sw.title)}.md")
@@ -185,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("sweep")
     p.add_argument("--out")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     args = p.parse_args(argv)
     try:
-        print(run_sweep(args.sweep, args.out, args.dry_run))
+        print(run_sweep(args.sweep, args.out, args.dry_run, args.fresh))
     except FedsimError as exc:
         print(f"fedsim: error: {exc}", file=sys.stderr)
         return exc.exit_code

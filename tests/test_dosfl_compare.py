@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
 import jobs.dosfl_compare as dc
 
 
-def fake_runs(raw, seeds, overrides):
-    if raw["algorithm"]["name"] == "dosfl":
+def fake_runs(raw, seeds, overrides, fresh=False):
+    name = raw["algorithm"]["name"]
+    if name == "dosfl":
         accs = {0: 0.70, 1: 0.80}
-        return [pd.DataFrame({"round": [0], "accuracy": [accs[s]], "bytes_up": [1000], "bytes_down": [16]})
-                for s in seeds]
+        return [(Path(f"{name}-{s}"), pd.DataFrame({"round": [0], "accuracy": [accs[s]], "bytes_up": [1000],
+                                                     "bytes_down": [16]})) for s in seeds]
     curves = {0: [0.5, 0.75, 0.85], 1: [0.6, 0.7, 0.78]}
-    return [pd.DataFrame({"round": [0, 1, 2], "accuracy": curves[s], "bytes_up": [300] * 3,
-                          "bytes_down": [300] * 3}) for s in seeds]
+    return [(Path(f"{name}-{s}"), pd.DataFrame({"round": [0, 1, 2], "accuracy": curves[s], "bytes_up": [300] * 3,
+                                                 "bytes_down": [300] * 3})) for s in seeds]
 
 
 @pytest.mark.parametrize("stat,target,match,match_bytes", [("best", 0.80, [3, float("nan")], [1800, float("nan")]),
@@ -32,6 +35,11 @@ def test_rounds_and_bytes_to_match(monkeypatch, tmp_path, stat, target, match, m
     assert row["break_even_round"] == 2  # 1016 bytes / 600 bytes per FedAvg round, rounded up
     md = dc.markdown([row], stat)
     assert "| d |" in md and (">3" in md) == (stat == "best")
+    per_seed = pd.DataFrame(row["per_seed"])
+    assert list(per_seed["seed"]) == [0, 1] and list(per_seed["dosfl_run"]) == ["dosfl-0", "dosfl-1"]
+    assert list(per_seed["fedavg_run"]) == ["fedavg-0", "fedavg-1"]
+    assert list(per_seed["dosfl_acc"]) == [0.70, 0.80] and list(per_seed["fedavg_final"]) == [0.85, 0.78]
+    assert list(per_seed["fedavg_match_round"]) == pytest.approx(match, nan_ok=True)
 
 
 def test_rejects_a_non_dosfl_config(tmp_path) -> None:
@@ -54,11 +62,11 @@ def test_real_runs_are_named_by_config_and_reused(tmp_path, monkeypatch) -> None
            "runtime": {"backend": "local", "threads": 1}, "results": {"root": str(tmp_path)}}
     old = torch.get_num_threads()
     try:
-        (first,) = dc._runs(raw, [3], [])
+        ((folder, first),) = dc._runs(raw, [3], [])
         monkeypatch.setattr(fedsim.runtime.loop, "run", lambda *a, **k: pytest.fail("ran again"))
-        (again,) = dc._runs(raw, [3], [])
+        ((folder_again, again),) = dc._runs(raw, [3], [])
     finally:
         torch.set_num_threads(old)
     assert len(first) == 1 and first["bytes_up"].iloc[0] == 3 * (2 * 3 * 64 * 4 + 2 * 3 * 8 + 2 * 4)
     pd.testing.assert_frame_equal(first, again)
-    assert len(list(tmp_path.iterdir())) == 1
+    assert folder == folder_again and list(tmp_path.iterdir()) == [folder]
