@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: help run test test-fast bench bench-scale lint docs venv clean
+.PHONY: help run test test-fast bench bench-scale reproduce lint docs venv clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -34,6 +34,10 @@ bench: $(STAMP)  ## fedsim vs the plain loop vs Flower on the bench's own FedAvg
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
 	$(BIN)/python -m bench.scale_bench
+
+reproduce: $(STAMP)  ## rerun every method table of README.md (hours; resumes) and paste them into it
+	$(BIN)/python -m jobs.reproduce
+	$(BIN)/python -m jobs.reproduce --readme
 
 lint: $(STAMP)  ## ruff
 	$(BIN)/ruff check fedsim actors jobs tests bench

@@ -1,0 +1,396 @@
+"""Rebuild every method table embedded in README.md from runs, with the paper's figure beside ours.
+
+    python -m jobs.reproduce [--quick] [--only ID,...] [--seeds N] [--root DIR] [--fresh]
+    python -m jobs.reproduce --readme [--only ID,...] [--root DIR]
+
+configs/reproduce.yaml lists the tables: a sweep file (jobs.sweep) or DOSFL configs (jobs.dosfl_compare),
+their seeds, and per arm the paper's figure for the closest setting with its source. Each table is written
+as <root>/<id>.md (what README.md shows, stating data, budget, seeds, hardware, date, wall time and this
+command) and <root>/<id>.parquet (one row per arm, grid point and seed: every score and the run folder).
+Runs live in <root>/runs/, named by a hash of their config, so an interrupted reproduce resumes where it
+stopped. --quick (one seed, a few rounds, smaller sizes) writes to results/reproduce-quick/ and only checks
+that the command works. --readme pastes <root>/<id>.md between README.md's `<!-- reproduce:<id> -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fedsim.configtools import from_dict, knob
+from fedsim.errors import ConfigError, FedsimError
+
+MANIFEST = Path("configs") / "reproduce.yaml"
+README = Path("README.md")
+ROOT = Path("results") / "reproduce"
+QUICK_ROOT = Path("results") / "reproduce-quick"
+SWEEP_SCORES = ("best", "final")
+DOSFL_SCORES = ("dosfl_best", "dosfl_mean")
+ID_PATTERN = re.compile(r"[a-z0-9_-]+")
+NO_FIGURE = "—"
+
+
+@dataclass
+class PaperFigure:
+    arm: str = knob("", doc="row label (a sweep arm, or a DOSFL config's file name without .yaml)")
+    value: float = knob(0.0, ge=0, le=100, doc="the paper's figure for the closest setting, in %")
+    source: str = knob("", doc="where the paper reports it: table and setting")
+    reference: str | None = knob(None, doc="arm the direction is measured against; none: this arm is a reference")
+    reference_value: float | None = knob(None, ge=0, le=100,
+                                         doc="the paper's figure for the reference setting in the same source "
+                                             "(default: the reference arm's own figure)")
+    grid: dict[str, Any] = knob({}, doc="grid point the figure belongs to (default: every point)")
+
+
+@dataclass
+class TableSpec:
+    id: str = knob("", doc="table name: README block <!-- reproduce:<id> --> and <root>/<id>.md")
+    sweep: str | None = knob(None, doc="sweep file (jobs.sweep) whose arms are the rows")
+    dosfl: list[str] = knob([], doc="DOSFL configs compared with FedAvg (jobs.dosfl_compare), one row each")
+    seeds: list[int] = knob([0, 1, 2], ge=0, doc="run seeds (the sweep file's own seeds are replaced)")
+    compare: str = knob("best", doc="our score set against the paper's: best or final (sweeps), "
+                                    "dosfl_best or dosfl_mean (DOSFL)")
+    paper_title: str = knob("", doc="the paper the figures come from, as the table names it")
+    paper: list[PaperFigure] = knob(factory=list)
+
+
+@dataclass
+class QuickSpec:
+    rounds: int = knob(2, ge=1, doc="rounds of every --quick run")
+    overrides: dict[str, list[str]] = knob({}, doc="--quick overrides per algorithm name ('*': every run), "
+                                                    "applied after each arm's own")
+
+
+@dataclass
+class Manifest:
+    quick: QuickSpec = knob(factory=QuickSpec)
+    tables: list[TableSpec] = knob(factory=list)
+
+
+def load_manifest(path: str | Path = MANIFEST) -> Manifest:
+    """The manifest, with every table's rows, references and grid points checked against its sweep or configs."""
+    from fedsim.algorithms import get_algorithm
+    from fedsim.config import read_yaml
+
+    try:
+        m = from_dict(Manifest, read_yaml(path))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not m.tables:
+        raise ConfigError(f"{path}: tables: list at least one table")
+    for name in m.quick.overrides:
+        if name != "*":
+            try:
+                get_algorithm(name)
+            except ConfigError:
+                raise ConfigError(f"{path}: quick.overrides.{name}: not an algorithm name (or '*')") from None
+    seen = set()
+    for i, t in enumerate(m.tables):
+        where = f"{path}: tables[{i}]"
+        if not ID_PATTERN.fullmatch(t.id):
+            raise ConfigError(f"{where}.id: {t.id!r} must be lowercase letters, digits, '_' or '-'")
+        if t.id in seen:
+            raise ConfigError(f"{where}.id: {t.id!r} appears twice")
+        seen.add(t.id)
+        _check_table(t, f"{path}: tables[{i}] ({t.id})")
+    return m
+
+
+def _check_table(t: TableSpec, where: str) -> None:
+    if (t.sweep is None) == (not t.dosfl):
+        raise ConfigError(f"{where}: give exactly one of sweep and dosfl")
+    if not t.seeds or len(set(t.seeds)) != len(t.seeds):
+        raise ConfigError(f"{where}.seeds: list one or more distinct seeds")
+    scores = SWEEP_SCORES if t.sweep is not None else DOSFL_SCORES
+    if t.compare not in scores:
+        raise ConfigError(f"{where}.compare: {t.compare!r} is not one of {list(scores)}")
+    arms, grid = table_rows(t)
+    keys = set()
+    for j, f in enumerate(t.paper):
+        at = f"{where}.paper[{j}]"
+        if f.arm not in arms:
+            raise ConfigError(f"{at}.arm: {f.arm!r} is not a row of the table; rows: {arms}")
+        for k, v in f.grid.items():
+            if k not in grid or v not in grid[k]:
+                raise ConfigError(f"{at}.grid: {k}={v!r} is not a grid point of the sweep; grid: {grid}")
+        if f.reference is not None and f.reference not in arms:
+            raise ConfigError(f"{at}.reference: {f.reference!r} is not a row of the table; rows: {arms}")
+        if f.reference == f.arm:
+            raise ConfigError(f"{at}.reference: an arm is not its own reference (leave reference out instead)")
+        for point in grid_points(grid, f.grid):
+            key = (f.arm, tuple(sorted(point.items())))
+            if key in keys:
+                raise ConfigError(f"{at}: a second figure for {f.arm!r} at {point or 'the same point'}")
+            keys.add(key)
+            if f.reference is not None and f.reference_value is None and figure_for(t, f.reference, point) is None:
+                raise ConfigError(f"{at}.reference_value: {f.reference!r} has no paper figure at "
+                                  f"{point or 'this point'}; give the paper's figure for the reference setting")
+
+
+def table_rows(t: TableSpec) -> tuple[list[str], dict[str, list[Any]]]:
+    """The table's row labels and its sweep grid ({} for DOSFL); a missing file is a ConfigError."""
+    from jobs.sweep import load_sweep
+
+    if t.sweep is not None:
+        sw = load_sweep(t.sweep)
+        return [a.name for a in sw.arms], dict(sw.grid)
+    for c in t.dosfl:
+        if not Path(c).is_file():
+            raise ConfigError(f"table {t.id}: dosfl config not found: {c}")
+    return [Path(c).stem for c in t.dosfl], {}
+
+
+def grid_points(grid: dict[str, list[Any]], fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every grid point that agrees with `fixed`."""
+    points: list[dict[str, Any]] = [{}]
+    for k, values in grid.items():
+        points = [{**p, k: v} for p in points for v in values if k not in fixed or fixed[k] == v]
+    return points
+
+
+def figure_for(t: TableSpec, arm: str, point: dict[str, Any]) -> PaperFigure | None:
+    """The paper's figure for `arm` at a grid point, if the manifest gives one."""
+    for f in t.paper:
+        if f.arm == arm and all(point.get(k) == v for k, v in f.grid.items()):
+            return f
+    return None
+
+
+def direction_holds(ours: float, ours_ref: float, paper: float, paper_ref: float) -> bool:
+    """Whether our arm lies on the same side of the reference as the paper's: equal signs of the differences."""
+    return bool(np.sign(ours - ours_ref) == np.sign(paper - paper_ref))
+
+
+def paper_cells(t: TableSpec, arm: str, point: dict[str, Any], ours: dict[tuple, float]) -> list[str]:
+    """The "paper" and "direction holds?" cells of one row; `ours` maps (grid values..., arm) to our score."""
+    f = figure_for(t, arm, point)
+    if f is None:
+        return [NO_FIGURE, NO_FIGURE]
+    paper = f"{f.value:g} ({f.source})"
+    if f.reference is None:
+        return [paper, "reference"]
+    ref_figure = figure_for(t, f.reference, point)
+    paper_ref = f.reference_value if f.reference_value is not None else ref_figure.value
+    mine, ref = ours.get((*point.values(), arm), np.nan), ours.get((*point.values(), f.reference), np.nan)
+    if not (np.isfinite(mine) and np.isfinite(ref)):
+        return [paper, NO_FIGURE]
+    cell = "yes" if direction_holds(mine, ref, f.value, paper_ref) else "no"
+    if len({g.reference for g in t.paper if g.reference is not None}) > 1:
+        cell += f" (vs {f.reference})"
+    return [paper, cell]
+
+
+def quick_overrides(quick: QuickSpec, config: str, overrides: list[str]) -> list[str]:
+    """The --quick overrides for one run: the round cap, then '*' and those of the run's algorithm."""
+    from fedsim.config import apply_overrides, read_yaml
+
+    name = (apply_overrides(read_yaml(config), overrides).get("algorithm") or {}).get("name", "fedavg")
+    return [f"rounds={quick.rounds}", *quick.overrides.get("*", []), *quick.overrides.get(name, [])]
+
+
+@dataclass
+class Result:
+    """One reproduced table: its markdown rows, per-seed raw rows and the run configs behind them."""
+
+    head: list[str]
+    rows: list[list[str]]
+    raw: pd.DataFrame
+    configs: list
+    budget: str
+
+
+def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool) -> Result:
+    """Run (or reuse) the sweep's runs and build its rows, with the paper columns."""
+    from fedsim.config import load_config
+    from jobs.sweep import execute, load_sweep, plan, summary
+
+    sw = load_sweep(t.sweep)
+    sw.seeds = seeds
+    runs = plan(sw, Path(t.sweep))
+    for r in runs:
+        extra = quick_overrides(quick, r["config"], r["overrides"]) if quick else []
+        r["overrides"] = [*r["overrides"], *extra, f"results.root={root / 'runs'}"]
+    configs = [load_config(r["config"], r["overrides"]) for r in runs]
+    df = execute(runs, configs, sw, fresh)
+    grid_cols = list(sw.grid)
+    ours = {k if isinstance(k, tuple) else (k,): v
+            for k, v in df.groupby([*grid_cols, "arm"], sort=False)[t.compare].mean().items()}
+    head, rows = summary(df, sw)
+    out = [cells + paper_cells(t, keys[-1], dict(zip(grid_cols, keys[:-1])), ours) for keys, cells in rows]
+    budget = ", ".join(str(r) for r in sorted({c.rounds for c in configs})) + " rounds"
+    return Result([*head, "paper (%)", "direction holds?"], out, df, configs, budget)
+
+
+def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool) -> Result:
+    """Run (or reuse) DOSFL and FedAvg for each config and build its rows, with the paper columns."""
+    from fedsim.config import load_config
+    from jobs.dosfl_compare import compare, summary
+
+    over = [f"results.root={root / 'runs'}"]
+    fed_over: list[str] = []
+    if quick:
+        over += [*quick.overrides.get("*", []), *quick.overrides.get("dosfl", [])]
+        fed_over = list(quick.overrides.get("fedavg", []))
+    stat = "best" if t.compare == "dosfl_best" else "mean"
+    rows = [compare(c, seeds, stat, quick.rounds if quick else None, fed_over, over, fresh) for c in t.dosfl]
+    raw = pd.DataFrame([{"arm": Path(r["config"]).stem, **s} for r in rows for s in r["per_seed"]])
+    ours = {(Path(r["config"]).stem,): r[t.compare] for r in rows}
+    head, out = summary(rows, stat)
+    cells = [c + paper_cells(t, name, {}, ours) for name, c in out]
+    configs = [load_config(c, over) for c in t.dosfl]
+    fed_rounds = sorted({int(r["fedavg_rounds"]) for r in rows})
+    budget = f"DOSFL 1 round, FedAvg {', '.join(map(str, fed_rounds))} rounds"
+    return Result([*head, "paper (%)", "direction holds?"], cells, raw, configs, budget)
+
+
+def describe_data(configs: list) -> str:
+    """Dataset, clients and partition of the runs, each distinct description once."""
+    out = []
+    for c in configs:
+        p = c.data.partition
+        split = {"iid": "IID", "dirichlet": f"Dirichlet α={p.alpha:g}",
+                 "shards": f"{p.shards_per_client} label shards each"}[p.kind]
+        text = f"{c.data.name}, {c.data.num_clients} clients, {split}"
+        if text not in out:
+            out.append(text)
+    return "; ".join(out)
+
+
+def run_folders(raw: pd.DataFrame) -> list[str]:
+    """Every run folder a table's raw rows name."""
+    cols = [c for c in ("run", "dosfl_run", "fedavg_run") if c in raw]
+    return list(dict.fromkeys(v for c in cols for v in raw[c]))
+
+
+def render(t: TableSpec, res: Result, seeds: list[int], command: str) -> str:
+    """The table file: a generated-file note, the table, then what it was measured on and how to remake it."""
+    from jobs.sweep import finished_info, markdown
+
+    infos = [finished_info(f) for f in run_folders(res.raw)]
+    wall = sum(i["wall_s"] for i in infos)
+    hardware = "; ".join(dict.fromkeys(i["hardware"] for i in infos))
+    refs = list(dict.fromkeys(f.reference for f in t.paper if f.reference is not None))
+    return "\n".join([
+        f"<!-- generated by `python -m jobs.reproduce` from configs/reproduce.yaml ({t.id}); do not edit -->",
+        markdown(res.head, res.rows), "",
+        f"Data: {describe_data(res.configs)}. Budget: {res.budget}. Seeds: {', '.join(map(str, seeds))}; "
+        "mean ± std (population) over seeds, accuracies in %"
+        + ("; an empty cell is a budget past the rounds run." if t.sweep is not None else "."),
+        f"Paper: {t.paper_title}, its figure for the closest setting (source in brackets). Direction holds? = "
+        f"sign(ours − ours(reference)) equals sign(paper − paper(reference)), on our {t.compare.replace('_', ' ')} "
+        f"accuracy; reference: {', '.join(refs) or 'none'}.",
+        f"Hardware: {hardware}. Date: {datetime.now().strftime('%Y-%m-%d')}. Wall time: {wall:.0f} s "
+        f"(the runs' own, summed). Command: `{command}`.", ""])
+
+
+def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool, command: str) -> Path:
+    """Run one table and write <root>/<id>.md and <root>/<id>.parquet; returns the markdown path."""
+    from fedsim.io import atomic_write, atomic_write_text
+
+    run = run_sweep_table if t.sweep is not None else run_dosfl_table
+    res = run(t, seeds, root, quick, fresh)
+    dest = root / f"{t.id}.md"
+    atomic_write(dest.with_suffix(".parquet"), lambda tmp: res.raw.to_parquet(tmp, index=False))
+    atomic_write_text(dest, render(t, res, seeds, command))
+    return dest
+
+
+BLOCK = re.compile(r"<!-- reproduce:(?P<id>[a-z0-9_-]+) -->\n(?P<body>.*?)<!-- /reproduce:(?P=id) -->", re.S)
+
+
+def readme_blocks(text: str) -> dict[str, str]:
+    """The README's reproduce blocks: id -> the text between its markers."""
+    return {m["id"]: m["body"] for m in BLOCK.finditer(text)}
+
+
+def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
+    """Put <root>/<id>.md between README's markers for each id whose file exists; returns the ids pasted."""
+    from fedsim.io import atomic_write_text
+
+    text = readme.read_text(encoding="utf-8")
+    missing = [i for i in ids if i not in readme_blocks(text)]
+    if missing:
+        raise ConfigError(f"{readme}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
+    pasted = [i for i in ids if (root / f"{i}.md").is_file()]
+    tables = {i: (root / f"{i}.md").read_text(encoding="utf-8") for i in pasted}
+
+    def fill(m: re.Match) -> str:
+        if m["id"] not in tables:
+            return m[0]
+        return f"<!-- reproduce:{m['id']} -->\n{tables[m['id']]}<!-- /reproduce:{m['id']} -->"
+
+    atomic_write_text(readme, BLOCK.sub(fill, text))
+    return pasted
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = _Parser(prog="python -m jobs.reproduce", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, a few rounds, smaller sizes; results/reproduce-quick")
+    p.add_argument("--only", default=None, metavar="ID,...", help="these tables only")
+    p.add_argument("--seeds", type=_positive, default=None, metavar="N", help="seeds 0..N-1 instead of the manifest's")
+    p.add_argument("--root", default=None, help=f"output folder (default {ROOT}, or {QUICK_ROOT} with --quick)")
+    p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--readme", action="store_true", help="paste <root>/<id>.md into README.md; runs nothing")
+    p.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
+    p.add_argument("--readme-file", default=str(README), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.readme and args.quick:
+        p.error("--readme pastes the full tables; --quick tables never go into README.md")
+    root = Path(args.root or (QUICK_ROOT if args.quick else ROOT))
+    try:
+        manifest = load_manifest(args.manifest)
+        tables = manifest.tables
+        if args.only:
+            wanted = [i.strip() for i in args.only.split(",") if i.strip()]
+            unknown = [i for i in wanted if i not in {t.id for t in tables}]
+            if unknown or not wanted:
+                raise ConfigError(f"--only: unknown table {unknown[0] if unknown else args.only!r}; "
+                                  f"tables: {[t.id for t in tables]}")
+            tables = [t for t in tables if t.id in wanted]
+        if args.readme:
+            pasted = paste(Path(args.readme_file), root, [t.id for t in tables])
+            skipped = [t.id for t in tables if t.id not in pasted]
+            print(f"pasted into {args.readme_file}: {', '.join(pasted) or 'nothing'}"
+                  + (f"; no {root}/<id>.md yet for: {', '.join(skipped)}" if skipped else ""))
+            return 0
+        command = " ".join(["python -m jobs.reproduce", *argv])
+        t0 = time.perf_counter()
+        for t in tables:
+            seeds = list(range(args.seeds)) if args.seeds else list(t.seeds)
+            seeds = seeds[:1] if args.quick else seeds
+            print(f"== {t.id}: seeds {seeds}", file=sys.stderr, flush=True)
+            dest = reproduce(t, seeds, root, manifest.quick if args.quick else None, args.fresh, command)
+            print(f"{t.id}: {dest}", flush=True)
+        print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    except FedsimError as exc:
+        print(f"fedsim: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fedsim: interrupted; the same command resumes (finished runs are reused)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

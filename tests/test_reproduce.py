@@ -1,0 +1,213 @@
+"""jobs.reproduce: the manifest, the paper and direction columns, empty cells past the rounds run, README blocks,
+and the whole command end to end in --quick mode."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedsim.errors import ConfigError
+from jobs import reproduce as rp
+from jobs.sweep import Sweep, score, summary
+from tests.conftest import ROOT
+
+REPO = Path(ROOT)
+
+
+def figure(arm, value, reference=None, reference_value=None, grid=None):
+    return rp.PaperFigure(arm=arm, value=value, source="Table X", reference=reference,
+                          reference_value=reference_value, grid=grid or {})
+
+
+# ---- direction holds? ----
+
+@pytest.mark.parametrize("ours,ours_ref,paper,paper_ref,holds", [
+    (0.9, 0.8, 70.0, 60.0, True),    # both above the reference
+    (0.7, 0.8, 50.0, 60.0, True),    # both below
+    (0.9, 0.8, 50.0, 60.0, False),   # ours above, the paper's below
+    (0.7, 0.8, 70.0, 60.0, False),
+    (0.8, 0.8, 60.0, 60.0, True),    # both level
+    (0.8, 0.8, 61.0, 60.0, False),   # level here, not in the paper
+])
+def test_direction_compares_signs_of_the_differences(ours, ours_ref, paper, paper_ref, holds) -> None:
+    assert rp.direction_holds(ours, ours_ref, paper, paper_ref) is holds
+
+
+def test_paper_cells_use_the_reference_arms_figure_or_the_given_reference_value() -> None:
+    t = rp.TableSpec(id="t", sweep="s.yaml", paper=[
+        figure("base", 67.0), figure("none", 63.4, reference="base"),
+        figure("noise", 39.4, reference="base", reference_value=30.0)])
+    ours = {("base",): 0.90, ("none",): 0.95, ("noise",): 0.95, ("other",): 0.5}
+    assert rp.paper_cells(t, "base", {}, ours) == ["67 (Table X)", "reference"]
+    assert rp.paper_cells(t, "none", {}, ours) == ["63.4 (Table X)", "no"]    # ours above base, the paper's below
+    assert rp.paper_cells(t, "noise", {}, ours) == ["39.4 (Table X)", "yes"]  # 39.4 > 30.0, not 67.0
+    assert rp.paper_cells(t, "other", {}, ours) == ["—", "—"]                 # no figure for this arm
+    assert rp.paper_cells(t, "none", {}, {("base",): 0.9, ("none",): math.nan})[1] == "—"
+
+
+def test_paper_cells_follow_the_grid_point_and_name_the_reference_when_there_are_several() -> None:
+    t = rp.TableSpec(id="t", sweep="s.yaml", paper=[
+        figure("A", 90.0, grid={"alpha": 0.1}), figure("B", 95.0, reference="A", grid={"alpha": 0.1}),
+        figure("A", 99.0, grid={"alpha": 1.0}), figure("B", 98.0, reference="A", grid={"alpha": 1.0}),
+        figure("C", 50.0), figure("D", 40.0, reference="C")])
+    ours = {(0.1, "A"): 0.5, (0.1, "B"): 0.6, (1.0, "A"): 0.5, (1.0, "B"): 0.6}
+    assert rp.paper_cells(t, "B", {"alpha": 0.1}, ours) == ["95 (Table X)", "yes (vs A)"]
+    assert rp.paper_cells(t, "B", {"alpha": 1.0}, ours) == ["98 (Table X)", "no (vs A)"]
+
+
+# ---- budgets past the rounds run stay empty ----
+
+def test_a_budget_past_the_last_round_is_empty_not_the_last_value() -> None:
+    c = pd.Series([0.5, 0.7, 0.6], index=[1, 2, 3])
+    s = score(c, target=0.65, budgets=[2, 3, 5])
+    assert s["best"] == 0.7 and s["final"] == 0.6 and s["rounds_to_target"] == 2
+    assert s["at_2"] == 0.7 and s["at_3"] == 0.6 and math.isnan(s["at_5"])
+    sparse = pd.Series([0.5, 0.8], index=[2, 4])  # evaluated every 2nd round
+    assert score(sparse, None, [3, 4, 5]) == pytest.approx({"best": 0.8, "final": 0.8, "at_3": 0.5, "at_4": 0.8,
+                                                            "at_5": math.nan}, nan_ok=True)
+
+
+def test_the_table_leaves_those_cells_empty() -> None:
+    sw = Sweep(seeds=[0, 1], budgets=[2, 5], arms=[])
+    df = pd.DataFrame({"arm": ["a", "a"], "seed": [0, 1], "best": [0.8, 0.9], "final": [0.7, 0.9],
+                       "at_2": [0.6, 0.8], "at_5": [math.nan, math.nan]})
+    head, rows = summary(df, sw)
+    assert head == ["method", "best acc (%)", "final acc (%)", "acc @ 2 rounds (%)", "acc @ 5 rounds (%)"]
+    assert rows == [(("a",), ["a", "85.00 ± 5.00", "80.00 ± 10.00", "70.00 ± 10.00", ""])]
+
+
+# ---- the manifest ----
+
+def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
+    m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
+    assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl"]
+    for t in m.tables:
+        assert len(t.seeds) >= 3 and t.paper and t.paper_title
+        assert any(f.reference is None for f in t.paper), f"{t.id}: no reference row"
+        assert all(f.source for f in t.paper)
+
+
+def write_manifest(tmp_path, table: str) -> Path:
+    sweep = REPO / "configs" / "dafkd" / "embedded.yaml"
+    p = tmp_path / "m.yaml"
+    p.write_text(f"tables:\n  - {{id: t, sweep: {sweep}, {table}}}\n")
+    return p
+
+
+@pytest.mark.parametrize("table,message", [
+    ("paper: [{arm: Nope, value: 1, source: s}]", "paper\\[0\\].arm: 'Nope' is not a row"),
+    ("paper: [{arm: FedAvg, value: 1, source: s, grid: {data.partition.alpha: 0.5}}]", "not a grid point"),
+    ("paper: [{arm: FedAvg, value: 1, source: s, reference: DaFKD}]", "reference_value: 'DaFKD' has no paper figure"),
+    ("paper: [{arm: FedAvg, value: 1, source: s, reference: FedAvg}]", "not its own reference"),
+    ("paper: [{arm: FedAvg, value: 101, source: s}]", "value"),
+    ("compare: rounds_to_target", "compare: 'rounds_to_target' is not one of"),
+    ("seeds: []", "seeds: list one or more"),
+    ("dosfl: [x.yaml]", "exactly one of sweep and dosfl"),
+])
+def test_a_bad_manifest_is_a_one_line_config_error(tmp_path, table, message) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        rp.load_manifest(write_manifest(tmp_path, table))
+    assert "\n" not in str(err.value)
+
+
+def test_a_figure_for_one_grid_point_needs_the_references_figure_at_that_point(tmp_path) -> None:
+    ok = ("paper: [{arm: DaFKD, value: 95, source: s, grid: {data.partition.alpha: 0.1}}, "
+          "{arm: FedAvg, value: 94, source: s, reference: DaFKD, grid: {data.partition.alpha: 0.1}}]")
+    assert len(rp.load_manifest(write_manifest(tmp_path, ok)).tables[0].paper) == 2
+    bad = ok.replace("{arm: FedAvg, value: 94, source: s, reference: DaFKD, grid: {data.partition.alpha: 0.1}}",
+                     "{arm: FedAvg, value: 94, source: s, reference: DaFKD}")
+    with pytest.raises(ConfigError, match="has no paper figure at {'data.partition.alpha': 1.0}"):
+        rp.load_manifest(write_manifest(tmp_path, bad))
+
+
+# ---- README blocks ----
+
+def test_every_table_has_a_readme_block_equal_to_its_generated_file() -> None:
+    blocks = rp.readme_blocks((REPO / "README.md").read_text(encoding="utf-8"))
+    m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
+    for t in m.tables:
+        assert t.id in blocks, f"README.md has no <!-- reproduce:{t.id} --> block"
+        generated = REPO / "results" / "reproduce" / f"{t.id}.md"
+        if generated.is_file():
+            assert blocks[t.id] == generated.read_text(encoding="utf-8"), \
+                f"README.md's {t.id} table differs from {generated}: run `python -m jobs.reproduce --readme`"
+
+
+def test_paste_replaces_only_the_blocks_with_a_generated_file(tmp_path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- reproduce:a -->\nold a\n<!-- /reproduce:a -->\nmiddle\n"
+                      "<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\nend\n")
+    (tmp_path / "a.md").write_text("| new | a |\n")
+    assert rp.paste(readme, tmp_path, ["a", "b"]) == ["a"]
+    text = readme.read_text()
+    assert text == ("intro\n<!-- reproduce:a -->\n| new | a |\n<!-- /reproduce:a -->\nmiddle\n"
+                    "<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\nend\n")
+    assert rp.paste(readme, tmp_path, ["a"]) == ["a"] and readme.read_text() == text  # idempotent
+    with pytest.raises(ConfigError, match="no <!-- reproduce:c -->"):
+        rp.paste(readme, tmp_path, ["c"])
+
+
+# ---- the command ----
+
+def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobs.reproduce", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [(["--only", "nosuch"], "--only: unknown table 'nosuch'"),
+                                          (["--readme", "--quick"], "--quick tables never go into README"),
+                                          (["--seeds", "0"], "expected an integer >= 1")])
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message) -> None:
+    proc = run_cli(*args, "--root", str(tmp_path))
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_quick_reproduce_end_to_end_then_resume_then_paste(tmp_path) -> None:
+    root = tmp_path / "quick"
+    proc = run_cli("--quick", "--root", str(root), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
+    for t in m.tables:
+        md = (root / f"{t.id}.md").read_text()
+        table = [line for line in md.splitlines() if line.startswith("|")]
+        head = [c.strip() for c in table[0].strip("|").split("|")]
+        assert head[-2:] == ["paper (%)", "direction holds?"]
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+        arms, grid = rp.table_rows(t)
+        assert len(rows) == len(arms) * len(rp.grid_points(grid, {}))
+        assert {r[-1] for r in rows} <= {"yes", "no", "reference", "—"} | {
+            f"{v} (vs {f.reference})" for f in t.paper for v in ("yes", "no")}
+        assert sum(r[-1] == "reference" for r in rows) >= 1 and any(r[-1].split()[0] in ("yes", "no") for r in rows)
+        for key in ("Data: digits", "Budget:", "Seeds: 0;", "CPUs, torch threads", "Date:", "Wall time:",
+                    f"Command: `python -m jobs.reproduce --quick --root {root}`"):
+            assert key in md, key
+        raw = pd.read_parquet(root / f"{t.id}.parquet")
+        assert len(raw) == len(rows) and set(raw["seed"]) == {0}
+        for folder in rp.run_folders(raw):
+            assert (Path(folder) / "rounds.parquet").is_file() and Path(folder).parent == root / "runs"
+        if t.sweep is not None:
+            assert {"arm", "seed", "run", "best", "final"} <= set(raw.columns)
+            budget_cols = [i for i, h in enumerate(head) if h.startswith("acc @ ")]
+            assert budget_cols and all(r[i] == "" for r in rows for i in budget_cols)  # 2 rounds < every budget
+        else:
+            assert {"arm", "seed", "dosfl_run", "fedavg_run", "dosfl_acc", "fedavg_match_round"} <= set(raw.columns)
+    assert "2 rounds" in (root / "dafkd.md").read_text()
+
+    folders = sorted(p.name for p in (root / "runs").iterdir())
+    again = run_cli("--quick", "--root", str(root), "--only", "dafkd,dosfl", timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("reusing") == 10 + 6 and sorted(p.name for p in (root / "runs").iterdir()) == folders
+
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"))
+    pasted = run_cli("--readme", "--root", str(root), "--readme-file", str(readme))
+    assert pasted.returncode == 0, pasted.stderr
+    blocks = rp.readme_blocks(readme.read_text())
+    assert all(blocks[t.id] == (root / f"{t.id}.md").read_text() for t in m.tables)
