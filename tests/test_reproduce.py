@@ -81,6 +81,27 @@ def test_the_table_leaves_those_cells_empty() -> None:
     assert rows == [(("a",), ["a", "85.00 ± 5.00", "80.00 ± 10.00", "70.00 ± 10.00", ""])]
 
 
+# ---- named runs resume ----
+
+def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_path, monkeypatch) -> None:
+    import fedsim.runtime.loop
+    from jobs.sweep import FINISHED, finished_info, run_cached, run_key
+    from tests.conftest import small_config
+
+    cfg = small_config(tmp_path, rounds=2)
+    assert run_key(cfg) == run_key(small_config(tmp_path / "elsewhere", rounds=2))  # where results go is no part
+    assert run_key(cfg) != run_key(small_config(tmp_path, "seed=1", rounds=2))
+    assert run_key(cfg) != run_key(small_config(tmp_path, "train.lr=0.02", rounds=2))
+    folder = run_cached(cfg)
+    assert folder.name.startswith("t-fedavg-s0-") and finished_info(folder)["wall_s"] > 0
+    (folder / FINISHED).unlink()  # as if the run had been interrupted
+    (folder / "leftover").write_text("x")
+    assert run_cached(small_config(tmp_path, rounds=2)) == folder
+    assert (folder / FINISHED).is_file() and not (folder / "leftover").exists()
+    monkeypatch.setattr(fedsim.runtime.loop, "run", lambda *a, **k: pytest.fail("ran a finished run again"))
+    assert run_cached(small_config(tmp_path, rounds=2)) == folder
+
+
 # ---- the manifest ----
 
 def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
