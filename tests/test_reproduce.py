@@ -19,6 +19,12 @@ from tests.conftest import ROOT
 REPO = Path(ROOT)
 
 
+@pytest.fixture(autouse=True)
+def at_repository_root(monkeypatch):
+    """The manifest names its sweep files and configs relative to the repository root, as the command runs."""
+    monkeypatch.chdir(REPO)
+
+
 def figure(arm, value, reference=None, reference_value=None, grid=None):
     return rp.PaperFigure(arm=arm, value=value, source="Table X", reference=reference,
                           reference_value=reference_value, grid=grid or {})
