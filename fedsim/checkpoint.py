@@ -140,3 +140,26 @@ def load_checkpoint(path: Path) -> dict:
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path}: malformed checkpoint (not a dict)")
     return payload
+
+
+RUN_CHECKPOINT_KEYS = {"round": int, "virtual_time": float, "server_state": object, "client_states": dict}
+
+
+def _is(value: Any, kind: type) -> bool:
+    if kind is object:
+        return True
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+
+
+def load_run_checkpoint(path: Path) -> dict:
+    """A run's checkpoint (`round`, `virtual_time`, `server_state`, `client_states` by client id), checked for
+    those keys and types, so a foreign or truncated payload is one line instead of a KeyError later."""
+    payload = load_checkpoint(path)
+    for key, kind in RUN_CHECKPOINT_KEYS.items():
+        if key not in payload or not _is(payload[key], kind):
+            raise CheckpointError(f"{path}: not a run checkpoint ({key!r} missing or not a {kind.__name__})")
+    if not all(_is(c, int) for c in payload["client_states"]):
+        raise CheckpointError(f"{path}: not a run checkpoint (client_states keys must be client ids)")
+    return payload

@@ -159,6 +159,30 @@ def test_resume_from_a_crafted_checkpoint_runs_nothing(finished_run, tmp_path, t
     assert (folder / "rounds.parquet").read_bytes() == rounds and ckpt.is_file()  # nothing lost
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda ck: ck.pop("server_state"), "not a run checkpoint ('server_state' missing"),
+    (lambda ck: ck.update(round="3"), "not a run checkpoint ('round' missing or not a int)"),
+    (lambda ck: ck.update(client_states={"a": {}}), "client_states keys must be client ids"),
+    (lambda ck: ck.update(server_state=pack(FedDFState({"mlp": _weights(0)}, {}, np.zeros(2, np.int64), "mlp",
+                                                       {}, 0, {}))),
+     "does not fit this run (its server state is a FedDFState; fedavg keeps a GlobalModels)"),
+])
+def test_resume_from_a_checkpoint_that_does_not_fit_is_one_line(finished_run, tmp_path, capsys, edit, message):
+    from jobs.cli import main
+
+    folder = tmp_path / "run"
+    shutil.copytree(finished_run, folder)
+    ckpt = folder / "checkpoints" / "last.pt"
+    payload = torch.load(ckpt, weights_only=True)
+    edit(payload)
+    torch.save(payload, ckpt)
+    rounds = (folder / "rounds.parquet").read_bytes()
+    assert main(["run", "--resume", str(folder), "--quiet"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fedsim: error: {ckpt}: ") and message in lines[0], lines
+    assert (folder / "rounds.parquet").read_bytes() == rounds
+
+
 def _spilled_store(tmp_path: Path, states: dict[int, dict]) -> ClientStateStore:
     """A store that holds only the latest state in memory; the rest are on disk."""
     store = ClientStateStore(capacity_bytes=1, spill_dir=tmp_path / "spill")

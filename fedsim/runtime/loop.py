@@ -17,8 +17,9 @@ import pandas as pd
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
-from fedsim.checkpoint import load_checkpoint, save_checkpoint
+from fedsim.checkpoint import load_run_checkpoint, save_checkpoint
 from fedsim.config import RunConfig
+from fedsim.errors import CheckpointError, FedsimError
 from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, read_table, write_meta, write_table
 from fedsim.runtime.clock import Schedule, durations, make_profiles, sample_round, schedule
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
@@ -125,9 +126,19 @@ class Simulation:
 
     def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
         """Resume from the last checkpoint, dropping table rows written after it."""
-        ck = load_checkpoint(self.ckpt_path)
-        self.backend.server("set_state", ck["server_state"])
-        self.backend.load_states(ck["client_states"])
+        ck = load_run_checkpoint(self.ckpt_path)
+        kept, fresh = type(ck["server_state"]), type(self.backend.server("get_state"))
+        if kept is not fresh:
+            raise CheckpointError(f"{self.ckpt_path}: does not fit this run (its server state is a {kept.__name__}; "
+                                  f"{self.cfg.algorithm.name} keeps a {fresh.__name__})")
+        try:
+            self.backend.server("set_state", ck["server_state"])
+            self.backend.load_states(ck["client_states"])
+        except FedsimError:
+            raise
+        except Exception as exc:  # well-formed, but another run's or another method's state
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise CheckpointError(f"{self.ckpt_path}: does not fit this run ({lines[-1][:300]})") from None
         last = ck["round"]
         return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
                         clients[clients["round"] <= last].to_dict("records"))
@@ -246,7 +257,7 @@ class Simulation:
         """Restart a dead worker; its clients get their states back from the last checkpoint, if any."""
         self.backend.restart_worker(w)
         if self.ckpt_path.exists():
-            states = load_checkpoint(self.ckpt_path)["client_states"]
+            states = load_run_checkpoint(self.ckpt_path)["client_states"]
             self.backend.load_states({c: s for c, s in states.items()
                                       if owner(c, self.backend.num_workers) == w}, workers=[w])
 
