@@ -90,6 +90,18 @@ def _resume_conflicts(args: argparse.Namespace) -> None:
                           f"config; to extend it, edit rounds in {Path(args.resume) / 'config.yaml'}")
 
 
+def _after_last_round(rounds_table: Path) -> str:
+    """' after round R' for the last round the stopped run's table kept (the signal may land between writing
+    the table and the progress callback), or '' if the table cannot be read."""
+    from fedsim.results import read_table
+
+    try:
+        kept = read_table(rounds_table)["round"]
+    except (FedsimError, KeyError):
+        return ""
+    return f" after round {int(kept.max())}" if len(kept) else ""
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.config import load_config
     from fedsim.runtime.loop import run
@@ -106,16 +118,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.backend:
         cfg.runtime.backend = args.backend
     update, bar = progress_bar(cfg.rounds) if not args.quiet else (None, None)
-    where: dict = {"run_dir": None, "round": None}
-
-    def progress(r: int, row: dict) -> None:
-        where["round"] = r
-        if update is not None:
-            update(r, row)
-
+    where: dict = {"run_dir": None}
     try:
         run_dir = run(cfg if not args.resume else None, backend=make_backend(cfg, args.workers),
-                      resume=args.resume, progress=progress, on_start=lambda d: where.update(run_dir=d))
+                      resume=args.resume, progress=update, on_start=lambda d: where.update(run_dir=d))
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -123,8 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                                                       INTERRUPTED_EXIT_CODE)
         saved = (where["run_dir"] or args.resume) and (Path(where["run_dir"] or args.resume) / "rounds.parquet")
         if saved and saved.exists():
-            after = f" after round {where['round']}" if where["round"] is not None else ""
-            print(f"fedsim: {word}{after}; resume with `fedsim run --resume {saved.parent}`", file=sys.stderr)
+            print(f"fedsim: {word}{_after_last_round(saved)}; resume with `fedsim run --resume {saved.parent}`",
+                  file=sys.stderr)
         else:
             print(f"fedsim: {word} before the first round finished; nothing was written", file=sys.stderr)
         return code

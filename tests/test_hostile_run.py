@@ -293,3 +293,14 @@ def test_a_stopped_ray_driver_leaves_no_ray_daemons(tmp_path, sig):
     else:
         assert proc.returncode == -signal.SIGKILL
     assert _survivors(started) == []
+
+
+def test_the_stop_message_names_the_last_round_the_table_kept(tmp_path):
+    """The signal may land after the table is written but before the progress callback: the table decides."""
+    from jobs.cli import _after_last_round
+
+    table = tmp_path / "rounds.parquet"
+    pd.DataFrame({"round": [0, 1, 2], "accuracy": [0.1, 0.2, 0.3]}).to_parquet(table)
+    assert _after_last_round(table) == " after round 2"
+    table.write_bytes(b"not parquet")
+    assert _after_last_round(table) == ""
