@@ -129,6 +129,10 @@ class RuntimeConfig:
 class EvalConfig:
     every: int = knob(1, ge=1, le=MAX_ROUNDS, doc="evaluate the global model(s) on the test set every this many rounds")
     batch_size: int = knob(512, ge=1, le=MAX_BATCH, doc="evaluation batch size")
+    mechanism: bool = knob(True, doc="record each method's mechanism columns (mech_*, docs/mechanism.md); "
+                           "evaluation only, training is the same either way")
+    mechanism_samples: int = knob(1000, ge=1, le=MAX_SAMPLES,
+                                  doc="test samples (a fixed seeded subset) the mechanism columns are scored on")
 
 
 @dataclass

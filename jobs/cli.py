@@ -174,6 +174,18 @@ def cmd_stress(args: argparse.Namespace) -> int:
     return stress_main(args.rest)
 
 
+def cmd_mechanism_reference(args: argparse.Namespace) -> int:
+    from fedsim.algorithms import algorithm_names, get_algorithm
+
+    for name in algorithm_names():
+        cols = get_algorithm(name).mechanism_columns
+        if cols:
+            print(f"\n## {name}\n\n| column | what it measures |\n|---|---|")
+            esc = lambda text: str(text).replace("|", "\\|")  # noqa: E731  (pipes inside a markdown cell)
+            print("\n".join(f"| `{c}` | {esc(doc)} |" for c, doc in cols.items()))
+    return 0
+
+
 def cmd_reference(args: argparse.Namespace) -> int:
     from fedsim.algorithms import algorithm_names, get_algorithm
     from fedsim.config import RunConfig
@@ -225,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(fn=cmd_stress)
     ref = sub.add_parser("config-reference", help="print every config key as a markdown table")
     ref.set_defaults(fn=cmd_reference)
+    mref = sub.add_parser("mechanism-reference", help="print every method's mechanism columns as markdown")
+    mref.set_defaults(fn=cmd_mechanism_reference)
     return p
 
 

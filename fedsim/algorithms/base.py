@@ -163,6 +163,9 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = type(None)
+    # The evaluation-only columns (fedsim.mechanism) this method's server step reports, as
+    # "<phase>/mech_<name>" -> what it measures; docs/mechanism.md is generated from it.
+    mechanism_columns: ClassVar[dict[str, str]] = {}
 
     def __init__(self, params: Any, env: Env) -> None:
         self.params = params
