@@ -47,6 +47,25 @@ def probe_set(env) -> tuple[torch.Tensor, torch.Tensor] | None:
     return probe
 
 
+def client_samples(env, client_ids: list[int], per_client: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Up to `per_client` training inputs of each client (a fixed seeded subset), on the server's device,
+    and the client each row came from; for scoring what a client's model holds about its own data."""
+    data, part = env.extras.get("server_data"), env.extras.get("partition")
+    if not enabled(env) or data is None or part is None or not client_ids:
+        return None
+    rows, owner = [], []
+    for cid in client_ids:
+        idx = np.asarray(part.train[cid])
+        if len(idx) > per_client:
+            rng = np.random.default_rng([int(env.config.seed), int(cid), 0x3ED])
+            idx = np.sort(rng.choice(idx, per_client, replace=False))
+        rows.append(idx)
+        owner.append(np.full(len(idx), cid))
+    idx = np.concatenate(rows)
+    return (torch.as_tensor(np.ascontiguousarray(data.x_train[idx])).to(env.device),
+            torch.as_tensor(np.concatenate(owner)).to(env.device))
+
+
 @torch.no_grad()
 def logits(model: nn.Module, x: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
     """Eval-mode logits of `model` on `x`; the model's mode is restored afterwards."""

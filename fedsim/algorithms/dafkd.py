@@ -17,6 +17,7 @@ shared/specs/seed003_dafkd.md §7; every ambiguity A1-A10 is a Params key with t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsim import mechanism
 from fedsim.algorithms.base import (
     Algorithm,
     Broadcast,
@@ -125,6 +127,21 @@ class DaFKD(Algorithm):
 
     name = "dafkd"
     Params = DaFKDParams
+    mechanism_columns = {
+        "train/mech_teacher_acc": "test accuracy of the α̂-weighted ensemble of this round's arrivals (the "
+                                  "paper's domain-aware teacher; the server's discriminators, upload=discriminator)",
+        "train/mech_teacher_acc_uniform": "test accuracy of the same arrivals' uniformly weighted ensemble",
+        "train/mech_disc_auc": "mean over arrivals of the AUC of f_k on its own training inputs vs the other "
+                               "arrivals' (0.5: the discriminator cannot tell its domain apart)",
+        "train/mech_acc_before_distill": "test accuracy of the averaged classifier before distillation",
+        "train/mech_acc_after_distill": "test accuracy of the same classifier after distillation (NaN: no "
+                                        "distillation this round)",
+        "train/mech_alpha_max_mean": "α̂ on the distillation set: mean largest weight (1/K: uniform, 1: one client)",
+        "train/mech_alpha_entropy": "α̂ on the distillation set: mean entropy as a fraction of log2 K (1: uniform)",
+        "train/mech_gen_class_entropy": "the distillation set's classes as the teacher labels them: histogram "
+                                        "entropy as a fraction of log2 C (1: balanced, low: a collapsed generator)",
+        "train/mech_gen_max_share": "the largest class's share of the distillation set, as the teacher labels it",
+    }  # in App. B's two-phase mode (upload=scores, distill_from=aggregated) the last five are score/mech_*
 
     def __init__(self, params: DaFKDParams, env: Env) -> None:
         super().__init__(params, env)
@@ -196,8 +213,9 @@ class DaFKD(Algorithm):
                 teacher, metrics = self.teacher_from_scores(updates)
                 x = self.distill_set(self.server_module("generator", self.new_generator, state.generator),
                                      state.pending["seed"])
-                models, m = self.distil_all(models, x, teacher, state.pending["seed"])
-                metrics.update(m)
+                distilled, m = self.distil_all(models, x, teacher, state.pending["seed"])
+                metrics.update({**m, **self.mechanism_accuracy(models, distilled)})
+                models = distilled
             return DaFKDState(models, state.generator), {"distill_seed": state.pending.get("seed", -1), **metrics}
         if not updates:
             return state, {}
@@ -209,17 +227,17 @@ class DaFKD(Algorithm):
             mine = [c for c in ids if self.env.client_archs[c] == arch]
             models[arch] = average([updates[c].payload["model"] for c in mine], [updates[c].weight for c in mine])
         seed = self.distill_seed(info.round)
-        out = {"arrived": float(len(ids)), "distill_seed": float(seed)}
+        out = {"arrived": float(len(ids)), "distill_seed": float(seed), **self.mechanism_teacher(updates)}
         if info.round < p.distill_from_round:
-            return DaFKDState(models, generator), out
+            return DaFKDState(models, generator), {**out, **self.mechanism_accuracy(models, None)}
         if p.upload == "scores" and p.distill_from == "aggregated":
             return DaFKDState(state.models, generator, {"models": models, "seed": seed}), out
         gen_state = generator if p.distill_from == "aggregated" else state.generator
         x = self.distill_set(self.server_module("generator", self.new_generator, gen_state), seed)
         teacher, m = (self.teacher_from_scores(updates) if p.upload == "scores"
                       else self.teacher_from_models(updates, x))
-        models, m2 = self.distil_all(models, x, teacher, seed)
-        return DaFKDState(models, generator), {**out, **m, **m2}
+        distilled, m2 = self.distil_all(models, x, teacher, seed)
+        return DaFKDState(distilled, generator), {**out, **m, **m2, **self.mechanism_accuracy(models, distilled)}
 
     def server_module(self, key: str, build, state: State) -> torch.nn.Module:
         """A reused server-side module for `key`, loaded with `state`."""
@@ -229,22 +247,26 @@ class DaFKD(Algorithm):
         mod.load_state_dict(state)
         return mod
 
+    def client_modules(self, cid: int, res: ClientResult) -> tuple[Any, Any, Any]:
+        """An arrival's classifier, domain head and (without sharing) discriminator, on reused server modules."""
+        arch = self.env.client_archs[cid]
+        build = lambda a=arch: new_model(self.env, a)  # noqa: E731
+        model = self.server_module(arch, build, res.payload["model"])
+        head = self.server_module(f"head/{arch}", lambda d=model.embed_dim: DomainHead(d), res.payload["head"])
+        disc = self.server_module(f"disc/{arch}", build, res.payload["disc"]) if "disc" in res.payload else None
+        return model, head, disc
+
     def teacher_from_models(self, updates: dict[int, ClientResult], x: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Main mode: the server scores D̂_g with each arrival's classifier and discriminator (Eqs. 7-8)."""
         logits, scores = [], []
         for cid, res in updates.items():
-            arch = self.env.client_archs[cid]
-            build = lambda a=arch: new_model(self.env, a)
-            model = self.server_module(arch, build, res.payload["model"])
-            head = self.server_module(f"head/{arch}", lambda d=model.embed_dim: DomainHead(d), res.payload["head"])
-            disc = self.server_module(f"disc/{arch}", build, res.payload["disc"]) if "disc" in res.payload else None
-            lg, f = self.score(model, head, disc, x)
+            lg, f = self.score(*self.client_modules(cid, res), x)
             logits.append(lg)
             scores.append(f)
         s = torch.stack(scores)
         alpha = domain_weights(s, self.params.eps) if self.params.correlation else None
         teacher = ensemble_teacher(torch.stack(logits), alpha, self.params.distill.T, self.params.mix)
-        return teacher, self.alpha_metrics(s)
+        return teacher, {**self.alpha_metrics(s), **self.mechanism_distill_set(teacher)}
 
     def teacher_from_scores(self, updates: dict[int, ClientResult]) -> tuple[torch.Tensor, dict]:
         """App. B: teacher_i = Σ_k f_k(x_i)·o_k(x_i) / (Σ_k f_k(x_i) + ε), o = softmax(·/T) or logits (A1)."""
@@ -252,11 +274,70 @@ class DaFKD(Algorithm):
         s = torch.stack([res.payload["f"] for res in updates.values()])
         mixed = (num / (s.double().sum(0)[:, None] + self.params.eps)).float().to(self.env.device)
         teacher = mixed if self.params.mix == "probs" else soften(mixed, self.params.distill.T)
-        return teacher, self.alpha_metrics(s)
+        return teacher, {**self.alpha_metrics(s), **self.mechanism_distill_set(teacher)}
 
     def alpha_metrics(self, s: torch.Tensor) -> dict:
-        alpha = domain_weights(s, self.params.eps)
-        return {"f_mean": float(s.mean()), "alpha_max_mean": float(alpha.max(0).values.mean())}
+        """The mean domain score, and (evaluation only) how concentrated α̂ is on the distillation set."""
+        out = {"f_mean": float(s.mean())}
+        if mechanism.enabled(self.env):
+            conc = mechanism.concentration(domain_weights(s, self.params.eps))
+            out.update(mechanism.columns({"alpha_max_mean": conc["max_mean"], "alpha_entropy": conc["entropy_frac"]}))
+        return out
+
+    # ------------------------------------------------------------------ mechanism (evaluation only)
+
+    def mechanism_teacher(self, updates: dict[int, ClientResult]) -> dict:
+        """On the test subset: the α̂-weighted vs the uniform ensemble of the arrivals (the paper's claim is
+        that domain weighting makes the better teacher under non-IID data); per arrival, the AUC of its domain
+        score on its own training inputs vs the other arrivals'. NaN where the server holds no discriminators."""
+        probe = mechanism.probe_set(self.env)
+        if probe is None:
+            return {}
+        keys = ("teacher_acc", "teacher_acc_uniform", "disc_auc")
+        if self.params.upload != "discriminator":
+            return mechanism.columns(dict.fromkeys(keys, math.nan))
+        x, y = probe
+        own = mechanism.client_samples(self.env, list(updates), 64)
+        logits, scores, aucs = [], [], []
+        for cid, res in updates.items():
+            modules = self.client_modules(cid, res)
+            lg, f = self.score(*modules, x)
+            logits.append(lg)
+            scores.append(f)
+            if own is not None:
+                _, f_own = self.score(*modules, own[0])
+                aucs.append(mechanism.auc(f_own[own[1] == cid], f_own[own[1] != cid]))
+        lg, alpha = torch.stack(logits), domain_weights(torch.stack(scores), self.params.eps)
+        T, mix = self.params.distill.T, self.params.mix
+        aucs = [a for a in aucs if not math.isnan(a)]
+        return mechanism.columns({
+            "teacher_acc": mechanism.accuracy(ensemble_teacher(lg, alpha, T, mix), y),
+            "teacher_acc_uniform": mechanism.accuracy(ensemble_teacher(lg, None, T, mix), y),
+            "disc_auc": float(np.mean(aucs)) if aucs else math.nan})
+
+    def mechanism_distill_set(self, teacher: torch.Tensor) -> dict:
+        """The distillation set's classes as the teacher labels them (a collapsed generator shows here)."""
+        if not mechanism.enabled(self.env):
+            return {}
+        bal = mechanism.class_balance(teacher.argmax(1), self.env.num_classes)
+        return mechanism.columns({"gen_class_entropy": bal["entropy_frac"], "gen_max_share": bal["max_share"]})
+
+    def mechanism_accuracy(self, averaged: dict[str, State], distilled: dict[str, State] | None) -> dict:
+        """Test accuracy of the averaged classifier before and after distillation (mean over architectures)."""
+        probe = mechanism.probe_set(self.env)
+        if probe is None:
+            return {}
+        x, y = probe
+
+        def acc(models: dict[str, State]) -> float:
+            scores = []
+            for arch, weights in models.items():
+                model = self.server_module(f"probe/{arch}", lambda a=arch: new_model(self.env, a), weights)
+                scores.append(mechanism.accuracy(mechanism.logits(model, x), y))
+            return float(np.mean(scores))
+
+        return mechanism.columns({"acc_before_distill": acc(averaged),
+                                  "acc_after_distill": math.nan if distilled is None else acc(distilled)})
 
     def distil_all(self, models: dict[str, State], x: torch.Tensor, teacher: torch.Tensor,
                    seed: int) -> tuple[dict[str, State], dict]:

@@ -86,7 +86,7 @@ def test_alpha_and_teacher_match_a_hand_computation() -> None:
     expected = torch.tensor([[.7, .3], [.2, .8]])
     teacher, m = algo.teacher_from_models(fake_updates(server, [1, 2]), torch.zeros(2, 1, 8, 8))
     torch.testing.assert_close(teacher, expected)
-    assert m["alpha_max_mean"] == pytest.approx(0.75)
+    assert m["mech_alpha_max_mean"] == pytest.approx(0.75)
     app_b = {1: ClientResult({"weighted": f1[:, None] * s1, "f": f1}), 2: ClientResult({"weighted": f2[:, None] * s2,
                                                                                        "f": f2})}
     torch.testing.assert_close(algo.teacher_from_scores(app_b)[0], expected)
