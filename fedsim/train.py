@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,24 @@ def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch
     if all(p.device.type == "cpu" for p in params):
         return SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
     return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
+
+
+@contextmanager
+def batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
+    """Forward passes inside leave BatchNorm running statistics as they were; train-mode batches still
+    normalise by their own statistics. For inputs that are not the client's data (generated samples), whose
+    statistics must not leak into the ones used at evaluation."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in bns]
+    for m in bns:
+        m.momentum = 0.0  # running = (1 - 0)·running + 0·batch
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(bns, saved):
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
 
 
 def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: int = 1,

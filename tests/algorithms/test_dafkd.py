@@ -238,3 +238,27 @@ def test_warmup_rounds_only_average_and_the_state_checkpoints(tmp_path) -> None:
     back = load_checkpoint(tmp_path / "ck.pt")["state"]
     assert isinstance(back, DaFKDState) and back.pending == {}
     assert all(torch.equal(back.generator[k], v) for k, v in server.state.generator.items())
+
+
+def test_generated_batches_leave_the_batchnorm_statistics_of_real_data() -> None:
+    """One local step (D loss on, BatchNorm trunk): the running statistics come from the real batch alone,
+    so they are the same bits whatever the generator draws; before the fix, fakes pulled them along."""
+    stats = []
+    for shift in (-50.0, 50.0):
+        server, worker = setup("train.steps=1", "algorithm.gp_weight=0.3")
+        sample = worker.algorithm.new_generator().sample
+
+        def shifted(n, rng, s=shift, sample=sample):
+            return sample(n, rng) + s
+
+        gen = worker.models.get("dafkd/generator", build=worker.algorithm.new_generator)
+        gen.sample = shifted
+        (reply,) = run_round(server, worker, 0, [0])
+        stats.append({k: v for k, v in reply.outcomes[0].result.payload["model"].items() if "running" in k})
+    assert stats[0] and all(torch.equal(stats[0][k], stats[1][k]) for k in stats[0])
+
+
+def test_distillation_defaults_to_sgd_at_the_papers_rate() -> None:
+    server, _ = setup()
+    d = server.algorithm.params.distill
+    assert (d.optimizer, d.lr) == ("sgd", 0.01)
