@@ -36,7 +36,7 @@ bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
 	$(BIN)/python -m bench.scale_bench
 
 reproduce: $(STAMP)  ## rerun every method table of README.md (hours; resumes) and paste them into it
-	$(BIN)/python -m jobs.reproduce
+	$(BIN)/python -m jobs.reproduce --jobs 2
 	$(BIN)/python -m jobs.reproduce --readme
 
 lint: $(STAMP)  ## ruff

@@ -26,19 +26,16 @@ import numpy as np
 import pandas as pd
 
 
-def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False) -> list[tuple[Path, pd.DataFrame]]:
+def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False,
+          jobs: int = 1) -> list[tuple[Path, pd.DataFrame]]:
     """Run (or reuse) `raw` once per seed; returns each run's folder and rounds (best-accuracy model per round)."""
     from fedsim.config import apply_overrides, build_config
     from fedsim.results import load
-    from jobs.sweep import run_cached
+    from jobs.sweep import run_all
 
-    out = []
-    for seed in seeds:
-        cfg = build_config(apply_overrides(raw, [*overrides, f"seed={seed}"]))
-        print(f"  {cfg.algorithm.name} seed={seed} ...", file=sys.stderr, flush=True)
-        run_dir = run_cached(cfg, fresh)
-        out.append((run_dir, _best_rows(load(run_dir)["rounds"])))
-    return out
+    configs = [build_config(apply_overrides(raw, [*overrides, f"seed={seed}"])) for seed in seeds]
+    labels = [f"  {cfg.algorithm.name} seed={cfg.seed} ..." for cfg in configs]
+    return [(d, _best_rows(load(d)["rounds"])) for d in run_all(configs, labels, fresh, jobs)]
 
 
 def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
@@ -51,7 +48,7 @@ def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
 
 
 def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
-            overrides: list[str], fresh: bool = False) -> dict:
+            overrides: list[str], fresh: bool = False, jobs: int = 1) -> dict:
     """One row of the comparison table for one DOSFL config; `per_seed` holds each seed's runs and scores."""
     from fedsim.config import apply_overrides, read_yaml
     from fedsim.errors import ConfigError
@@ -60,7 +57,7 @@ def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, f
     if (raw.get("algorithm") or {}).get("name") != "dosfl":
         raise ConfigError(f"{path}: algorithm.name must be dosfl for a DOSFL/FedAvg comparison")
     print(f"{path}: DOSFL", file=sys.stderr)
-    dosfl_runs = _runs(raw, seeds, [], fresh)
+    dosfl_runs = _runs(raw, seeds, [], fresh, jobs)
     dosfl = [d for _, d in dosfl_runs]
     acc = np.array([d["accuracy"].iloc[0] for d in dosfl])
     d_bytes = np.array([d["bytes_up"].iloc[0] + d["bytes_down"].iloc[0] for d in dosfl])
@@ -70,7 +67,7 @@ def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, f
     if fedavg_rounds:
         fed_raw["rounds"] = fedavg_rounds
     print(f"{path}: FedAvg for {fed_raw.get('rounds', 30)} rounds, target {target:.4f}", file=sys.stderr)
-    fed_runs = _runs(fed_raw, seeds, fedavg_over, fresh)
+    fed_runs = _runs(fed_raw, seeds, fedavg_over, fresh, jobs)
     fed = [f for _, f in fed_runs]
     match, match_bytes = [], []
     for f in fed:

@@ -208,7 +208,8 @@ class Result:
     budget: str
 
 
-def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool) -> Result:
+def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
+                    jobs: int = 1) -> Result:
     """Run (or reuse) the sweep's runs and build its rows, with the paper columns."""
     from fedsim.config import load_config
     from jobs.sweep import execute, load_sweep, plan, summary
@@ -220,7 +221,7 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
         extra = quick_overrides(quick, r["config"], r["overrides"]) if quick else []
         r["overrides"] = [*r["overrides"], *extra, f"results.root={root / 'runs'}"]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]
-    df = execute(runs, configs, sw, fresh)
+    df = execute(runs, configs, sw, fresh, jobs)
     grid_cols = list(sw.grid)
     ours = {k if isinstance(k, tuple) else (k,): v
             for k, v in df.groupby([*grid_cols, "arm"], sort=False)[t.compare].mean().items()}
@@ -230,7 +231,8 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     return Result([*head, "paper (%)", "direction holds?"], out, df, configs, budget)
 
 
-def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool) -> Result:
+def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
+                    jobs: int = 1) -> Result:
     """Run (or reuse) DOSFL and FedAvg for each config and build its rows, with the paper columns."""
     from fedsim.config import load_config
     from jobs.dosfl_compare import compare, summary
@@ -241,7 +243,7 @@ def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
         over += [*quick.overrides.get("*", []), *quick.overrides.get("dosfl", [])]
         fed_over = list(quick.overrides.get("fedavg", []))
     stat = "best" if t.compare == "dosfl_best" else "mean"
-    rows = [compare(c, seeds, stat, quick.rounds if quick else None, fed_over, over, fresh) for c in t.dosfl]
+    rows = [compare(c, seeds, stat, quick.rounds if quick else None, fed_over, over, fresh, jobs) for c in t.dosfl]
     raw = pd.DataFrame([{"arm": Path(r["config"]).stem, **s} for r in rows for s in r["per_seed"]])
     ours = {(Path(r["config"]).stem,): r[t.compare] for r in rows}
     head, out = summary(rows, stat)
@@ -292,12 +294,13 @@ def render(t: TableSpec, res: Result, seeds: list[int], command: str) -> str:
         f"(the runs' own, summed). Command: `{command}`.", ""])
 
 
-def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool, command: str) -> Path:
+def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool, command: str,
+              jobs: int = 1) -> Path:
     """Run one table and write <root>/<id>.md and <root>/<id>.parquet; returns the markdown path."""
     from fedsim.io import atomic_write, atomic_write_text
 
     run = run_sweep_table if t.sweep is not None else run_dosfl_table
-    res = run(t, seeds, root, quick, fresh)
+    res = run(t, seeds, root, quick, fresh, jobs)
     dest = root / f"{t.id}.md"
     atomic_write(dest.with_suffix(".parquet"), lambda tmp: res.raw.to_parquet(tmp, index=False))
     atomic_write_text(dest, render(t, res, seeds, command))
@@ -351,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=_positive, default=None, metavar="N", help="seeds 0..N-1 instead of the manifest's")
     p.add_argument("--root", default=None, help=f"output folder (default {ROOT}, or {QUICK_ROOT} with --quick)")
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--jobs", type=_positive, default=1, metavar="N",
+                   help="runs at a time, each in its own process (numbers do not depend on it)")
     p.add_argument("--readme", action="store_true", help="paste <root>/<id>.md into README.md; runs nothing")
     p.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
     p.add_argument("--readme-file", default=str(README), help=argparse.SUPPRESS)
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds = list(range(args.seeds)) if args.seeds else list(t.seeds)
             seeds = seeds[:1] if args.quick else seeds
             print(f"== {t.id}: seeds {seeds}", file=sys.stderr, flush=True)
-            dest = reproduce(t, seeds, root, manifest.quick if args.quick else None, args.fresh, command)
+            dest = reproduce(t, seeds, root, manifest.quick if args.quick else None, args.fresh, command, args.jobs)
             print(f"{t.id}: {dest}", flush=True)
         print(f"done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     except FedsimError as exc:

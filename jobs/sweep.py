@@ -202,6 +202,33 @@ def run_cached(cfg: Any, fresh: bool = False) -> Path:
     return run_dir
 
 
+def _run_one(job: tuple[Any, bool, str]) -> str:
+    cfg, fresh, label = job
+    print(label, file=sys.stderr, flush=True)
+    return str(run_cached(cfg, fresh))
+
+
+def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1) -> list[Path]:
+    """run_cached for every config, `jobs` at a time in separate processes (each run is deterministic on its
+    own, so the numbers do not depend on `jobs`); Ray-backed configs run one by one in this process."""
+    todo = [(cfg, fresh, label) for cfg, label in zip(configs, labels)]
+    if jobs <= 1 or len(todo) <= 1 or any(c.runtime.backend == "ray" for c in configs):
+        with ray_session(configs):
+            return [Path(_run_one(job)) for job in todo]
+    import multiprocessing
+
+    pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(todo)), maxtasksperchild=1)
+    try:
+        done = pool.map(_run_one, todo, chunksize=1)
+        pool.close()
+    except BaseException:
+        pool.terminate()  # Ctrl-C, SIGTERM or a failed run: stop the others too; their folders are redone next time
+        raise
+    finally:
+        pool.join()
+    return [Path(d) for d in done]
+
+
 def finished_info(run_dir: str | Path) -> dict:
     """The finished marker of a run folder written by run_cached."""
     return json.loads((Path(run_dir) / FINISHED).read_text())
@@ -227,18 +254,16 @@ def ray_session(configs: list) -> Iterator[None]:
             ray.shutdown()
 
 
-def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False) -> pd.DataFrame:
+def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:
     """Run (or reuse) every planned run; one row per run with its grid point, arm, seed, folder and scores."""
     from fedsim.results import load
 
+    labels = [f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}" for i, r in enumerate(runs)]
     rows = []
-    with ray_session(configs):
-        for i, (r, cfg) in enumerate(zip(runs, configs)):
-            print(f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}", file=sys.stderr, flush=True)
-            run_dir = run_cached(cfg, fresh)
-            c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
-            rows.append({**r["grid"], "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
-                         "rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)})
+    for r, run_dir in zip(runs, run_all(configs, labels, fresh, jobs)):
+        c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
+        rows.append({**r["grid"], "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
+                     "rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)})
     return pd.DataFrame(rows)
 
 

@@ -108,6 +108,21 @@ def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_p
     assert run_cached(small_config(tmp_path, rounds=2)) == folder
 
 
+def test_runs_in_two_processes_give_the_numbers_of_runs_one_by_one(tmp_path) -> None:
+    from fedsim.results import load
+    from jobs.sweep import run_all
+    from tests.conftest import small_config
+
+    def tables(where, jobs):
+        configs = [small_config(tmp_path / where, f"seed={s}", "runtime.threads=1", rounds=2) for s in (0, 1)]
+        folders = run_all(configs, ["a", "b"], jobs=jobs)
+        assert [f.parent for f in folders] == [tmp_path / where / "results"] * 2
+        return [load(f)["rounds"].filter(regex=r"^(?!.*_s$)") for f in folders]
+
+    for one, two in zip(tables("serial", 1), tables("parallel", 2)):
+        pd.testing.assert_frame_equal(one, two)
+
+
 # ---- the manifest ----
 
 def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
