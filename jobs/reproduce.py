@@ -52,6 +52,14 @@ class PaperFigure:
 
 
 @dataclass
+class MechanismCell:
+    label: str = knob("", doc="column head in the table")
+    columns: list[str] = knob([], doc="rounds.parquet columns shown in the cell (their mean over rounds, then seeds)")
+    sep: str = knob(" / ", doc="text between the values, e.g. ' → ' for before → after")
+    percent: bool = knob(True, doc="show the values ×100 (accuracies, shares)")
+
+
+@dataclass
 class TableSpec:
     id: str = knob("", doc="table name: README block <!-- reproduce:<id> --> and <root>/<id>.md")
     sweep: str | None = knob(None, doc="sweep file (jobs.sweep) whose arms are the rows")
@@ -61,6 +69,7 @@ class TableSpec:
                                     "dosfl_best or dosfl_mean (DOSFL)")
     paper_title: str = knob("", doc="the paper the figures come from, as the table names it")
     paper: list[PaperFigure] = knob(factory=list)
+    mechanism: list[MechanismCell] = knob(factory=list)
 
 
 @dataclass
@@ -113,6 +122,14 @@ def _check_table(t: TableSpec, where: str) -> None:
     scores = SWEEP_SCORES if t.sweep is not None else DOSFL_SCORES
     if t.compare not in scores:
         raise ConfigError(f"{where}.compare: {t.compare!r} is not one of {list(scores)}")
+    from fedsim.algorithms import algorithm_names, get_algorithm
+
+    documented = {c for n in algorithm_names() for c in get_algorithm(n).mechanism_columns}
+    for j, m in enumerate(t.mechanism):
+        unknown = [c for c in m.columns if c not in documented]
+        if not m.columns or unknown:
+            raise ConfigError(f"{where}.mechanism[{j}].columns: {unknown or 'none given'}; each must be a "
+                              "documented mechanism column (docs/mechanism.md)")
     arms, grid = table_rows(t)
     keys = set()
     for j, f in enumerate(t.paper):
@@ -226,9 +243,11 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     ours = {k if isinstance(k, tuple) else (k,): v
             for k, v in df.groupby([*grid_cols, "arm"], sort=False)[t.compare].mean().items()}
     head, rows = summary(df, sw)
-    out = [cells + paper_cells(t, keys[-1], dict(zip(grid_cols, keys[:-1])), ours) for keys, cells in rows]
+    mech_head, mech = mechanism_cells(t, df, [*grid_cols, "arm"])
+    out = [cells + mech.get(keys, ["—"] * len(mech_head))
+           + paper_cells(t, keys[-1], dict(zip(grid_cols, keys[:-1])), ours) for keys, cells in rows]
     budget = ", ".join(str(r) for r in sorted({c.rounds for c in configs})) + " rounds"
-    return Result([*head, "paper (%)", "direction holds?"], out, df, configs, budget)
+    return Result([*head, *mech_head, "paper (%)", "direction holds?"], out, df, configs, budget)
 
 
 def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
@@ -247,11 +266,46 @@ def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     raw = pd.DataFrame([{"arm": Path(r["config"]).stem, **s} for r in rows for s in r["per_seed"]])
     ours = {(Path(r["config"]).stem,): r[t.compare] for r in rows}
     head, out = summary(rows, stat)
-    cells = [c + paper_cells(t, name, {}, ours) for name, c in out]
+    mech_head, mech = mechanism_cells(t, raw, ["arm"])
+    cells = [c + mech.get((name,), ["—"] * len(mech_head)) + paper_cells(t, name, {}, ours) for name, c in out]
+    head = [*head, *mech_head]
     configs = [load_config(c, over) for c in t.dosfl]
     fed_rounds = sorted({int(r["fedavg_rounds"]) for r in rows})
     budget = f"DOSFL 1 round, FedAvg {', '.join(map(str, fed_rounds))} rounds"
     return Result([*head, "paper (%)", "direction holds?"], cells, raw, configs, budget)
+
+
+def run_mechanism(run_dir: str | Path, columns: list[str]) -> dict[str, float]:
+    """Each column's mean over a run's rounds (NaN where the run does not record it)."""
+    import math
+
+    from fedsim.results import load
+
+    rounds = load(run_dir)["rounds"].drop_duplicates("round")
+    return {c: float(rounds[c].mean()) if c in rounds else math.nan for c in columns}
+
+
+def mechanism_cells(t: TableSpec, raw: pd.DataFrame, keys: list[str]) -> tuple[list[str], dict[tuple, list[str]]]:
+    """Head and per-row cells of the table's mechanism columns; adds each run's values to `raw`."""
+    import math
+
+    wanted = list(dict.fromkeys(c for m in t.mechanism for c in m.columns))
+    if not wanted:
+        return [], {}
+    run_col = "run" if "run" in raw else "dosfl_run"
+    values = pd.DataFrame([run_mechanism(r, wanted) for r in raw[run_col]], index=raw.index)
+    for c in wanted:
+        raw[c] = values[c]
+    cells: dict[tuple, list[str]] = {}
+    for k, g in raw.groupby(keys, sort=False):
+        k = k if isinstance(k, tuple) else (k,)
+        row = []
+        for m in t.mechanism:
+            means = [g[c].mean() for c in m.columns]
+            row.append("—" if all(math.isnan(v) for v in means) else m.sep.join(
+                "—" if math.isnan(v) else (f"{100 * v:.1f}" if m.percent else f"{v:.3g}") for v in means))
+        cells[k] = row
+    return [m.label for m in t.mechanism], cells
 
 
 def describe_data(configs: list) -> str:

@@ -123,6 +123,30 @@ def test_runs_in_two_processes_give_the_numbers_of_runs_one_by_one(tmp_path) -> 
         pd.testing.assert_frame_equal(one, two)
 
 
+def test_mechanism_cells_average_rounds_then_seeds_and_dash_what_a_run_lacks(tmp_path) -> None:
+    def fake_run(name, rows):
+        folder = tmp_path / name
+        folder.mkdir()
+        pd.DataFrame(rows).to_parquet(folder / "rounds.parquet")
+        (folder / "config.yaml").write_text("name: x\n")
+        (folder / "meta.json").write_text("{}")
+        return str(folder)
+
+    a, b = "train/mech_acc_before_distill", "train/mech_acc_after_distill"
+    # two model rows per round carry the same round-level value: counted once
+    r0 = fake_run("s0", {"round": [0, 0, 1, 1], a: [0.5, 0.5, 0.7, 0.7], b: [0.6, 0.6, 0.8, 0.8]})
+    r1 = fake_run("s1", {"round": [0, 1], a: [0.4, 0.6], b: [math.nan, 0.9]})
+    r2 = fake_run("avg", {"round": [0, 1], "accuracy": [0.9, 0.9]})
+    raw = pd.DataFrame({"arm": ["DaFKD", "DaFKD", "FedAvg"], "seed": [0, 1, 0], "run": [r0, r1, r2]})
+    t = rp.TableSpec(id="t", sweep="s.yaml", mechanism=[rp.MechanismCell(label="before → after", columns=[a, b],
+                                                                         sep=" → ")])
+    head, cells = rp.mechanism_cells(t, raw, ["arm"])
+    assert head == ["before → after"]
+    assert cells[("DaFKD",)] == ["55.0 → 80.0"]  # seeds: (0.6 → 0.7) and (0.5 → 0.9)
+    assert cells[("FedAvg",)] == ["—"]
+    assert raw.loc[0, a] == pytest.approx(0.6) and math.isnan(raw.loc[2, b])  # per-seed values kept in the raw rows
+
+
 # ---- the manifest ----
 
 def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
@@ -150,6 +174,7 @@ def write_manifest(tmp_path, table: str) -> Path:
     ("compare: rounds_to_target", "compare: 'rounds_to_target' is not one of"),
     ("seeds: []", "seeds: list one or more"),
     ("dosfl: [x.yaml]", "exactly one of sweep and dosfl"),
+    ("mechanism: [{label: x, columns: [train/mech_nosuch]}]", "mechanism\\[0\\].columns: \\['train/mech_nosuch'\\]"),
 ])
 def test_a_bad_manifest_is_a_one_line_config_error(tmp_path, table, message) -> None:
     with pytest.raises(ConfigError, match=message) as err:
