@@ -23,6 +23,7 @@ import torch
 
 import fedsim.data.text  # noqa: F401  (registers text_tsv / text_npz)
 import fedsim.models.text  # noqa: F401  (registers textcnn / bilstm)
+from fedsim import mechanism
 from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Env, Phase, RoundInfo, register_algorithm
 from fedsim.algorithms.fedavg import FedAvg, GlobalModels, new_model
 from fedsim.config import clients_per_round
@@ -79,6 +80,9 @@ class DOSFLParams:
                                  doc="seed of θ0 sent to clients; default derived from the run seed")
     init_gain: float = knob(1.0, gt=0, doc="Xavier-normal gain of θ0 (biases 0)")
     serial_curve: bool = knob(False, doc="serial: also evaluate the model after each client (rows 'after_k')")
+    ceiling: bool = knob(True, doc="parallel, evaluation only: also distil the union of the arrived clients' data "
+                         "on the server at the same budget (distill/mech_ceiling_acc); costs about one client's "
+                         "distillation on all of it")
 
     def __post_init__(self) -> None:
         if self.soft_labels and not self.upload_labels:
@@ -106,6 +110,20 @@ class DOSFL(FedAvg):
 
     name = "dosfl"
     Params = DOSFLParams
+    mechanism_columns = {
+        "distill/mech_theta0_acc": "test accuracy of θ0, the shared initialisation, before any training",
+        "distill/mech_alone_acc_mean": "θ0 trained the server's way (E_d passes at the learned lrs) on one client's "
+                                       "distilled steps alone: test accuracy, mean over the arrived clients",
+        "distill/mech_alone_acc_min": "the same, the worst client",
+        "distill/mech_alone_acc_max": "the same, the best client",
+        "distill/mech_merged_acc": "θ0 trained on all arrived clients' steps interleaved (what the method does): "
+                                   "test accuracy",
+        "distill/mech_merged_lr_div_k_acc": "the same merge with every learned lr divided by the number of merged "
+                                            "clients K (the merge takes K times the steps each lr was learned for)",
+        "distill/mech_ceiling_acc": "1-client dataset-distillation ceiling at the same budget: θ0 trained on S_d "
+                                    "steps distilled on the server from the union of the arrived clients' training "
+                                    "data (params.ceiling)",
+    }  # parallel mode only; the server's models are averaged over architectures when clients differ
 
     def settings(self) -> DistillSettings:
         p = self.params
@@ -159,6 +177,21 @@ class DOSFL(FedAvg):
             return Broadcast(common=common)
         return Broadcast(common=common, per_client={cid: {"model": state.models[self.env.client_archs[cid]]}})
 
+    def starts(self, model: torch.nn.Module, center: dict[str, torch.Tensor], gen: torch.Generator):
+        """θ at the start of each meta-iteration: `center`, a soft reset around it, or a fresh Xavier init."""
+        p = self.params
+        std = math.sqrt(p.soft_reset_var)
+
+        def start(it: int) -> dict[str, torch.Tensor]:
+            if p.reset == "soft" and (it > 0 or p.soft_reset_first):
+                return {n: v + std * torch.randn(v.shape, generator=gen).to(v.device) for n, v in center.items()}
+            if p.reset == "hard":
+                xavier_init_(model, int(torch.randint(0, 2**62, (1,), generator=gen)), p.init_gain)
+                return {n: q.detach().clone() for n, q in trainable(model)[0].items()}
+            return center
+
+        return start
+
     # --- client -------------------------------------------------------------------------------------------
     def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
         own = msg.get("own") if isinstance(msg, dict) and "common" in msg else None
@@ -177,16 +210,7 @@ class DOSFL(FedAvg):
         center = {n: center_sd[n].to(ctx.device, copy=True) for n in names}
         rest = {k: v.detach().clone() for k, v in rest.items()}
         gen = ctx.generator()
-        std = math.sqrt(p.soft_reset_var)
-
-        def start(it: int) -> dict[str, torch.Tensor]:
-            if p.reset == "soft" and (it > 0 or p.soft_reset_first):
-                return {n: v + std * torch.randn(v.shape, generator=gen).to(v.device) for n, v in center.items()}
-            if p.reset == "hard":
-                xavier_init_(model, int(torch.randint(0, 2**62, (1,), generator=gen)), p.init_gain)
-                return {n: q.detach().clone() for n, q in trainable(model)[0].items()}
-            return center
-
+        start = self.starts(model, center, gen)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         d = Distiller(self.settings(), distilled_shape(model, self.env.input_shape), self.env.num_classes, gen,
@@ -240,7 +264,65 @@ class DOSFL(FedAvg):
             if self.params.serial_curve:
                 extra["snapshots"] = extra["snapshots"] + [(len(extra["done"]), models)]
         scalars = sum(float(pl["x"].numel()) for pl in got.values())
-        return GlobalModels(models=models, extra=extra), {"clients": float(len(got)), "scalars": scalars}
+        metrics = {"clients": float(len(got)), "scalars": scalars}
+        if self.params.mode == "parallel":
+            metrics.update(self._mechanism(state.models, models, got))
+        return GlobalModels(models=models, extra=extra), metrics
+
+    # --- mechanism (evaluation only) ----------------------------------------------------------------------
+    def _probe_acc(self, arch: str, weights: dict[str, torch.Tensor], probe: tuple[torch.Tensor, ...]) -> float:
+        """Test accuracy of `weights` on the mechanism probe set (eval mode, a fresh model)."""
+        model = new_model(self.env, arch).to(self.env.device)
+        model.load_state_dict(weights)
+        return mechanism.accuracy(mechanism.logits(model, probe[0]), probe[1])
+
+    def _ceiling(self, arch: str, theta0: dict[str, torch.Tensor], clients: list[int]) -> dict[str, torch.Tensor]:
+        """θ0 trained on steps the server distils from the union of `clients`' training data (same settings)."""
+        data, part, device = self.env.extras["server_data"], self.env.extras["partition"], self.env.device
+        idx = np.concatenate([np.asarray(part.train[c]) for c in clients])
+        x = torch.as_tensor(np.ascontiguousarray(data.x_train[idx])).to(device)
+        y = torch.as_tensor(np.asarray(data.y_train[idx]), dtype=torch.long).to(device)
+        model = new_model(self.env, arch).to(device)
+        model.load_state_dict(theta0)
+        params, rest = trainable(model)
+        center = {n: v.clone() for n, v in params.items()}
+        rest = {k: v.detach().clone() for k, v in rest.items()}
+        seed = int(np.random.SeedSequence([self.env.config.seed, 0xD05F1]).generate_state(1)[0])
+        gen = torch.Generator().manual_seed(seed)  # its own stream: no training draw is taken
+        d = Distiller(self.settings(), distilled_shape(model, self.env.input_shape), self.env.num_classes, gen, device)
+        d.fit(model, self.starts(model, center, gen), rest, x, y, gen)
+        return self.train_on(arch, theta0, [d.export()])
+
+    def _mechanism(self, before: dict, after: dict, got: dict[int, dict]) -> dict[str, float]:
+        """Accuracy of θ0 trained on each client's steps alone, on the merge (as is and with lr/K) and on the
+        centralised distillation of the same data; the global RNG is restored so training sees no draw."""
+        probe = mechanism.probe_set(self.env)
+        if probe is None or not got:
+            return {}
+        devices = [self.env.device] if self.env.device.type == "cuda" else []
+        cols: dict[str, list[float]] = {}
+        with torch.random.fork_rng(devices=devices):
+            for arch in self.env.archs:
+                mine = {c: got[c] for c in sorted(got) if self.env.client_archs[c] == arch}
+                if not mine:
+                    continue
+                theta0, k = before[arch], len(mine)
+
+                def add(name: str, value: float) -> None:
+                    cols.setdefault(name, []).append(value)
+
+                add("theta0_acc", self._probe_acc(arch, theta0, probe))
+                for pl in mine.values():
+                    add("alone", self._probe_acc(arch, self.train_on(arch, theta0, [pl]), probe))
+                add("merged_acc", self._probe_acc(arch, after[arch], probe))
+                scaled = [dict(pl, lr=pl["lr"] / k) for pl in mine.values()]
+                add("merged_lr_div_k_acc", self._probe_acc(arch, self.train_on(arch, theta0, scaled), probe))
+                if self.params.ceiling:
+                    add("ceiling_acc", self._probe_acc(arch, self._ceiling(arch, theta0, list(mine)), probe))
+        alone = cols.pop("alone")
+        out = {name: float(np.mean(v)) for name, v in cols.items()}
+        out.update(alone_acc_mean=float(np.mean(alone)), alone_acc_min=min(alone), alone_acc_max=max(alone))
+        return mechanism.columns(out)
 
     def evaluate(self, state: GlobalModels, x_test: torch.Tensor, y_test: torch.Tensor,
                  device: torch.device) -> list[dict[str, Any]]:
