@@ -165,7 +165,18 @@ def run_key(cfg: Any) -> str:
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-FINISHED = "finished.json"  # written into a run folder once its run returned: {wall_s, hardware}
+FINISHED = "finished.json"  # written into a run folder once its run returned: {wall_s, hardware, code}
+
+
+def code_version() -> str:
+    """Hash of the fedsim package's source: a finished run is reused only by the code that made it."""
+    import fedsim
+
+    root = Path(fedsim.__file__).parent
+    h = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def hardware(cfg: Any) -> str:
@@ -179,16 +190,20 @@ def hardware(cfg: Any) -> str:
 def run_cached(cfg: Any, fresh: bool = False) -> Path:
     """Run `cfg` in results.root/<name>-<algorithm>-s<seed>-<hash>/, or return that folder if a run finished there.
 
-    A folder without the finished marker is an interrupted run: it is removed and run again."""
+    A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
+    changed since) is out of date: either is removed and run again."""
     from fedsim.io import atomic_write_text
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
 
     cfg.results.run_id = f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
     folder = Path(cfg.results.root) / cfg.results.run_id
+    code = code_version()
     if (folder / FINISHED).is_file() and (folder / "rounds.parquet").is_file() and not fresh:
-        print(f"  reusing {folder}", file=sys.stderr, flush=True)
-        return folder
+        if _finished_code(folder) == code:
+            print(f"  reusing {folder}", file=sys.stderr, flush=True)
+            return folder
+        print(f"  {folder} was made by other fedsim code: running it again", file=sys.stderr, flush=True)
     if folder.exists():
         shutil.rmtree(folder)
     if cfg.runtime.threads and cfg.runtime.backend == "local":
@@ -197,7 +212,7 @@ def run_cached(cfg: Any, fresh: bool = False) -> Path:
         torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
     t0 = time.perf_counter()
     run_dir = run(cfg, backend=make_backend(cfg))
-    info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg)}
+    info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg), "code": code}
     atomic_write_text(run_dir / FINISHED, json.dumps(info) + "\n")
     return run_dir
 
@@ -227,6 +242,14 @@ def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1
     finally:
         pool.join()
     return [Path(d) for d in done]
+
+
+def _finished_code(folder: Path) -> str | None:
+    try:
+        info = json.loads((folder / FINISHED).read_text())
+    except (OSError, ValueError):
+        return None
+    return info.get("code") if isinstance(info, dict) else None
 
 
 def finished_info(run_dir: str | Path) -> dict:

@@ -106,6 +106,13 @@ def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_p
     assert (folder / FINISHED).is_file() and not (folder / "leftover").exists()
     monkeypatch.setattr(fedsim.runtime.loop, "run", lambda *a, **k: pytest.fail("ran a finished run again"))
     assert run_cached(small_config(tmp_path, rounds=2)) == folder
+    monkeypatch.undo()
+    import jobs.sweep
+
+    monkeypatch.setattr(jobs.sweep, "code_version", lambda: "other-code")  # fedsim's source changed
+    (folder / "stale").write_text("x")
+    assert run_cached(small_config(tmp_path, rounds=2)) == folder and not (folder / "stale").exists()
+    assert finished_info(folder)["code"] == "other-code"
 
 
 def test_runs_in_two_processes_give_the_numbers_of_runs_one_by_one(tmp_path) -> None:

@@ -300,7 +300,7 @@ class DaFKD(Algorithm):
         if self.params.upload != "discriminator":
             return mechanism.columns(dict.fromkeys(keys, math.nan))
         x, y = probe
-        own = mechanism.client_samples(self.env, list(updates), 64)
+        own = mechanism.client_samples(self.env, list(updates), 32)
         logits, scores, aucs = [], [], []
         for cid, res in updates.items():
             modules = self.client_modules(cid, res)
