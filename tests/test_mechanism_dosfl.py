@@ -22,7 +22,7 @@ def test_columns_documented_measured_and_training_untouched(tmp_path):
     on = check_mechanism(tmp_path, "dosfl", *TINY, rounds=1)
     row = on.dropna(subset=[f"{COL}merged_acc"]).iloc[0]
     for name in ("theta0_acc", "alone_acc_mean", "alone_acc_min", "alone_acc_max", "merged_acc",
-                 "merged_lr_div_k_acc", "ceiling_acc"):
+                 "merged_reversed_acc", "merged_lr_div_k_acc", "ceiling_acc"):
         assert 0.0 <= row[f"{COL}{name}"] <= 1.0, name
     assert row[f"{COL}alone_acc_min"] <= row[f"{COL}alone_acc_mean"] <= row[f"{COL}alone_acc_max"]
     # the merged model is the server's model: its probe accuracy is the run's accuracy (the probe is the
@@ -62,7 +62,7 @@ def _server(tmp_path, *overrides: str):
 
 
 def test_mechanism_by_hand_on_crafted_steps(tmp_path):
-    """Crafted payloads: the alone/merged/lr÷K columns equal hand-run replays of θ0, and the global RNG is
+    """Crafted payloads: the alone/merged/reversed/lr÷K columns equal hand-run replays of θ0, and the global RNG is
     left where it was (the ceiling distils from its own generator)."""
     algo, env = _server(tmp_path)
     arch = env.archs[0]
@@ -96,6 +96,7 @@ def test_mechanism_by_hand_on_crafted_steps(tmp_path):
     assert cols["mech_alone_acc_min"] == pytest.approx(min(alone))
     assert cols["mech_alone_acc_max"] == pytest.approx(max(alone))
     assert cols["mech_merged_acc"] == pytest.approx(acc(replay([got[c] for c in range(3)])))
+    assert cols["mech_merged_reversed_acc"] == pytest.approx(acc(replay([got[c] for c in (2, 1, 0)])))
     div = [dict(got[c], lr=got[c]["lr"] / 3) for c in range(3)]
     assert cols["mech_merged_lr_div_k_acc"] == pytest.approx(acc(replay(div)))
     assert cols["mech_theta0_acc"] == pytest.approx(acc(theta0))

@@ -118,6 +118,8 @@ class DOSFL(FedAvg):
         "distill/mech_alone_acc_max": "the same, the best client",
         "distill/mech_merged_acc": "θ0 trained on all arrived clients' steps interleaved (what the method does): "
                                    "test accuracy",
+        "distill/mech_merged_reversed_acc": "the same merge with the clients interleaved in reverse order (far from "
+                                            "merged_acc: the merge is chaotic, its accuracy a draw)",
         "distill/mech_merged_lr_div_k_acc": "the same merge with every learned lr divided by the number of merged "
                                             "clients K (the merge takes K times the steps each lr was learned for)",
         "distill/mech_ceiling_acc": "1-client dataset-distillation ceiling at the same budget: θ0 trained on S_d "
@@ -294,7 +296,7 @@ class DOSFL(FedAvg):
         return self.train_on(arch, theta0, [d.export()])
 
     def _mechanism(self, before: dict, after: dict, got: dict[int, dict]) -> dict[str, float]:
-        """Accuracy of θ0 trained on each client's steps alone, on the merge (as is and with lr/K) and on the
+        """Accuracy of θ0 trained on each client's steps alone, on the merge (as is, reversed, with lr/K) and on the
         centralised distillation of the same data; the global RNG is restored so training sees no draw."""
         probe = mechanism.probe_set(self.env)
         if probe is None or not got:
@@ -315,6 +317,8 @@ class DOSFL(FedAvg):
                 for pl in mine.values():
                     add("alone", self._probe_acc(arch, self.train_on(arch, theta0, [pl]), probe))
                 add("merged_acc", self._probe_acc(arch, after[arch], probe))
+                reverse = list(mine.values())[::-1]
+                add("merged_reversed_acc", self._probe_acc(arch, self.train_on(arch, theta0, reverse), probe))
                 scaled = [dict(pl, lr=pl["lr"] / k) for pl in mine.values()]
                 add("merged_lr_div_k_acc", self._probe_acc(arch, self.train_on(arch, theta0, scaled), probe))
                 if self.params.ceiling:
