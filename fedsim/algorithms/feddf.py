@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
+from fedsim import mechanism
 from fedsim.algorithms.base import (
     Algorithm,
     Broadcast,
@@ -215,17 +216,23 @@ class FedDF(Algorithm):
         steps = self.distill_steps(info.round, len(x))
         cfg = replace(p.distill, steps=steps, epochs=None)
         validate, val, loss = self.validator(), {}, []
+        probe, before, after, self._mech_s = self.mechanism_probe(), [], [], 0.0
         for i, arch in enumerate(models):
             student = new_model(self.env, arch).to(dev)
             student.load_state_dict(models[arch])
+            before.append(self.mechanism_outputs(student, x, probe))
             gen = torch.Generator().manual_seed(_rng_seed(self.env.config.seed, info.round, i, 17))
             res = distill(student, x, teacher, cfg, gen, validate=validate)
+            after.append(self.mechanism_outputs(student, x, probe))
             models[arch], val[arch] = clone_state(student), res["best_score"]
             loss.append(res["loss"])
-        distill_s = time.perf_counter() - t0
+        distill_s = time.perf_counter() - t0 - self._mech_s  # the mechanism's forward passes are not distillation
         best = max(val, key=lambda a: (val[a] if not math.isnan(val[a]) else -1.0))
         new = FedDFState(models=models, extra=state.extra, indices=state.indices, best=best, val=val,
                          total_steps=state.total_steps + steps, selection={})
+        if probe is not None:
+            metrics.update(self.mechanism_metrics(updates, weights, teacher, state.indices, probe, before, after,
+                                                  info.round))
         if info.round + 1 < self.env.config.rounds:
             new.indices, new.selection = self.select_for(new, info.round + 1)
         metrics.update(distill_s=distill_s, distill_steps=float(steps), distill_steps_total=float(new.total_steps),
@@ -273,6 +280,104 @@ class FedDF(Algorithm):
                          "drives_selection": float(arch == state.best)})
         macro = float(np.mean([r["accuracy"] for r in rows]))
         return [{**r, "macro_accuracy": macro} for r in rows]
+
+    # ---- mechanism (evaluation only) -------------------------------------------------------------------
+    mechanism_columns: ClassVar[dict[str, str]] = {
+        "train/mech_student_acc_before": "test-subset accuracy of the global model(s) this round starts distilling "
+        "(FedAvg'd or last round's), mean over mirrors",
+        "train/mech_student_acc_after": "the same after distillation (the best-on-validation student kept)",
+        "train/mech_patch_agree_before": "top-1 agreement of the student with the teacher on the distillation set, "
+        "before distillation (mean over mirrors)",
+        "train/mech_patch_agree_after": "the same after distillation: how well the student fits the teacher where "
+        "it is taught",
+        "train/mech_teacher_acc": "test-subset accuracy of the teacher (the clients' weighted ensemble, as the "
+        "server builds it); FedAvg-initialisation rounds only, when the clients' weights reach the server",
+        "train/mech_test_agree_before": "top-1 agreement of the student with the teacher on the test subset, before "
+        "distillation; FedAvg-initialisation rounds only",
+        "train/mech_test_agree_after": "the same after distillation: what fitting the teacher on the distillation "
+        "set transfers to real data",
+        "train/mech_sel_balance": "class balance of the distillation set as the teacher labels it: entropy of the "
+        "predicted-class histogram as a fraction of log2(classes) (1 = uniform)",
+        "train/mech_sel_max_share": "the largest teacher-predicted class's share of the distillation set",
+        "train/mech_sel_entropy": "mean entropy (bits) of the teacher's predictions on the distillation set",
+        "train/mech_unsel_balance": "mech_sel_balance on up to eval.mechanism_samples proxy-pool samples left out "
+        "of the distillation set; FedAvg-initialisation rounds only, NaN when nothing is left out",
+        "train/mech_unsel_entropy": "mech_sel_entropy on the same left-out samples",
+    }
+
+    def mechanism_probe(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The test subset the columns score on; with a test-half proxy only the half the models are scored on."""
+        probe = mechanism.probe_set(self.env)
+        if probe is None or getattr(self.params, "proxy", None) != "test_half":
+            return probe
+        if not hasattr(self, "_mech_probe"):
+            data = self.env.extras["server_data"]
+            _, keep = split_test_halves(len(data.y_test), self.params.proxy_seed)
+            limit = int(getattr(self.env.config.eval, "mechanism_samples", 1000))
+            if len(keep) > limit:
+                keep = np.sort(np.random.default_rng([int(self.env.config.seed), 0x3EC]).choice(keep, limit, False))
+            self._mech_probe = (torch.as_tensor(np.ascontiguousarray(data.x_test[keep])).to(self.env.device),
+                                torch.as_tensor(np.asarray(data.y_test[keep]), dtype=torch.long).to(self.env.device))
+        return self._mech_probe
+
+    def mechanism_outputs(self, model: nn.Module, x: torch.Tensor, probe) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A student's eval-mode logits (CPU) on the distillation set and on the probe; None when columns are off."""
+        if probe is None:
+            return None
+        t0 = time.perf_counter()
+        out = (mechanism.logits(model, x).float().cpu(), mechanism.logits(model, probe[0]).float().cpu())
+        self._mech_s += time.perf_counter() - t0
+        return out
+
+    def mechanism_metrics(self, updates: dict[int, ClientResult], weights: torch.Tensor, teacher: torch.Tensor,
+                          indices: np.ndarray, probe, before: list, after: list, round: int) -> dict[str, float]:
+        """This round's `mechanism_columns`: students vs teacher from outputs already computed, and the teacher's
+        view of the distillation set; the teacher on real data needs the clients' models (weight-upload rounds)."""
+        t0 = time.perf_counter()
+        y, teacher, mean = probe[1].cpu(), teacher.float().cpu(), lambda v: float(np.mean(v))
+        sel = mechanism.class_balance(teacher.argmax(1), self.env.num_classes)
+        out = {"student_acc_before": mean([mechanism.accuracy(b[1], y) for b in before]),
+               "student_acc_after": mean([mechanism.accuracy(a[1], y) for a in after]),
+               "patch_agree_before": mean([mechanism.agreement(b[0], teacher) for b in before]),
+               "patch_agree_after": mean([mechanism.agreement(a[0], teacher) for a in after]),
+               "sel_balance": sel["entropy_frac"], "sel_max_share": sel["max_share"],
+               "sel_entropy": float(mechanism.entropy_bits(teacher).mean()),
+               **dict.fromkeys(("teacher_acc", "test_agree_before", "test_agree_after", "unsel_balance",
+                                "unsel_entropy"), math.nan)}
+        if all("weights" in r.payload for r in updates.values()):
+            ens = self.uploaded_teacher(updates, weights, probe[0])
+            out.update(teacher_acc=mechanism.accuracy(ens, y),
+                       test_agree_before=mean([mechanism.agreement(b[1], ens) for b in before]),
+                       test_agree_after=mean([mechanism.agreement(a[1], ens) for a in after]))
+            rest = self.left_out(indices, round)
+            if len(rest):
+                left = self.uploaded_teacher(updates, weights, self.pool(self.env).take(rest, self.env.device))
+                unsel = mechanism.class_balance(left.argmax(1), self.env.num_classes)
+                out.update(unsel_balance=unsel["entropy_frac"],
+                           unsel_entropy=float(mechanism.entropy_bits(left).mean()))
+        self._mech_s += time.perf_counter() - t0
+        return mechanism.columns(out)
+
+    def uploaded_teacher(self, updates: dict[int, ClientResult], weights: torch.Tensor,
+                         x: torch.Tensor) -> torch.Tensor:
+        """The server's teacher (CPU probabilities) rebuilt from the clients' uploaded models on any inputs x; the
+        models are built under a forked RNG so no training stream moves."""
+        logits = []
+        for cid, res in updates.items():
+            with torch.random.fork_rng(devices=[]):
+                model = new_model(self.env, self.env.client_archs[cid]).to(self.env.device)
+            model.load_state_dict(res.payload["weights"])
+            logits.append(mechanism.logits(model, x).float().cpu())
+        p = self.params
+        return ensemble_teacher(torch.stack(logits), weights, T=p.distill.T, mix=p.mix)
+
+    def left_out(self, indices: np.ndarray, round: int) -> np.ndarray:
+        """Up to eval.mechanism_samples pool indices outside the distillation set (a fixed seeded draw)."""
+        rest = np.setdiff1d(np.arange(len(self.pool(self.env))), indices)
+        limit = int(getattr(self.env.config.eval, "mechanism_samples", 1000))
+        if len(rest) > limit:
+            rest = np.sort(np.random.default_rng([int(self.env.config.seed), round, 0x5E1]).choice(rest, limit, False))
+        return rest
 
     # ---- client --------------------------------------------------------------------------------------
     def local_train(self, model: nn.Module, ctx: ClientContext) -> dict[str, float]:

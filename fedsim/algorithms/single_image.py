@@ -49,6 +49,7 @@ class SingleImage(FedDF):
 
     name = "single_image"
     Params = SingleImageParams
+    mechanism_columns = FedDF.mechanism_columns  # recorded by the shared distillation step
 
     def pool(self, env: Env) -> PatchPool:
         channels = int(env.input_shape[0]) if len(env.input_shape) == 3 else 1
