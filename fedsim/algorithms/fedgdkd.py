@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsim import mechanism
 from fedsim.algorithms._gan import FeatureFD, GanParams, gen_optimizer, randn, same_state, split, step, synthetic_set
 from fedsim.algorithms._personal import (
     PersonalScores,
@@ -118,6 +119,18 @@ class FedGDKD(Algorithm):
     name = "fedgdkd"
     Params = FedGDKDParams
     shared_names: tuple[str, ...] = (GEN,)
+    mechanism_columns = {
+        "logits/mech_gen_ensemble_acc": "the round's synthetic set scored by the mean of the participants' logits: "
+                                        "accuracy of its argmax against the class the cGAN was asked for",
+        "logits/mech_gen_ensemble_maxp": "the same ensemble's mean largest softmax probability (τ = 1) on the set",
+        "logits/mech_loo_teacher_synth_acc": "each participant's leave-one-out teacher on the synthetic set: "
+                                             "accuracy against the requested class, mean over participants",
+        "logits/mech_student_synth_acc": "each participant's own model on the synthetic set before distilling: "
+                                         "accuracy against the requested class, mean (1: nothing left to teach)",
+        "codistill/mech_personal_acc_before_kd": "personal accuracy on the client's own test shard just before "
+                                                 "co-distillation (after the GAN phase), mean over distilled clients",
+        "codistill/mech_personal_acc_after_kd": "the same clients' personal accuracy right after co-distillation",
+    }
 
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
@@ -172,15 +185,40 @@ class FedGDKD(Algorithm):
             teachers = dict(zip(ids, leave_one_out(stacked))) if len(ids) > 1 else {}
             mean = stacked.mean(0)
             y = balanced_labels(len(mean), self.env.num_classes)
-            metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean())}
+            metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean()),
+                       **self._mechanism_synthetic(stacked, teachers, y)}
             return FedGDKDState(state.shared, state.round, state.kd_seed, teachers, mean, state.prev,
                                 state.scores), metrics
         scores = state.scores.record(updates)
+        mech = self._mechanism_kd(updates)
         prev = state.prev
         if state.mean_logits is not None:
             prev = Prev(sorted(updates), state.kd_seed, state.shared[GEN], state.mean_logits)
         new = FedGDKDState(state.shared, state.round, state.kd_seed, {}, None, prev, scores)
-        return new, scores.summary(this_round=sorted(updates))
+        return new, {**scores.summary(this_round=sorted(updates)), **mech}
+
+    def _mechanism_synthetic(self, stacked: torch.Tensor, teachers: dict[int, torch.Tensor],
+                             y: torch.Tensor) -> dict[str, float]:
+        """How the synthetic set reads to the participants (their uploaded logits [K, N, c]): evaluation only."""
+        if not mechanism.enabled(self.env):
+            return {}
+        mean = stacked.mean(0)
+        loo = [mechanism.accuracy(t, y) for t in teachers.values()]
+        return mechanism.columns({
+            "gen_ensemble_acc": mechanism.accuracy(mean, y),
+            "gen_ensemble_maxp": float(F.softmax(mean, 1).max(1).values.mean()),
+            "loo_teacher_synth_acc": float(np.mean(loo)) if loo else float("nan"),
+            "student_synth_acc": float(np.mean([mechanism.accuracy(s, y) for s in stacked])),
+        })
+
+    def _mechanism_kd(self, updates: dict[int, ClientResult]) -> dict[str, float]:
+        """Mean over the clients that distilled of their personal accuracy before and after it (client-measured)."""
+        if not mechanism.enabled(self.env):
+            return {}
+        rows = [u.metrics for u in updates.values() if "mech_personal_acc_before_kd" in u.metrics]
+        return mechanism.columns({
+            f"personal_acc_{when}_kd": float(np.mean([r[f"mech_personal_acc_{when}_kd"] for r in rows]))
+            if rows else float("nan") for when in ("before", "after")})
 
     def evaluate(self, state: FedGDKDState, x_test: torch.Tensor, y_test: torch.Tensor,
                  device: torch.device) -> list[dict[str, Any]]:
@@ -217,9 +255,21 @@ class FedGDKD(Algorithm):
         metrics = {}
         if own is not None and state is not None and "kd_generator" in state:
             x, y = self.kd_set(self.module(ctx, GEN, state["kd_generator"]), state["kd_seed"], ctx)
+            before = self._personal_accuracy(C, ctx)
             metrics = self.kd(C, x, y, own["teacher"], ctx)
+            if before is not None:
+                metrics.update(mechanism.columns({"personal_acc_before_kd": before,
+                                                  "personal_acc_after_kd": self._personal_accuracy(C, ctx)}))
         metrics.update(score(C, ctx))
         return ClientResult(None, n, metrics, with_model(state, C, kd_generator=None, kd_seed=None))
+
+    @staticmethod
+    def _personal_accuracy(C: torch.nn.Module, ctx: ClientContext) -> float | None:
+        """The personal model's accuracy on its own test shard (eval mode restored), or None when not measured."""
+        if not mechanism.enabled(ctx.env):
+            return None
+        return mechanism.accuracy(mechanism.logits(C, ctx.data.x_test, ctx.env.config.eval.batch_size),
+                                  ctx.data.y_test)
 
     def client_weight(self, ctx: ClientContext) -> float:
         """Generator averaging weight: |D_k| (eq. 4.9)."""

@@ -6,26 +6,28 @@ then on its private set. Each round: communicate (logits on the public set, fixe
 consensus is the plain mean over the arrived clients, no leave-one-out) → distribute → digest (KD towards
 the consensus on the public set) → revisit (a few epochs on private data).
 
-The digest uses the shared KD loop: (1-α)·CE(public labels) + α·τ²·KL(consensus ‖ student), with the
-thesis's Table 5.1 α = 0.8, τ = 4 "if applicable". [C] The author's code used CE + 0.5·MSE(logits,
-consensus), which fedsim.distill does not offer.
+The digest (`digest_loss: kl`, the default) uses the shared KD loop: (1-α)·CE(public labels) +
+α·τ²·KL(consensus ‖ student), with the thesis's Table 5.1 α = 0.8, τ = 4 "if applicable".
+`digest_loss: ce_mse` is the author's code instead [C]: CE(public labels) + 0.5·MSE(logits, consensus logits).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
+from fedsim import mechanism
 from fedsim.algorithms._personal import personal_model, score, with_model
 from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Phase, RoundInfo, register_algorithm
 from fedsim.algorithms.local_only import LocalOnly, PoolState, pool_data
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, soften
 from fedsim.limits import MAX_BATCH, MAX_EPOCHS
-from fedsim.train import predict_logits
+from fedsim.train import batch_indices, make_optimizer, predict_logits
 
 
 @dataclass
@@ -39,6 +41,10 @@ class FedMDParams:
     kd_alpha: float = knob(0.8, ge=0, le=1, doc="KD weight α (Table 5.1)")
     kd_T: float = knob(4.0, gt=0, doc="soft-target temperature τ (Table 5.1)")
     kd_batch_size: int = knob(32, ge=1, le=MAX_BATCH, doc="digest batch size")
+    digest_loss: Literal["kl", "ce_mse"] = knob(
+        "kl", doc="'kl': (1-α)·CE + α·τ²·KL(consensus ‖ student) (thesis text); "
+        "'ce_mse': [C] CE + mse_weight·MSE(student logits, consensus logits), shuffled batches (author's code)")
+    mse_weight: float = knob(0.5, ge=0, doc="[C] weight of the MSE term of digest_loss: ce_mse")
 
 
 @register_algorithm
@@ -48,6 +54,15 @@ class FedMD(LocalOnly):
     name = "fedmd"
     Params = FedMDParams
     work_phase = "logits"
+    mechanism_columns = {
+        "logits/mech_consensus_public_acc": "accuracy of the consensus (mean of the arrivals' logits) on the "
+                                            "public set's labels",
+        "digest/mech_personal_acc_before_digest": "personal accuracy on the client's own test shard before the "
+                                                  "digest step, mean over clients",
+        "digest/mech_personal_acc_after_digest": "the same right after the digest step (before revisiting)",
+        "digest/mech_personal_acc_after_revisit": "the same after the revisit epochs on private data (the "
+                                                  "round's reported personal accuracy)",
+    }
 
     @property
     def share_fraction(self) -> float:  # type: ignore[override]
@@ -68,11 +83,13 @@ class FedMD(LocalOnly):
                 return dataclasses.replace(state, has_pool=held, extra={}), {}
             consensus = torch.stack([updates[c].payload["logits"].float() for c in sorted(updates)]).mean(0)
             acc = float((consensus.argmax(1) == state.pool["y"]).float().mean())
+            mech = mechanism.columns({"consensus_public_acc": acc}) if mechanism.enabled(self.env) else {}
             return dataclasses.replace(state, has_pool=held, extra={"consensus": consensus}), \
-                {"consensus_public_accuracy": acc}
+                {"consensus_public_accuracy": acc, **mech}
         if phase.name == "digest":
             scores = state.scores.record(updates)
-            return dataclasses.replace(state, scores=scores, extra={}), scores.summary(sorted(updates))
+            return dataclasses.replace(state, scores=scores, extra={}), \
+                {**scores.summary(sorted(updates)), **self._mechanism_digest(updates)}
         return super().server_step(phase, state, updates, info)
 
     def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
@@ -92,14 +109,51 @@ class FedMD(LocalOnly):
                 self.epochs(model, ctx.data.x, ctx.data.y, p.pretrain_private_epochs, ctx, gen)
             logits = predict_logits(model, px, ctx.env.config.eval.batch_size).cpu()
             return ClientResult({"logits": logits}, n, metrics, with_model(state, model))
-        tr = ctx.env.config.train
-        cfg = DistillConfig(steps=None, epochs=p.digest_epochs, batch_size=p.kd_batch_size, lr=tr.lr,
-                            optimizer=tr.optimizer, momentum=tr.momentum, weight_decay=tr.weight_decay, T=p.kd_T,
-                            kd_weight=p.kd_alpha, ce_weight=1.0 - p.kd_alpha, keep_best=False)
+        mech = {"personal_acc_before_digest": self._personal_accuracy(model, ctx)}
         consensus = msg["consensus"].to(dev).float()
-        out = distill(model, px, soften(consensus, p.kd_T), cfg, gen, hard_labels=py)
-        metrics = {"digest_loss": out["loss"]}
+        metrics = {"digest_loss": self.digest(model, px, py, consensus, ctx, gen)}
+        mech["personal_acc_after_digest"] = self._personal_accuracy(model, ctx)
         metrics.update({f"revisit_{k}": v for k, v in
                         self.epochs(model, ctx.data.x, ctx.data.y, p.revisit_epochs, ctx, gen).items()})
         metrics.update(score(model, ctx))
+        if mechanism.enabled(ctx.env):
+            metrics.update(mechanism.columns({**mech, "personal_acc_after_revisit": metrics["personal_accuracy"]}))
         return ClientResult(None, n, metrics, with_model(state, model))
+
+    def digest(self, model: torch.nn.Module, px: torch.Tensor, py: torch.Tensor, consensus: torch.Tensor,
+               ctx: ClientContext, gen: torch.Generator) -> float:
+        """digest_epochs of KD towards the consensus logits on the public set; returns the mean loss."""
+        p, tr = self.params, ctx.env.config.train
+        if p.digest_loss == "kl":
+            cfg = DistillConfig(steps=None, epochs=p.digest_epochs, batch_size=p.kd_batch_size, lr=tr.lr,
+                                optimizer=tr.optimizer, momentum=tr.momentum, weight_decay=tr.weight_decay, T=p.kd_T,
+                                kd_weight=p.kd_alpha, ce_weight=1.0 - p.kd_alpha, keep_best=False)
+            return distill(model, px, soften(consensus, p.kd_T), cfg, gen, hard_labels=py)["loss"]
+        opt = make_optimizer(model.parameters(), tr)
+        model.train()
+        total, steps = 0.0, 0
+        for idx in batch_indices(len(py), p.kd_batch_size, gen, p.digest_epochs, device=px.device):
+            z = model(px[idx])
+            loss = F.cross_entropy(z, py[idx]) + p.mse_weight * F.mse_loss(z, consensus[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total, steps = total + float(loss.detach()), steps + 1
+        return total / max(steps, 1)
+
+    @staticmethod
+    def _personal_accuracy(model: torch.nn.Module, ctx: ClientContext) -> float:
+        """The personal model's accuracy on its own test shard (NaN when not measured); evaluation only."""
+        if not mechanism.enabled(ctx.env):
+            return float("nan")
+        return mechanism.accuracy(mechanism.logits(model, ctx.data.x_test, ctx.env.config.eval.batch_size),
+                                  ctx.data.y_test)
+
+    def _mechanism_digest(self, updates: dict[int, ClientResult]) -> dict[str, float]:
+        """Means over the arrivals of their client-measured accuracies around the digest step."""
+        if not mechanism.enabled(self.env):
+            return {}
+        keys = ("personal_acc_before_digest", "personal_acc_after_digest", "personal_acc_after_revisit")
+        rows = [u.metrics for u in updates.values() if f"{mechanism.PREFIX}{keys[0]}" in u.metrics]
+        return mechanism.columns({k: sum(r[f"{mechanism.PREFIX}{k}"] for r in rows) / len(rows) if rows
+                                  else float("nan") for k in keys})
