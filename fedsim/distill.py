@@ -150,8 +150,10 @@ def distill(student: nn.Module, inputs: torch.Tensor, teacher_probs: torch.Tenso
             validate: Callable[[nn.Module], float] | None = None) -> dict[str, float]:
     """Train `student` in place to match `teacher_probs` on `inputs`; returns steps, loss, best_score.
 
-    With `validate` (higher is better) the student is scored after every `eval_every`-th step and after
-    the last; with `keep_best` the best-scoring weights (ties go to the later one) are restored.
+    With `validate` (higher is better) the student is scored after the first step (as the single-image
+    reference code does, so a distillation that only makes it worse keeps a near-start student), after every
+    `eval_every`-th step and after the last; with `keep_best` the best-scoring weights (ties go to the later
+    one) are restored.
     """
     n = len(inputs)
     if n == 0:
@@ -187,7 +189,7 @@ def distill(student: nn.Module, inputs: torch.Tensor, teacher_probs: torch.Tenso
         loss_sum += float(loss.detach())
         step += 1
         since_best += 1
-        if validate is not None and (step % cfg.eval_every == 0 or step == total):
+        if validate is not None and (step == 1 or step % cfg.eval_every == 0 or step == total):
             score = float(validate(student))
             student.train()
             if score >= best_score:

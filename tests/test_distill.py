@@ -128,6 +128,24 @@ def test_keep_best_restores_best_validated_weights():
         torch.testing.assert_close(v, snapshots[3][k])
 
 
+def test_the_first_step_is_validated_so_a_distillation_that_only_hurts_keeps_it():
+    torch.manual_seed(0)
+    student = nn.Linear(4, 3)
+    x, t = torch.randn(16, 4), soften(torch.randn(16, 3))
+    steps, snapshots = [], []
+
+    def validate(m):
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        steps.append(len(steps))
+        return 1.0 - 0.1 * len(steps)  # worse at every later check
+
+    out = distill(student, x, t, DistillConfig(steps=10, batch_size=4, eval_every=5), torch.Generator(),
+                  validate=validate)
+    assert len(steps) == 3 and out["best_step"] == 1.0  # checked after steps 1, 5 and 10
+    for k, v in student.state_dict().items():
+        torch.testing.assert_close(v, snapshots[0][k])
+
+
 def test_patience_stops_early_and_ce_needs_labels():
     student = nn.Linear(2, 2)
     cfg = DistillConfig(steps=100, batch_size=2, eval_every=1, patience=3)
