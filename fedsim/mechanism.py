@@ -89,7 +89,7 @@ def entropy_bits(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits of each row of probabilities [N, C] (or of one vector [C])."""
     p = probs.double().clamp_min(0)
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
-    return -(p * torch.log2(p.clamp_min(1e-300))).sum(-1)
+    return -(p * torch.log2(p.clamp_min(1e-300))).sum(-1) + 0.0  # + 0.0: no "-0.0" for a one-hot row
 
 
 def class_balance(labels: torch.Tensor | np.ndarray, num_classes: int) -> dict[str, float]:

@@ -277,7 +277,7 @@ def test_quick_reproduce_end_to_end_then_resume_then_paste(tmp_path) -> None:
     folders = sorted(p.name for p in (root / "runs").iterdir())
     again = run_cli("--quick", "--root", str(root), "--only", "dafkd,dosfl", timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("reusing") == 12 + 6 and sorted(p.name for p in (root / "runs").iterdir()) == folders
+    assert again.stderr.count("reusing") == 10 + 6 and sorted(p.name for p in (root / "runs").iterdir()) == folders
 
     readme = tmp_path / "README.md"
     readme.write_text((REPO / "README.md").read_text(encoding="utf-8"))
