@@ -26,14 +26,15 @@ def enabled(env) -> bool:
 
 
 def probe_set(env) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The held-out test set on the server's device (at most `eval.mechanism_samples` of it, a fixed
-    seeded subset), or None when mechanism columns are off or the server holds no test data."""
+    """The held-out test set on this process's device (at most `eval.mechanism_samples` of it, a fixed
+    seeded subset: the same rows on the server and every worker), or None when mechanism columns are off or
+    no test data is held here."""
     if not enabled(env):
         return None
     cached = env.extras.get("_mechanism_probe")
     if cached is not None:
         return cached
-    data = env.extras.get("server_data")
+    data = env.extras.get("server_data") or env.extras.get("eval_data")  # server; a client worker
     if data is None or len(data.y_test) == 0:
         return None
     x, y = data.x_test, data.y_test

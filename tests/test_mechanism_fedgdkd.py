@@ -107,3 +107,28 @@ def test_fedmd_rejects_an_unknown_digest_loss(tmp_path):
 
     with pytest.raises(ConfigError, match="digest_loss"):
         run(small_config(tmp_path, "algorithm.name=fedmd", *MD, "algorithm.digest_loss=mse", rounds=1))
+
+
+def test_fedgdkd_loo_teacher_on_real_test_data_by_hand(make_config):
+    """Two participants: each one's leave-one-out teacher is the other's logits, so the column is the mean of
+    their own test-subset accuracies; the logits ride beside the upload (probe), not in it."""
+    from fedsim.algorithms.base import ClientResult
+    from fedsim.mechanism import probe_set
+    from fedsim.runtime.setup import build_env, load_data, make_partition
+
+    cfg = make_config("algorithm.name=fedgdkd", *GDKD)
+    data = load_data(cfg)
+    env = build_env(cfg, data, make_partition(cfg, data), torch.device("cpu"))
+    env.extras["server_data"] = data
+    algo = FedGDKD(cfg.algorithm.params, env)
+    _, y = probe_set(env)
+    right = torch.nn.functional.one_hot(y, 10).float()
+    wrong = torch.nn.functional.one_hot((y + 1) % 10, 10).float()
+    half = right.clone()
+    half[: len(y) // 2] = wrong[: len(y) // 2]
+    updates = {0: ClientResult({"logits": torch.zeros(1)}, probe=right),
+               1: ClientResult({"logits": torch.zeros(1)}, probe=half)}
+    got = algo._mechanism_loo_test(updates)["mech_loo_teacher_test_acc"]
+    assert got == pytest.approx((1.0 + (len(y) - len(y) // 2) / len(y)) / 2)
+    updates[1].probe = None  # a client that sent none: the column is not guessed
+    assert algo._mechanism_loo_test(updates) == {}

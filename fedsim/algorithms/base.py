@@ -55,12 +55,16 @@ class ClientResult:
     metrics: scalars for this client's row in clients.parquet (loss, personal accuracy, ...).
     state: the client's new personal state to persist, or None to keep the old one. Algorithms never
       mutate the state they were given: a straggler's dropped round must leave it untouched.
+    probe: evaluation-only data for the server's mechanism columns (fedsim.mechanism), e.g. the client model's
+      logits on the test subset; never counted as traffic nor on the virtual clock, None when
+      `eval.mechanism` is off. Reaches the server in `reduce="each"` phases only.
     """
 
     payload: Any = None
     weight: float = 1.0
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] | None = None
+    probe: Any = None
 
 
 @dataclass

@@ -125,6 +125,8 @@ class FedGDKD(Algorithm):
         "logits/mech_gen_ensemble_maxp": "the same ensemble's mean largest softmax probability (τ = 1) on the set",
         "logits/mech_loo_teacher_synth_acc": "each participant's leave-one-out teacher on the synthetic set: "
                                              "accuracy against the requested class, mean over participants",
+        "logits/mech_loo_teacher_test_acc": "each participant's leave-one-out teacher (the mean of the other "
+                                            "participants' logits) on the real test subset, mean over participants",
         "logits/mech_student_synth_acc": "each participant's own model on the synthetic set before distilling: "
                                          "accuracy against the requested class, mean (1: nothing left to teach)",
         "codistill/mech_personal_acc_before_kd": "personal accuracy on the client's own test shard just before "
@@ -186,7 +188,7 @@ class FedGDKD(Algorithm):
             mean = stacked.mean(0)
             y = balanced_labels(len(mean), self.env.num_classes)
             metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean()),
-                       **self._mechanism_synthetic(stacked, teachers, y)}
+                       **self._mechanism_synthetic(stacked, teachers, y), **self._mechanism_loo_test(updates)}
             return FedGDKDState(state.shared, state.round, state.kd_seed, teachers, mean, state.prev,
                                 state.scores), metrics
         scores = state.scores.record(updates)
@@ -210,6 +212,19 @@ class FedGDKD(Algorithm):
             "loo_teacher_synth_acc": float(np.mean(loo)) if loo else float("nan"),
             "student_synth_acc": float(np.mean([mechanism.accuracy(s, y) for s in stacked])),
         })
+
+    def _mechanism_loo_test(self, updates: dict[int, ClientResult]) -> dict[str, float]:
+        """Each participant's leave-one-out teacher scored on the real test subset, from the personal models'
+        logits the clients sent beside their upload (ClientResult.probe: evaluation only, not traffic)."""
+        probe = mechanism.probe_set(self.env)
+        probes = [u.probe for u in updates.values() if u.probe is not None]
+        if probe is None or len(probes) != len(updates):
+            return {}
+        if len(probes) < 2:
+            return mechanism.columns({"loo_teacher_test_acc": float("nan")})
+        teachers = leave_one_out(torch.stack([p.float() for p in probes]).to(probe[1].device))
+        return mechanism.columns({"loo_teacher_test_acc": float(np.mean([mechanism.accuracy(t, probe[1])
+                                                                          for t in teachers]))})
 
     def _mechanism_kd(self, updates: dict[int, ClientResult]) -> dict[str, float]:
         """Mean over the clients that distilled of their personal accuracy before and after it (client-measured)."""
@@ -250,8 +265,10 @@ class FedGDKD(Algorithm):
         if phase.name == "logits":
             x, _ = self.kd_set(self.module(ctx, GEN, common[GEN]), common["kd_seed"], ctx)
             logits = predict_logits(C, x, ctx.env.config.eval.batch_size).cpu()
+            probe = mechanism.probe_set(ctx.env)
             return ClientResult({"logits": logits}, n, {},
-                                with_model(state, C, kd_generator=common[GEN], kd_seed=int(common["kd_seed"])))
+                                with_model(state, C, kd_generator=common[GEN], kd_seed=int(common["kd_seed"])),
+                                probe=None if probe is None else mechanism.logits(C, probe[0]).cpu())
         metrics = {}
         if own is not None and state is not None and "kd_generator" in state:
             x, y = self.kd_set(self.module(ctx, GEN, state["kd_generator"]), state["kd_seed"], ctx)

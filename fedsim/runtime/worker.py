@@ -85,6 +85,7 @@ class ClientWorker:
                        extras=meta.get("extras", {}), **arrays)
         self.part = part
         self.env = build_env(cfg, data, part, self.device)
+        self.env.extras.setdefault("eval_data", data)  # the test subset of evaluation-only mechanism columns
         self.algorithm: Algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
         self.data_t = {k: as_tensor(v, self.device) for k, v in arrays.items()}
         self.models = ModelPool(self.env, self.device)
