@@ -10,7 +10,7 @@ import pytest
 import jobs.dosfl_compare as dc
 
 
-def fake_runs(raw, seeds, overrides, fresh=False):
+def fake_runs(raw, seeds, overrides, fresh=False, jobs=1):
     name = raw["algorithm"]["name"]
     if name == "dosfl":
         accs = {0: 0.70, 1: 0.80}
