@@ -57,6 +57,7 @@ class MechanismCell:
     columns: list[str] = knob([], doc="rounds.parquet columns shown in the cell (their mean over rounds, then seeds)")
     sep: str = knob(" / ", doc="text between the values, e.g. ' → ' for before → after")
     percent: bool = knob(True, doc="show the values ×100 (accuracies, shares)")
+    arms: list[str] = knob([], doc="the rows that show this cell (default: every row that records its columns)")
 
 
 @dataclass
@@ -131,6 +132,10 @@ def _check_table(t: TableSpec, where: str) -> None:
             raise ConfigError(f"{where}.mechanism[{j}].columns: {unknown or 'none given'}; each must be a "
                               "documented mechanism column (docs/mechanism.md)")
     arms, grid = table_rows(t)
+    for j, m in enumerate(t.mechanism):
+        if [a for a in m.arms if a not in arms]:
+            raise ConfigError(f"{where}.mechanism[{j}].arms: {[a for a in m.arms if a not in arms]} are not rows "
+                              f"of the table; rows: {arms}")
     keys = set()
     for j, f in enumerate(t.paper):
         at = f"{where}.paper[{j}]"
@@ -302,6 +307,8 @@ def mechanism_cells(t: TableSpec, raw: pd.DataFrame, keys: list[str]) -> tuple[l
         row = []
         for m in t.mechanism:
             means = [g[c].mean() for c in m.columns]
+            if m.arms and k[-1] not in m.arms:
+                means = [math.nan] * len(means)
             row.append("—" if all(math.isnan(v) for v in means) else m.sep.join(
                 "—" if math.isnan(v) else (f"{100 * v:.1f}" if m.percent else f"{v:.3g}") for v in means))
         cells[k] = row

@@ -152,6 +152,8 @@ def test_mechanism_cells_average_rounds_then_seeds_and_dash_what_a_run_lacks(tmp
     assert cells[("DaFKD",)] == ["55.0 → 80.0"]  # seeds: (0.6 → 0.7) and (0.5 → 0.9)
     assert cells[("FedAvg",)] == ["—"]
     assert raw.loc[0, a] == pytest.approx(0.6) and math.isnan(raw.loc[2, b])  # per-seed values kept in the raw rows
+    t.mechanism[0].arms = ["FedAvg"]  # a cell kept to named rows: another method's same-named column stays out
+    assert rp.mechanism_cells(t, raw, ["arm"])[1][("DaFKD",)] == ["—"]
 
 
 # ---- the manifest ----
@@ -182,6 +184,7 @@ def write_manifest(tmp_path, table: str) -> Path:
     ("seeds: []", "seeds: list one or more"),
     ("dosfl: [x.yaml]", "exactly one of sweep and dosfl"),
     ("mechanism: [{label: x, columns: [train/mech_nosuch]}]", "mechanism\\[0\\].columns: \\['train/mech_nosuch'\\]"),
+    ("mechanism: [{label: x, columns: [train/mech_teacher_acc], arms: [Nope]}]", "mechanism\\[0\\].arms: \\['Nope'\\]"),
 ])
 def test_a_bad_manifest_is_a_one_line_config_error(tmp_path, table, message) -> None:
     with pytest.raises(ConfigError, match=message) as err:
