@@ -29,8 +29,9 @@ test: $(STAMP)  ## the whole test suite (slow end-to-end tests included)
 test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: $(STAMP)  ## fedsim vs the plain loop vs Flower on the bench's own FedAvg workload
+bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload
 	$(BIN)/python -m bench.fedavg_bench
+	$(BIN)/python -m bench.report results/bench/fedavg.json
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
 	$(BIN)/python -m bench.scale_bench

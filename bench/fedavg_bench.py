@@ -1,12 +1,15 @@
-"""`make bench`: the bench's FedAvg workload through the plain loop, fedsim and Flower, in one invocation.
+"""`make bench`: the bench's FedAvg workload through the plain loop, fedsim (local and Ray), Flower and pfl-research
+(one process and two), in one invocation.
 
-    python -m bench.fedavg_bench [--configs A,B,C] [--repeat 2] [--systems plain,fedsim,flower] [--cache DIR]
+    python -m bench.fedavg_bench [--configs A,B,C] [--repeat 2] [--systems plain,fedsim_ray,pfl] [--cache DIR]
 
 Configs (bench.workload.BENCH_CONFIGS): A = ResNet-8, N=100, K=10, R=5; B = ResNet-8, N=1000, K=50, R=3;
 C = MLP, N=10000, K=100, R=2. Each is prepared once (bench.prepare) before any timed run, and every system
 runs as its own process on the same prepared folder. The plain loop runs with 2 threads and with 1;
-totals include imports and Ray start. Writes results/bench/fedavg.md (medians and ratios) and fedavg.csv
-(every run). Targets: fedsim's steady-state round at most 1.15x the plain loop's on A; its total time below
+totals include imports and Ray start. Writes results/bench/fedavg.md (medians and ratios), fedavg.csv
+(every run) and fedavg.json (per config and system: s_per_round, total_s, startup_s, shutdown_s, peak_rss_mb,
+final_accuracy, with the date, the machine and the versions; `python -m bench.report` renders it).
+Targets: fedsim's steady-state round at most 1.15x the plain loop's on A; its total time below
 Flower's on A and B.
 """
 
@@ -17,14 +20,17 @@ import sys
 
 from bench.common import BenchError
 from bench.prepare import DEFAULT_CACHE
-from bench.report import failed_runs, fmt, header, medians, run_matrix, write
+from bench.report import failed_runs, fmt, header, medians, run_matrix, summary, versions, write, write_summary
 from bench.workload import BENCH_CONFIGS
 
-SYSTEMS = ["plain", "plain_t1", "fedsim", "flower"]
+SYSTEMS = ["plain", "plain_t1", "fedsim_local", "fedsim_ray", "flower", "pfl", "pfl_multiprocess"]
 ALL = SYSTEMS + ["fedsim_1w", "flower_2c"]  # on request: one 2-thread fedsim worker, one 2-CPU Flower actor
-LABEL = {"plain": "plain (2 threads)", "plain_t1": "plain (1 thread)", "fedsim": "fedsim (2 workers × 1 thread)",
-         "fedsim_1w": "fedsim (1 worker × 2 threads)", "flower": "Flower (2 actors × 1 CPU)",
-         "flower_2c": "Flower (1 actor × 2 CPUs)"}
+FEDSIM = ("fedsim_ray", "fedsim_local", "fedsim_1w")
+LABEL = {"plain": "plain (2 threads)", "plain_t1": "plain (1 thread)",
+         "fedsim_ray": "fedsim (Ray, 2 workers × 1 thread)", "fedsim_local": "fedsim (local, 2 workers × 1 thread)",
+         "fedsim_1w": "fedsim (Ray, 1 worker × 2 threads)", "flower": "Flower (2 actors × 1 CPU)",
+         "flower_2c": "Flower (1 actor × 2 CPUs)", "pfl": "pfl (1 process × 2 threads)",
+         "pfl_multiprocess": "pfl (2 processes × 1 thread)"}
 
 
 def tables(df, configs: list[str], workloads: dict) -> list[str]:
@@ -64,7 +70,7 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
         fl_round, fl_tot = get(c, "flower", "seconds_per_round"), get(c, "flower", "total_seconds")
         plains = [v for v in (get(c, "plain", "seconds_per_round"), get(c, "plain_t1", "seconds_per_round")) if v]
         pl_round = min(plains) if plains else None
-        for fs in ("fedsim", "fedsim_1w"):
+        for fs in FEDSIM:
             fs_round, fs_tot = get(c, fs, "seconds_per_round"), get(c, fs, "total_seconds")
             if fs_round is None:
                 continue
@@ -108,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                    ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])])
     lines += tables(df, configs, workloads)
     csv, md = write(df, lines, args.stem)
+    js = write_summary(summary(df, workloads, ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])],
+                               versions()), args.stem)
     print("\n".join(lines))
-    print(f"\nwrote {md} and {csv}")
+    print(f"\nwrote {md}, {csv} and {js}")
     return 0
 
 

@@ -1,7 +1,13 @@
-"""The bench reports' common part: every system on every prepared workload, repeated; medians; markdown tables."""
+"""The bench reports' common part: every system on every prepared workload, repeated; medians; markdown tables; the
+speed summary `results/bench/fedavg.json` and the table rendered from it.
+
+    python -m bench.report [results/bench/fedavg.json]   # prints the speed table README.md shows
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import shlex
@@ -14,12 +20,22 @@ import pandas as pd
 
 from bench.common import BenchError, Workload
 from bench.prepare import DEFAULT_CACHE, prepare
-from bench.runner import REPO, flower_python, load_average, run_program
+from bench.runner import (
+    FLOWER_VENV,
+    PFL_VENV,
+    REPO,
+    flower_python,
+    load_average,
+    package_version,
+    pfl_python,
+    run_program,
+)
 
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
-SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_1w", "flower", "flower_2c")
+SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_1w", "flower", "flower_2c", "pfl",
+           "pfl_multiprocess")
 
 
 def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
@@ -31,13 +47,19 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
         return [sys.executable, "-m", "bench.plain_fedavg", *work, "--threads", "1"]
     if system == "flower":
         return [str(flower_python()), "-m", "bench.flower_fedavg", *work, "--client-cpus", "1"]
-    if system == "fedsim":  # the default runtime: one single-thread worker per CPU (2 here)
-        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, *fedsim_args]
+    if system in ("fedsim", "fedsim_ray"):  # the default runtime: one single-thread Ray worker per CPU (2 here)
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "ray", *fedsim_args]
+    if system == "fedsim_local":  # the same workers as plain processes, no Ray
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", *fedsim_args]
     if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--client-cpus", "2", "-o", "runtime.threads=2",
                 *fedsim_args]
     if system == "flower_2c":  # Flower with one actor of 2 CPUs
         return [str(flower_python()), "-m", "bench.flower_fedavg", *work, "--client-cpus", "2"]
+    if system == "pfl":  # one process, both CPUs' threads
+        return [str(pfl_python()), "-m", "bench.pfl_fedavg", *work, "--processes", "1", "--threads", "2"]
+    if system == "pfl_multiprocess":  # two torchrun workers, one thread each
+        return [str(pfl_python()), "-m", "bench.pfl_fedavg", *work, "--processes", "2", "--threads", "1"]
     raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
 
 
@@ -54,6 +76,8 @@ def run_matrix(workloads: dict[str, Workload], systems: list[str], repeat: int, 
     folders = {name: prepare(w, cache, log) for name, w in workloads.items()}
     if any(s.startswith("flower") for s in systems):
         flower_python(log)
+    if any(s.startswith("pfl") for s in systems):
+        pfl_python(log)
     rows = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for rep in range(repeat):
@@ -76,7 +100,8 @@ def run_matrix(workloads: dict[str, Workload], systems: list[str], repeat: int, 
 def medians(df: pd.DataFrame) -> pd.DataFrame:
     """Median over repeats of the successful runs, one row per (config, system)."""
     ok = df[df["status"] == "ok"]
-    keys = ["total_seconds", "startup_seconds", "seconds_per_round", "peak_rss_mb", "final_accuracy"]
+    keys = ["total_seconds", "startup_seconds", "shutdown_seconds", "seconds_per_round", "peak_rss_mb",
+            "final_accuracy"]
     return ok.groupby(["config", "system"], sort=False)[[k for k in keys if k in ok]].median()
 
 
@@ -111,3 +136,127 @@ def failed_runs(df) -> list[str]:
     if not len(bad):
         return []
     return ["", "Failed runs: " + "; ".join(f"{r.config} {r.system}: {r.status} ({r.log})" for r in bad.itertuples())]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# results/bench/fedavg.json and the table rendered from it
+# ---------------------------------------------------------------------------------------------------------
+
+SUMMARY_FIELDS = ("s_per_round", "total_s", "startup_s", "shutdown_s", "peak_rss_mb", "final_accuracy")
+
+
+def shutdown_seconds(row: dict) -> float | None:
+    """End of the last round to exit: the program's own figure, else what is left of the total after start-up and
+    the rounds."""
+    own = row.get("shutdown_seconds")
+    if own is not None and own == own:
+        return float(own)
+    rounds, total, start = row.get("round_seconds"), row.get("total_seconds"), row.get("startup_seconds")
+    if not isinstance(rounds, list) or total is None or start is None or total != total or start != start:
+        return None
+    return round(float(total) - float(start) - sum(rounds), 3)
+
+
+def versions() -> dict[str, str | None]:
+    """Python and the packages each system ran with (None for a system whose venv was never created)."""
+    import numpy
+    import ray
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "ray": ray.__version__, "flwr": package_version(FLOWER_VENV / "bin" / "python", "flwr"),
+            "pfl": package_version(PFL_VENV / "bin" / "python", "pfl")}
+
+
+def summary(df: pd.DataFrame, workloads: dict[str, Workload], argv: list[str], versions: dict) -> dict:
+    """The speed summary: per config and system, the medians over repeats of the successful runs."""
+    configs: dict[str, dict] = {}
+    for name, w in workloads.items():
+        entry: dict = {"workload": {"N": w.num_clients, "K": w.clients_per_round, "R": w.rounds, "model": w.model}}
+        for system, runs in df[df["config"] == name].groupby("system", sort=False):
+            ok = runs[runs["status"] == "ok"]
+            values = {
+                "s_per_round": ok.get("seconds_per_round"), "total_s": ok.get("total_seconds"),
+                "startup_s": ok.get("startup_seconds"),
+                "shutdown_s": pd.Series([shutdown_seconds(r) for r in ok.to_dict("records")], dtype=float),
+                "peak_rss_mb": ok.get("peak_rss_mb"), "final_accuracy": ok.get("final_accuracy")}
+            entry[system] = {k: _median(v) for k, v in values.items()}
+            entry[system].update(runs=len(runs), failed=int((runs["status"] != "ok").sum()),
+                                 load_before=[float(x) for x in runs["load_before"]])
+        configs[name] = entry
+    return {"date": datetime.now().isoformat(timespec="seconds"), "command": "python -m " + " ".join(argv),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                        "processor": platform.processor() or platform.machine()},
+            "versions": versions, "configs": configs}
+
+
+def _median(values) -> float | None:
+    if values is None:
+        return None
+    v = pd.to_numeric(pd.Series(values), errors="coerce").dropna()
+    return round(float(v.median()), 4) if len(v) else None
+
+
+def write_summary(data: dict, stem: str) -> Path:
+    """results/bench/<stem>.json."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{stem}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def read_summary(path: str | Path) -> dict:
+    """A speed summary written by `write_summary`, checked enough to render (bad files: BenchError, one line)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
+        raise BenchError(f"{path}: not a bench summary (no 'configs' mapping)")
+    for name, entry in data["configs"].items():
+        if not isinstance(entry, dict):
+            raise BenchError(f"{path}: configs.{name} must be a mapping")
+        for system, fields in entry.items():
+            if system == "workload":
+                continue
+            if not isinstance(fields, dict) or any(
+                    fields.get(k) is not None and not isinstance(fields.get(k), (int, float)) for k in SUMMARY_FIELDS):
+                raise BenchError(f"{path}: configs.{name}.{system} must map {', '.join(SUMMARY_FIELDS)} to numbers")
+    return data
+
+
+def render_table(data: dict) -> list[str]:
+    """The speed table: one row per config and system, in the summary's order."""
+    versions = data.get("versions") or {}
+    machine = data.get("machine") or {}
+    out = [f"Measured {data.get('date', '?')} on {machine.get('cpus', '?')} CPUs ({machine.get('processor', '?')}); "
+           + ", ".join(f"{k} {v}" for k, v in versions.items() if v) + f"; `{data.get('command', '')}`.", "",
+           "| config | system | s/round | total s | start-up s | shutdown s | peak RSS MB | final accuracy |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, entry in data["configs"].items():
+        w = entry.get("workload") or {}
+        label = f"{name}: {w.get('model', '?')}, N={w.get('N', '?')}, K={w.get('K', '?')}, R={w.get('R', '?')}"
+        for system, f in entry.items():
+            if system == "workload":
+                continue
+            out.append(f"| {label} | {system} | {fmt(f.get('s_per_round'))} | {fmt(f.get('total_s'), 1)} | "
+                       f"{fmt(f.get('startup_s'), 1)} | {fmt(f.get('shutdown_s'), 1)} | "
+                       f"{fmt(f.get('peak_rss_mb'), 0)} | {fmt(f.get('final_accuracy'), 4)} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description="print the speed table of a summary")
+    ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
+    args = ap.parse_args(argv)
+    try:
+        print("\n".join(render_table(read_summary(args.summary))))
+    except BenchError as exc:
+        print(f"bench.report: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
-"""Running the bench programs: Flower's own venv (created on first use), one program run with its log, and its
-RESULT_JSON line read back.
+"""Running the bench programs: Flower's and pfl-research's own venvs (created on first use), one program run with
+its log, and its RESULT_JSON line read back.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 FLOWER_VENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.41.*", "psutil"]
+PFL_VENV = REPO / ".venv-pfl"
+PFL_PINS = ["pfl[pytorch]==0.6.0", "psutil"]
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
@@ -26,17 +28,36 @@ def torch_pin() -> str:
 
 def flower_python(log=print) -> Path:
     """Python of `.venv-flower` (flwr[simulation] pins its own Ray), created on first use."""
-    py = FLOWER_VENV / "bin" / "python"
-    stamp = FLOWER_VENV / ".installed"
+    return bench_venv(FLOWER_VENV, FLOWER_PINS, log)
+
+
+def pfl_python(log=print) -> Path:
+    """Python of `.venv-pfl` (pfl-research with its PyTorch extra), created on first use."""
+    return bench_venv(PFL_VENV, PFL_PINS, log)
+
+
+def bench_venv(venv: Path, pins: list[str], log=print) -> Path:
+    """Python of a system's own venv with `pins` and this venv's torch release, created when missing or unfinished."""
+    py = venv / "bin" / "python"
+    stamp = venv / ".installed"
     if stamp.is_file() and py.is_file():
         return py
     t0 = time.perf_counter()
-    log(f"creating {FLOWER_VENV} (flwr[simulation], {torch_pin()}, psutil; a few minutes, once)")
-    subprocess.run([_base_python(), "-m", "venv", str(FLOWER_VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *FLOWER_PINS, torch_pin()], check=True)
+    log(f"creating {venv} ({', '.join(pins)}, {torch_pin()}; a few minutes, once)")
+    subprocess.run([_base_python(), "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *pins, torch_pin()], check=True)
     stamp.write_text(f"installed in {time.perf_counter() - t0:.0f} s\n")
-    log(f"{FLOWER_VENV} ready in {time.perf_counter() - t0:.0f} s")
+    log(f"{venv} ready in {time.perf_counter() - t0:.0f} s")
     return py
+
+
+def package_version(python: Path, package: str) -> str | None:
+    """The installed version of `package` in the venv of `python` (None when the venv or the package is missing)."""
+    if not Path(python).is_file():
+        return None
+    proc = subprocess.run([str(python), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+                          capture_output=True, text=True, timeout=120)
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
 
 
 def _base_python() -> str:

@@ -1,0 +1,365 @@
+"""The prepared FedAvg workload on pfl-research (`pfl[pytorch]`): its FederatedAveraging algorithm, its simulated
+aggregation backend and its PyTorchModel, doing the same math as the plain loop.
+
+    .venv-pfl/bin/python -m bench.pfl_fedavg --workload <folder from bench.prepare> [--processes 1|2] [--threads N]
+
+Run it from the repository root. `--processes 2` starts two workers through `torchrun` (pfl's documented way to
+run a simulation on several processes: each takes a share of every cohort, and the statistics are summed over
+gloo), one torch thread each; this process launches them, samples the memory of the whole tree and prints the
+RESULT_JSON. What it shares with the other programs:
+- the clients: pfl's user sampler is a callable returning the next user id; `DrawSampler` returns the prepared
+  draws in order, and each user's data set carries its client's shuffle seed;
+- the training: pfl's local loop over `ClientBatches`, which draws a fresh permutation per epoch from the
+  client's seed exactly as `bench.common.train_client` does, with torch's SGD (momentum, no dampening: the same
+  update as `bench.common.sgd_step`) on the model's `loss` (cross-entropy);
+- the averaging: pfl sums the model differences weighted by the clients' sample counts (`WeightByDatapoints`)
+  and applies their mean; the variable map holds every state entry, BatchNorm buffers included, and
+  `ApplyMean` adds the mean to each entry (truncated for the integer batch counter);
+- the evaluation: `bench.common.evaluate` on the test set after every round, in a callback; pfl's per-user
+  evaluation before and after local training is off.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()
+T_START_WALL = time.time()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from bench.common import (  # noqa: E402
+    MLP,
+    BenchError,
+    Prepared,
+    ResNet8,
+    TreeMemSampler,
+    emit_result,
+    evaluate,
+    load_prepared,
+    pss_interval_from_env,
+    round_summary,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------------------
+# The pieces that need no pfl (the tests run them in fedsim's venv)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class DrawSampler:
+    """pfl's user sampler (`() -> user id`): the prepared draws, round after round, each in client-id order.
+
+    pfl may sample ahead of the rounds (its multi-process cohort sampler fills a cache), so after the last round
+    the sequence starts over; those extra ids are never trained.
+    """
+
+    def __init__(self, draws) -> None:
+        self.order = [int(c) for row in draws for c in row]
+        self.calls = 0
+
+    def __call__(self) -> int:
+        cid = self.order[self.calls % len(self.order)]
+        self.calls += 1
+        return cid
+
+
+class ClientBatches:
+    """A client's shard in `bench.common.train_client`'s batch order: every pass draws a fresh permutation from a
+    torch generator seeded with the client's shuffle seed, so pass e of pfl's epoch loop is epoch e of the plain
+    loop."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
+        self.x, self.y = x, y
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(int(seed))
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def epoch(self, batch_size: int) -> Iterator[list[torch.Tensor]]:
+        perm = torch.randperm(len(self.y), generator=self.generator)
+        for start in range(0, len(self.y), batch_size):
+            idx = perm[start:start + batch_size]
+            yield [self.x[idx], self.y[idx]]
+
+
+class PflHooks:
+    """The two methods pfl's PyTorchModel calls on the module: `loss` (training mode, mean cross-entropy, as the
+    plain loop's step) and `metrics` (only for pfl's own evaluations, which this program switches off)."""
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.train()
+        return F.cross_entropy(self(x), y)
+
+    @torch.no_grad()
+    def metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        from pfl.metrics import Weighted
+
+        self.eval()
+        logits = self(x)
+        return {"loss": Weighted(F.cross_entropy(logits, y, reduction="sum").item(), len(y)),
+                "accuracy": Weighted((logits.argmax(1) == y).sum().item(), len(y))}
+
+
+class PflResNet8(PflHooks, ResNet8):
+    """bench.common's ResNet-8 (same state names) with pfl's hooks."""
+
+
+class PflMLP(PflHooks, MLP):
+    """bench.common's MLP (same state names) with pfl's hooks."""
+
+
+def build_pfl_model(name: str) -> nn.Module:
+    """The workload's model with pfl's `loss` and `metrics` methods."""
+    if name == "resnet8":
+        return PflResNet8()
+    if name == "mlp":
+        return PflMLP()
+    raise BenchError(f"model: unknown model {name!r}")
+
+
+def state_variables(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every state entry pfl must average: the trainable parameters (its default variable map) plus all buffers
+    (BatchNorm's running statistics and batch counter), which pfl would otherwise leave out of the mean and carry
+    over from one client to the next."""
+    out = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    out.update(dict(model.named_buffers()))
+    return out
+
+
+def local_optimizer(params, lr: float, momentum: float) -> torch.optim.Optimizer:
+    """The client's fresh optimizer: torch's SGD with momentum and no dampening, `bench.common.sgd_step`'s update."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+class ApplyMean(torch.optim.Optimizer):
+    """pfl's central optimizer: it hands over the mean model difference as `-grad`; this adds it to each entry.
+
+    Unlike torch's SGD it takes integer entries too (their grad is the truncated mean), so the global state is
+    global + mean difference for every entry, BatchNorm buffers included.
+    """
+
+    def __init__(self, tensors) -> None:
+        super().__init__(list(tensors), {"lr": 1.0})  # pfl reports the central learning rate: 1, the mean as is
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for t in group["params"]:
+                if t.grad is not None:
+                    t.sub_(t.grad.to(t.dtype))
+        return None
+
+
+def train_params(p: Prepared) -> dict:
+    """pfl's NNTrainHyperParams for the workload (the local loop's epochs, learning rate and batch size)."""
+    w = p.workload
+    return {"local_num_epochs": w.local_epochs, "local_learning_rate": w.lr, "local_batch_size": w.batch_size}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pfl
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    """What the evaluation callback records (wall clock, so the launcher can compare with its own)."""
+
+    loop_start: float = float("nan")
+    round_end: list[float] = field(default_factory=list)
+    acc: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+
+
+def run_pfl(p: Prepared, threads: int, stats: Stats, log=print) -> dict[str, torch.Tensor]:
+    """All rounds on pfl in this process (one of the torchrun workers when launched so); the final global state."""
+    from pfl.aggregate.simulate import SimulatedBackend
+    from pfl.aggregate.weighting import WeightByDatapoints
+    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
+    from pfl.callback.base import TrainingProcessCallback
+    from pfl.data.dataset import Dataset
+    from pfl.data.federated_dataset import FederatedDataset
+    from pfl.hyperparam import NNTrainHyperParams
+    from pfl.internal.ops.selector import get_default_framework_module
+    from pfl.metrics import Metrics
+    from pfl.model.pytorch import PyTorchModel
+
+    torch.set_num_threads(threads)
+    w = p.workload
+    seeds = {(r, c): s for r in range(w.rounds) for c, s in p.round_clients(r)}
+    drawn = {c for r in range(w.rounds) for c, _ in p.round_clients(r)}
+    sizes = p.shard_sizes()
+
+    class SeededClient(Dataset):
+        """A user's data set whose batches come from `ClientBatches` (fresh seeded permutation per epoch)."""
+
+        def __init__(self, batches: ClientBatches, cid: int) -> None:
+            super().__init__([batches.x, batches.y], user_id=cid)
+            self.batches = batches
+
+        def iter(self, batch_size):  # noqa: A003
+            yield from self.batches.epoch(batch_size)
+
+    current = {"round": 0}  # set as each round starts: a client drawn in several rounds gets each round's seed
+
+    def make_user(cid: int) -> SeededClient:
+        x, y = p.client_data(cid)
+        return SeededClient(ClientBatches(x, y, seeds[(current["round"], cid)]), cid)
+
+    distributed = get_default_framework_module().distributed
+    weights = {c: int(sizes[c]) for c in drawn} if distributed.world_size > 1 else None
+    users = FederatedDataset(make_user, DrawSampler(p.draws), user_id_to_weight=weights)
+    module = build_pfl_model(w.model)
+    module.load_state_dict(p.initial_state())
+    variables = state_variables(module)
+    model = PyTorchModel(module, lambda params, lr: local_optimizer(params, lr, w.momentum),
+                         ApplyMean(variables.values()))
+    model.variable_map.update(variables)  # BatchNorm buffers join the average
+    x_test, y_test = p.test_data()
+    is_main = distributed.global_rank == 0
+
+    class CentralEvaluation(TrainingProcessCallback):
+        """The global model on the test set after every round (main worker), timestamps for the round times."""
+
+        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            if is_main:
+                acc, loss = evaluate(module, x_test, y_test, w.eval_batch_size)
+                stats.acc.append(acc)
+                stats.loss.append(loss)
+                ends = [stats.loop_start, *stats.round_end, time.time()]
+                stats.round_end.append(ends[-1])
+                log(f"[pfl] round {central_iteration + 1}: {ends[-1] - ends[-2]:.3f}s acc={acc:.4f} loss={loss:.4f}")
+            return False, Metrics()
+
+    class NoUserEvaluation(FederatedAveraging):
+        """FedAvg without pfl's per-user evaluation before and after local training (it would double the work)."""
+
+        def get_next_central_contexts(self, model_, iteration, *args, **kwargs):
+            import dataclasses
+
+            current["round"] = iteration
+            contexts, model_, metrics = super().get_next_central_contexts(model_, iteration, *args, **kwargs)
+            if contexts is not None:
+                contexts = tuple(dataclasses.replace(c, do_evaluation=False) for c in contexts)
+            return contexts, model_, metrics
+
+    algorithm_params = NNAlgorithmParams(central_num_iterations=w.rounds, evaluation_frequency=w.rounds + 1,
+                                         train_cohort_size=w.clients_per_round, val_cohort_size=0)
+    backend = SimulatedBackend(training_data=users, val_data=None, postprocessors=[WeightByDatapoints()])
+    stats.loop_start = time.time()
+    NoUserEvaluation().run(algorithm_params=algorithm_params, backend=backend, model=model,
+                           model_train_params=NNTrainHyperParams(**train_params(p)),
+                           callbacks=[CentralEvaluation()], send_metrics_to_platform=False)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def result_fields(p: Prepared, stats: Stats) -> dict:
+    """The fields the main worker measured (round times from its evaluation callback)."""
+    w = p.workload
+    ends = [stats.loop_start, *stats.round_end]
+    return {"round_times": [b - a for a, b in zip(ends, ends[1:])], "loop_start": stats.loop_start,
+            "last_round_end": stats.round_end[-1] if stats.round_end else None,
+            "samples": [int(p.shard_sizes()[p.draws[r]].sum()) for r in range(len(stats.round_end))],
+            "final_accuracy": round(stats.acc[-1], 4) if stats.acc else None,
+            "final_loss": round(stats.loss[-1], 4) if stats.loss else None, "rounds_done": len(stats.round_end),
+            "R": w.rounds}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.pfl_fedavg", description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
+    ap.add_argument("--processes", type=int, default=1, choices=[1, 2], help="1: one process; 2: torchrun workers")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: 2 for one process, 1 each "
+                                                            "for two)")
+    ap.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)  # set by the launcher for its workers
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    args.threads = args.threads or (2 if args.processes == 1 else 1)
+    return args
+
+
+def worker(args: argparse.Namespace) -> int:
+    """One torchrun worker: run pfl; the main one writes what it measured for the launcher."""
+    p = load_prepared(args.workload)
+    stats = Stats()
+    run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(args.worker_result).write_text(json.dumps(result_fields(p, stats)))
+    return 0
+
+
+def launch(args: argparse.Namespace) -> dict:
+    """Start `torchrun` with two workers on this host and read the main worker's measurements back."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.is_file():
+        raise BenchError(f"{torchrun}: not found; --processes 2 needs pfl's venv with torch")
+    with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
+        out = Path(tmp) / "worker.json"
+        cmd = [str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", str(args.processes), "-m",
+               "bench.pfl_fedavg", "--workload", str(args.workload), "--threads", str(args.threads),
+               "--worker-result", str(out)]
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PFL_PYTORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+               "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": path}
+        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
+        if rc != 0 or not out.is_file():
+            raise BenchError(f"torchrun workers failed (exit {rc}); see the output above")
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.worker_result:
+        return worker(args)
+    try:
+        sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
+        sampler.start()
+        p = load_prepared(args.workload)
+        w = p.workload
+        print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
+              f"processes={args.processes} threads={args.threads}", flush=True)
+        if args.processes == 1:
+            os.environ.setdefault("PFL_PYTORCH_DEVICE", "cpu")
+            stats = Stats()
+            run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
+            measured = result_fields(p, stats)
+        else:
+            measured = launch(args)
+    except BenchError as exc:
+        print(f"pfl_fedavg: error: {exc}", file=sys.stderr)
+        return 2
+    t_done = time.perf_counter()
+    t_done_wall = time.time()
+    sampler.stop()
+    import pfl
+
+    emit_result({
+        "system": "pfl" if args.processes == 1 else "pfl_multiprocess", "tag": args.tag, "pfl": pfl.__version__,
+        "N": w.num_clients, "K": w.clients_per_round, "R": w.rounds, "E": w.local_epochs, "model": w.model,
+        "processes": args.processes, "threads": args.threads,
+        "startup_seconds": round(measured["loop_start"] - T_START_WALL, 3),
+        "shutdown_seconds": round(t_done_wall - measured["last_round_end"], 3) if measured["last_round_end"] else None,
+        **round_summary(measured["round_times"], measured["samples"], T_START, t_done),
+        **sampler.fields(),
+        "final_accuracy": measured["final_accuracy"], "final_loss": measured["final_loss"], "pid": os.getpid(),
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
