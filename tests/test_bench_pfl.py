@@ -13,7 +13,6 @@ import torch
 from bench import pfl_fedavg, plain_fedavg, report
 from bench.common import BenchError, build_model, evaluate, load_prepared
 from bench.prepare import prepare
-from bench.runner import PFL_VENV
 from tests.conftest import ROOT
 from tests.test_bench import TINY
 
@@ -151,21 +150,3 @@ def test_report_refuses_a_bad_summary_with_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == f"bench.report: error: {bad}: configs.A.pfl must map s_per_round, total_s, " \
                                   "startup_s, shutdown_s, peak_rss_mb, final_accuracy to numbers"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (PFL_VENV / ".installed").is_file(), reason="needs .venv-pfl (created by `make bench`)")
-@pytest.mark.parametrize("processes", [1, 2])
-def test_pfl_program_ends_where_the_plain_loop_does(processes, cache, tmp_path):
-    """pfl itself, one process and two torchrun workers, on a tiny ResNet-8 workload: the plain loop's accuracy."""
-    p = load_prepared(prepare(TINY["resnet8"], cache))
-    plain = plain_fedavg.run(p, threads=1, log=lambda m: None)
-    proc = subprocess.run([str(PFL_VENV / "bin" / "python"), "-m", "bench.pfl_fedavg", "--workload", str(p.folder),
-                           "--processes", str(processes), "--threads", "1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT_JSON ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
-    res = json.loads(lines[-1][len("RESULT_JSON "):])
-    assert res["final_accuracy"] == round(plain.accuracy[-1], 4)
-    assert res["final_loss"] == pytest.approx(round(plain.loss[-1], 4), abs=2e-4)
-    assert res["R"] == 2 and len(res["round_seconds"]) == 2 and res["startup_seconds"] > 0
