@@ -184,9 +184,19 @@ class RayBackend:
         self.workers[index] = self._create(index)
         self.placement[index] = self._ping([index])[0]
 
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        """ray.get with the round timeout: a hung or dead actor is one FedsimError naming `what`, not a hang."""
+        limit = self.cfg.runtime.round_timeout_s
+        try:
+            return ray.get(refs, timeout=limit)
+        except GetTimeoutError:
+            raise FedsimError(f"{what}: no answer within runtime.round_timeout_s={limit}") from None
+        except (RayActorError, RayTaskError) as exc:
+            raise FedsimError(f"{what} failed: {_short(exc)}") from None
+
     def export_states(self) -> dict[int, Any]:
         out: dict[int, Any] = {}
-        for part in ray.get([w.export_states.remote() for w in self.workers]):
+        for part in self._get([w.export_states.remote() for w in self.workers], "collecting client states"):
             out.update(part)
         return out
 
@@ -194,16 +204,19 @@ class RayBackend:
         from fedsim.runtime.loop import owner
 
         targets = workers if workers is not None else range(self.num_workers)
-        ray.get([self.workers[i].load_states.remote({c: s for c, s in states.items()
-                                                     if owner(c, self.num_workers) == i}) for i in targets])
+        self._get([self.workers[i].load_states.remote({c: s for c, s in states.items()
+                                                       if owner(c, self.num_workers) == i}) for i in targets],
+                  "restoring client states")
 
     def rss_bytes(self) -> list[int]:
         """Resident memory of each actor (workers, then the server; the driver's when it hosts the server)."""
         if isinstance(self._server, Server):
             import psutil
 
-            return ray.get([w.rss_bytes.remote() for w in self.workers]) + [psutil.Process().memory_info().rss]
-        return ray.get([w.rss_bytes.remote() for w in self.workers] + [self._server.rss_bytes.remote()])
+            return self._get([w.rss_bytes.remote() for w in self.workers], "measuring memory") \
+                + [psutil.Process().memory_info().rss]
+        return self._get([w.rss_bytes.remote() for w in self.workers] + [self._server.rss_bytes.remote()],
+                         "measuring memory")
 
     def shutdown(self) -> None:
         for actor in self.workers + ([self._server] if self._server is not None and

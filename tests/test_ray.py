@@ -151,6 +151,45 @@ if status != JobStatus.SUCCEEDED:
 """
 
 
+def test_a_hung_or_dead_worker_cannot_hang_a_checkpoint_or_a_restore(ray_local, make_config):
+    """State export/import and memory probes wait at most runtime.round_timeout_s, then fail in one line."""
+    import ray
+
+    from fedsim.errors import FedsimError
+
+    @ray.remote(num_cpus=0)
+    class Stuck:
+        def export_states(self):
+            time.sleep(60)
+
+        def load_states(self, states):
+            time.sleep(60)
+
+        def rss_bytes(self):
+            raise RuntimeError("worker lost its process table")
+
+        def ready(self):
+            return True
+
+    backend = RayBackend()
+    backend.cfg = make_config("runtime.round_timeout_s=1")
+    actors = []
+    for call, message in [(lambda: backend.export_states(), "collecting client states: no answer within "
+                                                            "runtime.round_timeout_s=1"),
+                          (lambda: backend.load_states({0: {}}), "restoring client states: no answer within"),
+                          (lambda: backend.rss_bytes(), "measuring memory failed: .*lost its process table")]:
+        backend.workers = [Stuck.remote()]  # a fresh actor: a stuck one serves its calls in order
+        ray.get(backend.workers[0].ready.remote())  # started, so the 1 s limit measures the call alone
+        backend._server = backend.workers[0]
+        actors.append(backend.workers[0])
+        t0 = time.monotonic()
+        with pytest.raises(FedsimError, match=message) as err:
+            call()
+        assert "\n" not in str(err.value) and time.monotonic() - t0 < 20
+    for actor in actors:
+        ray.kill(actor)
+
+
 def test_job_submission_on_a_loopback_head(tmp_path):
     ray_bin = Path(sys.executable).parent / "ray"
     temp = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
