@@ -30,11 +30,24 @@ class AggregationError(FedsimError):
 
 
 class ClientFailedError(FedsimError):
-    """A client step raised; carries round, client id and stage so the failure can be attributed."""
+    """A client step raised: which client, round and phase, and the original error's type, message and the last
+    frames of its traceback. Plain strings only, so it pickles across Ray's process boundary unchanged."""
 
-    def __init__(self, message: str, round: int = -1, client_id: int = -1, stage: str = "") -> None:
-        super().__init__(message)
-        self.round, self.client_id, self.stage = round, client_id, stage
+    def __init__(self, client_id: int, round: int, phase: str, error_type: str, error_message: str,
+                 traceback: str = "") -> None:
+        first = (error_message.strip().splitlines() or [""])[0]
+        super().__init__(f"client {client_id} failed in round {round}, phase {phase!r}: {error_type}: {first}")
+        self.client_id, self.round, self.phase = client_id, round, phase
+        self.error_type, self.error_message, self.traceback = error_type, error_message, traceback
+
+    @classmethod
+    def wrap(cls, exc: BaseException, client_id: int, round: int, phase: str, frames: int = 5) -> ClientFailedError:
+        """The failure of `client_id` in (`round`, `phase`) that `exc` caused, with its innermost `frames` frames."""
+        import traceback
+
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-frames))
+        return cls(client_id, round, phase, type(exc).__name__, str(exc)[:2000], tb[-4000:])
 
     def __reduce__(self):  # picklable across Ray process boundaries
-        return (type(self), (self.args[0], self.round, self.client_id, self.stage))
+        return (type(self), (self.client_id, self.round, self.phase, self.error_type, self.error_message,
+                             self.traceback))

@@ -22,7 +22,16 @@ from fedsim.io import atomic_write, atomic_write_text
 ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers", "failures",
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
 CLIENT_COLUMNS = ["round", "phase", "client", "worker", "arch", "samples", "status", "virtual_duration",
-                  "bytes_up", "bytes_down", "wall_s"]
+                  "bytes_up", "bytes_down", "wall_s", "error", "error_type", "error_message", "error_traceback"]
+
+
+def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[str, str]:
+    """A failed client's columns in clients.parquet (present once any client failed): `error`, one line
+    "Type: message"; `error_type` and `error_message`, the original exception's; `error_traceback`, its last frames.
+    A client whose whole worker was lost carries the worker's error."""
+    first = (message.strip().splitlines() or [""])[0]
+    return {"error": f"{error_type}: {first}"[:500], "error_type": error_type, "error_message": message,
+            "error_traceback": traceback}
 
 
 def write_table(rows: list[dict], path: Path, columns: list[str]) -> None:

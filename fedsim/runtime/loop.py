@@ -20,7 +20,7 @@ from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.checkpoint import load_run_checkpoint, save_checkpoint
 from fedsim.config import RunConfig
 from fedsim.errors import CheckpointError, FedsimError
-from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, read_table, write_meta, write_table
+from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, failure_columns, read_table, write_meta, write_table
 from fedsim.runtime.clock import Schedule, durations, make_profiles, sample_round, schedule
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
 from fedsim.runtime.setup import Partition, client_archs, load_data, make_partition
@@ -242,11 +242,12 @@ class Simulation:
         for w, reply in sorted(replies.items()):
             for o in reply.outcomes:
                 extra = {k: float(v) for k, v in o.result.metrics.items()} if o.result is not None else {}
-                if o.status == "failed":
-                    extra["error"] = o.error.splitlines()[0] if o.error else ""
+                if o.status == "failed" and o.error is not None:
+                    extra.update(failure_columns(o.error.error_type, o.error.error_message, o.error.traceback))
                 rows.append(row(o.client_id, w, o.status, o.bytes_up, o.seconds, **extra))
         for w, err in sorted(failed.items()):
-            rows.extend(row(c, w, "failed", 0, math.nan, error=err) for c in assignments.get(w, []))
+            rows.extend(row(c, w, "failed", 0, math.nan, **failure_columns("WorkerError", err))
+                        for c in assignments.get(w, []))
             self.replace_worker(w)
         if skip:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
+from fedsim.errors import ClientFailedError
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
@@ -50,7 +50,7 @@ class ClientOutcome:
     result: ClientResult | None = None
     bytes_up: int = 0
     seconds: float = 0.0
-    error: str = ""
+    error: ClientFailedError | None = None  # why a failed client failed
 
 
 @dataclass
@@ -116,7 +116,7 @@ class ClientWorker:
                 _check_weight(res, cid)
             except Exception as exc:  # one client's failure must not sink the round
                 outcomes.append(ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
-                                              error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+                                              error=ClientFailedError.wrap(exc, cid, round, phase.name)))
                 continue
             status = "late" if cid in late_set else "ok"
             up = state_nbytes(res.payload)
