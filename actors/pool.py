@@ -1,8 +1,10 @@
 """The Ray backend: sizes the worker pool from the cluster, creates the actors, moves each phase's messages.
 
 The dataset and partition are `ray.put` once and every worker maps them zero-copy; each phase's common
-broadcast is put once and all workers get the same reference. Every wait has a timeout; a worker that
-dies or hangs costs only its clients' results for that phase, and is replaced.
+broadcast is put once and all workers get the same reference. Every wait has a timeout taken from the config
+(runtime.startup_timeout_s while actors start, runtime.round_timeout_s afterwards): a worker that dies or
+hangs in a phase costs only its clients' results for that phase, and is replaced; any other call that hangs
+or fails is one FedsimError naming it.
 
 The server is a ServerActor when it reserves resources (runtime.server_gpus or runtime.server_cpus > 0).
 Without a reservation it is hosted in the driver: the loop is synchronous, so a separate process would
@@ -24,12 +26,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.client_worker import ClientWorkerActor
 from actors.reaper import watch
 from actors.server_actor import ServerActor
-from fedsim.algorithms.base import Broadcast, Phase
+from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
+from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
-
-STARTUP_TIMEOUT_S = 600.0
 
 
 def size_pool(cfg, nodes: list[dict[str, float]]) -> int:
@@ -85,6 +86,61 @@ def init_ray(address: str | None) -> None:
         watch(node.get_session_dir_path())
 
 
+def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
+    """ray.get with a timeout: a hung or dead actor is one FedsimError naming `what` and the `knob` that limits it;
+    a FedsimError the actor raised is passed on as it is."""
+    try:
+        return ray.get(refs, timeout=limit)
+    except GetTimeoutError:
+        raise FedsimError(f"{what}: no answer within {knob}={limit}") from None
+    except RayTaskError as exc:
+        if isinstance(getattr(exc, "cause", None), FedsimError):
+            raise exc.cause from None
+        raise FedsimError(f"{what} failed: {_short(exc)}") from None
+    except RayActorError as exc:
+        raise FedsimError(f"{what} failed: {_short(exc)}") from None
+
+
+class RemoteServer:
+    """The ServerAPI of a ServerActor: every call waits at most runtime.round_timeout_s (the first ping, while the
+    actor builds its state, runtime.startup_timeout_s)."""
+
+    def __init__(self, actor: Any, cfg) -> None:
+        self.actor, self.rt = actor, cfg.runtime
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return wait_for(getattr(self.actor, method).remote(*args), f"server {method}", self.rt.round_timeout_s,
+                        "runtime.round_timeout_s")
+
+    def ping(self) -> dict:
+        return wait_for(self.actor.ping.remote(), "server actor start", self.rt.startup_timeout_s,
+                        "runtime.startup_timeout_s")
+
+    def phases(self, round: int) -> list[Phase]:
+        return self._call("phases", round)
+
+    def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply:
+        return self._call("broadcast", phase, info)
+
+    def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
+        return self._call("step", phase, replies, info)
+
+    def evaluate(self) -> EvalReply:
+        return self._call("evaluate")
+
+    def finished(self, round: int) -> bool:
+        return self._call("finished", round)
+
+    def get_state(self) -> Any:
+        return self._call("get_state")
+
+    def set_state(self, state: Any) -> None:
+        self._call("set_state", state)
+
+    def rss_bytes(self) -> int:
+        return self._call("rss_bytes")
+
+
 class RayBackend:
     """Workers as Ray actors pinned to CPU/GPU fractions, and a ServerActor."""
 
@@ -95,7 +151,8 @@ class RayBackend:
         self._requested = num_workers
         self.workers: list[Any] = []
         self.placement: list[dict] = []
-        self._server: Any = None
+        self.server: ServerAPI | None = None
+        self.server_placement: dict = {}
         self._started_ray = False
 
     @property
@@ -118,13 +175,14 @@ class RayBackend:
         self._spill = str(Path(rt.spill_dir or Path(run_dir).resolve() / "spill"))
         self.workers = [self._create(i) for i in range(n)]  # they boot while the server is built
         if rt.server_gpus > 0 or rt.server_cpus > 0:
-            self._server = ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus,
-                                      max_restarts=0)(self.server_cls).remote(cfg, *self._refs)
+            self.server = RemoteServer(ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus, max_restarts=0)(
+                self.server_cls).remote(cfg, *self._refs), cfg)
         else:
             # zero-copy views of the object store, so the driver's own copy of the data can be freed
-            self._server = Server(cfg, ray.get(self._refs[0]), part, meta, device="cpu", threads=rt.threads or 1)
+            shared = wait_for(self._refs[0], "sharing the dataset", rt.startup_timeout_s, "runtime.startup_timeout_s")
+            self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or 1)
         self.placement = self._ping(list(range(n)))
-        self.server("ping")
+        self.server_placement = self.server.ping()
 
     def _create(self, i: int) -> Any:
         rt = self.cfg.runtime
@@ -132,29 +190,24 @@ class RayBackend:
         return cls.remote(self.cfg, *self._refs, i, spill_dir=f"{self._spill}/w{i}")
 
     def _ping(self, indices: list[int]) -> list[dict]:
+        """Placement facts of the workers `indices` once they answer; the ones that do not start in
+        runtime.startup_timeout_s are named in one FedsimError (every worker is stopped then)."""
+        limit = self.cfg.runtime.startup_timeout_s
+        refs = [self.workers[i].ping.remote() for i in indices]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
         try:
-            return ray.get([self.workers[i].ping.remote() for i in indices], timeout=STARTUP_TIMEOUT_S)
-        except (GetTimeoutError, RayActorError, RayTaskError) as exc:
+            if pending:
+                hung = [i for i, ref in zip(indices, refs, strict=True) if ref in pending]
+                raise FedsimError(f"client worker{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} did not "
+                                  f"start: no answer within runtime.startup_timeout_s={limit}")
+            return wait_for(refs, "client worker start", limit, "runtime.startup_timeout_s")
+        except FedsimError:
             for w in self.workers:
                 ray.kill(w, no_restart=True)
-            raise FedsimError(f"client workers failed to start: {_short(exc)}") from exc
+            raise
 
     def describe(self) -> dict:
-        return {"placement": self.placement}
-
-    def server(self, method: str, *args: Any) -> Any:
-        if isinstance(self._server, Server):  # hosted in the driver
-            return getattr(self._server, method)(*args)
-        try:
-            return ray.get(getattr(self._server, method).remote(*args), timeout=self.cfg.runtime.round_timeout_s)
-        except RayTaskError as exc:
-            cause = exc.as_instanceof_cause()
-            if isinstance(cause, FedsimError):
-                raise cause from None
-            raise FedsimError(f"server {method} failed: {_short(exc)}") from exc
-        except GetTimeoutError:
-            raise FedsimError(f"server {method} did not answer within runtime.round_timeout_s="
-                              f"{self.cfg.runtime.round_timeout_s}") from None
+        return {"placement": self.placement, "server": self.server_placement}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int],
@@ -171,12 +224,16 @@ class RayBackend:
         replies, failed = {}, {}
         for w, ref in futures.items():
             if ref in pending:  # hung: the loop replaces (kills) this worker
-                failed[w] = f"no reply within runtime.round_timeout_s={timeout}"
+                failed[w] = WorkerFailure("TimeoutError", f"no reply within runtime.round_timeout_s={timeout}")
                 continue
             try:
-                replies[w] = ray.get(ref)
-            except (RayActorError, RayTaskError) as exc:
-                failed[w] = _short(exc)
+                replies[w] = ray.get(ref, timeout=timeout)  # ready: returns at once
+            except RayTaskError as exc:  # the worker itself raised
+                cause = getattr(exc, "cause", None)
+                failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
+                                          str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])
+            except (RayActorError, GetTimeoutError) as exc:
+                failed[w] = WorkerFailure(type(exc).__name__, _short(exc))
         return replies, failed
 
     def restart_worker(self, index: int) -> None:
@@ -186,13 +243,7 @@ class RayBackend:
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         """ray.get with the round timeout: a hung or dead actor is one FedsimError naming `what`, not a hang."""
-        limit = self.cfg.runtime.round_timeout_s
-        try:
-            return ray.get(refs, timeout=limit)
-        except GetTimeoutError:
-            raise FedsimError(f"{what}: no answer within runtime.round_timeout_s={limit}") from None
-        except (RayActorError, RayTaskError) as exc:
-            raise FedsimError(f"{what} failed: {_short(exc)}") from None
+        return wait_for(refs, what, self.cfg.runtime.round_timeout_s, "runtime.round_timeout_s")
 
     def export_states(self) -> dict[int, Any]:
         out: dict[int, Any] = {}
@@ -210,22 +261,22 @@ class RayBackend:
 
     def rss_bytes(self) -> list[int]:
         """Resident memory of each actor (workers, then the server; the driver's when it hosts the server)."""
-        if isinstance(self._server, Server):
-            import psutil
+        if isinstance(self.server, RemoteServer):
+            return self._get([w.rss_bytes.remote() for w in self.workers] + [self.server.actor.rss_bytes.remote()],
+                             "measuring memory")
+        import psutil
 
-            return self._get([w.rss_bytes.remote() for w in self.workers], "measuring memory") \
-                + [psutil.Process().memory_info().rss]
-        return self._get([w.rss_bytes.remote() for w in self.workers] + [self._server.rss_bytes.remote()],
-                         "measuring memory")
+        return self._get([w.rss_bytes.remote() for w in self.workers], "measuring memory") \
+            + [psutil.Process().memory_info().rss]
 
     def shutdown(self) -> None:
-        for actor in self.workers + ([self._server] if self._server is not None and
-                                     not isinstance(self._server, Server) else []):
+        server_actor = [self.server.actor] if isinstance(self.server, RemoteServer) else []
+        for actor in self.workers + server_actor:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 continue
-        self.workers, self._server = [], None
+        self.workers, self.server = [], None
         if self._started_ray:
             ray.shutdown()
 

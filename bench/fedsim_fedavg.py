@@ -27,6 +27,7 @@ from bench.common import (  # noqa: E402
     pss_interval_from_env,
     round_summary,
 )
+from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo  # noqa: E402
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -55,12 +56,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+class BenchClock(Callback):
+    """The callback that timestamps each round's end (its tables and checkpoint written) and prints its line."""
+
+    def __init__(self) -> None:
+        self.t_loop = time.perf_counter()
+        self.marks: list[float] = []
+        self.rows: list[dict] = []
+        self.backend: dict = {}
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.backend = run.backend
+        self.t_loop = time.perf_counter()
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        since = self.marks[-1] if self.marks else self.t_loop
+        self.marks.append(time.perf_counter())
+        row = rows.row
+        self.rows.append(row)
+        print(f"[fedsim] round {round + 1}: {self.marks[-1] - since:.3f}s "
+              f"(clients {row.get('wall_clients_s', 0):.3f}s, "
+              f"server {row.get('wall_server_s', 0):.3f}s, eval {row.get('wall_eval_s', 0):.3f}s) "
+              f"acc={row.get('accuracy', float('nan')):.4f}", flush=True)
+
+
 def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler) -> int:
-    """Set up the engine on the prepared folder, run every round, print RESULT_JSON."""
-    from bench.workload import BenchSimulation, make_config
-    from fedsim.config import save_config
-    from fedsim.results import write_meta
-    from fedsim.runtime.loop import new_run_dir
+    """Run the prepared workload through fedsim's driver, every round, and print RESULT_JSON."""
+    from bench.workload import make_config, prepared_inputs
+    from fedsim.runtime.loop import run
     from jobs.cli import make_backend
 
     overrides = [f"runtime.backend={args.backend}"] + (
@@ -68,41 +91,23 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler) -> int:
     cfg = make_config(w, overrides)
     print(f"[fedsim] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
           f"backend={cfg.runtime.backend} client_cpus={cfg.runtime.client_cpus}", flush=True)
-    backend = make_backend(cfg, args.workers)
-    run_dir = new_run_dir(cfg)
-    save_config(cfg, run_dir / "config.yaml")
-    marks: list[float] = []
-    rows: list[dict] = []
-    t_loop = time.perf_counter()
-
-    def progress(r: int, row: dict) -> None:
-        marks.append(time.perf_counter())
-        rows.append(row)
-        print(f"[fedsim] round {r + 1}: {marks[-1] - (marks[-2] if len(marks) > 1 else t_loop):.3f}s "
-              f"(clients {row.get('wall_clients_s', 0):.3f}s, server {row.get('wall_server_s', 0):.3f}s, "
-              f"eval {row.get('wall_eval_s', 0):.3f}s) acc={row.get('accuracy', float('nan')):.4f}", flush=True)
-
-    sim = BenchSimulation(cfg, backend, run_dir, args.workload, progress)
-    try:
-        sim.setup()
-        write_meta(run_dir, {"backend": type(backend).__name__, "num_workers": backend.num_workers,
-                             "startup_s": sim.startup_s, **getattr(backend, "describe", lambda: {})()})
-        t_loop = time.perf_counter()
-        sim.run()
-    finally:
-        backend.shutdown()
+    p = load_prepared(args.workload)
+    sizes, draws = p.shard_sizes(), p.draws
+    del p
+    clock = BenchClock()
+    run_dir = run(cfg, make_backend(cfg, args.workers), callbacks=[clock], inputs=prepared_inputs(cfg, args.workload))
     t_done = time.perf_counter()
     sampler.stop()
+    marks, rows, t_loop = clock.marks, clock.rows, clock.t_loop
     starts = [t_loop] + marks[:-1]
     round_times = [b - a for a, b in zip(starts, marks, strict=True)]
-    sizes = sim.part.train.lengths()
-    samples = [int(sizes[d].sum()) for d in sim.draws[:len(rows)]]
+    samples = [int(sizes[d].sum()) for d in draws[:len(rows)]]
     emit_result({
         "system": "fedsim", "tag": args.tag, "N": w.num_clients, "K": w.clients_per_round, "R": w.rounds,
         "E": w.local_epochs, "model": w.model, "backend": cfg.runtime.backend,
-        "workers": backend.num_workers or None, "client_cpus": cfg.runtime.client_cpus,
+        "workers": clock.backend.get("num_workers") or None, "client_cpus": cfg.runtime.client_cpus,
         "startup_seconds": round(t_loop - T_START, 3),
-        "backend_start_seconds": round(sim.startup_s, 3),
+        "backend_start_seconds": round(clock.backend.get("startup_s", float("nan")), 3),
         "shutdown_seconds": round(t_done - marks[-1], 3) if marks else None,
         **round_summary(round_times, samples, T_START, t_done),
         "client_compute_seconds": [round(float(r.get("wall_clients_s", 0)), 3) for r in rows],

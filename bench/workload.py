@@ -1,22 +1,21 @@
-"""The bench's FedAvg workload in fedsim terms: configs A, B, C, the run config, and a Simulation that takes the
+"""The bench's FedAvg workload in fedsim terms: configs A, B, C, the run config, and the run `Inputs` that take the
 prepared folder's data, partition, client draws and initial weights.
 
-Everything else (workers, messages, the shuffle seeds each worker derives, reduction, evaluation, result
-tables, checkpoints) is fedsim's normal path; `BenchSimulation` only swaps the inputs.
+Everything else (the driver, workers, messages, the shuffle seeds each worker derives, reduction, evaluation,
+result tables, checkpoints) is fedsim's normal path; only the inputs differ.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bench.common import BenchError, Prepared, Workload, load_prepared
 from bench.prepare import MODEL_OPTIONS, REPO
 from fedsim.config import RunConfig, load_config
-from fedsim.runtime import loop
-from fedsim.runtime.loop import Simulation
+from fedsim.runtime.loop import Inputs
 from fedsim.runtime.setup import Partition, Ragged, client_seed
 
 BASE_CONFIG = REPO / "configs" / "bench" / "fedavg.yaml"
@@ -64,49 +63,25 @@ def check_seeds(p: Prepared) -> None:
                                  "derives another; delete the folder and prepare it again")
 
 
-@contextmanager
-def _replaced(module, **names):
-    """Temporarily rebind module-level names (the loop's data, partition and sampling functions)."""
-    old = {k: getattr(module, k) for k in names}
-    for k, v in names.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
+def prepared_inputs(cfg: RunConfig, folder: str | Path) -> Inputs:
+    """What a fedsim run of `cfg` starts from on a prepared folder: its data, client shards, per-round draws and
+    initial global weights (checked against fedsim's own model)."""
+    folder = Path(folder)
+    p = load_prepared(folder)
+    check_seeds(p)
+    if cfg.model.name != p.workload.model or cfg.data.num_clients != p.workload.num_clients:
+        raise BenchError(f"{folder}: the run config does not match workload.json (model, num_clients)")
+    draws, init = p.draws, p.initial_state()
+    # the run takes the only reference to the images, so the driver drops them once they are shared
+    pending, part = [bench_dataset(p)], bench_partition(p)
+    del p
 
-
-class BenchSimulation(Simulation):
-    """A Simulation whose data, partition, client draws and initial global model come from a prepared folder.
-
-    The engine's own `setup` and `run_round` run unchanged; only the three functions they call to load data,
-    partition it and draw a round's clients are swapped while they run, and the server starts from init.pt.
-    """
-
-    def __init__(self, cfg: RunConfig, backend, run_dir: Path, folder: str | Path, progress=None) -> None:
-        super().__init__(cfg, backend, run_dir, progress)
-        self.folder = Path(folder)
-        self.draws: np.ndarray | None = None
-
-    def setup(self) -> None:
-        p = load_prepared(self.folder)
-        check_seeds(p)
-        if self.cfg.model.name != p.workload.model or self.cfg.data.num_clients != p.workload.num_clients:
-            raise BenchError(f"{self.folder}: the run config does not match workload.json (model, num_clients)")
-        self.draws, init = p.draws, p.initial_state()
-        # the loop's `load_data` takes the only reference to the images, so the driver drops them once shared
-        pending, part = [bench_dataset(p)], bench_partition(p)
-        del p
-        with _replaced(loop, load_data=lambda cfg: pending.pop(), make_partition=lambda cfg, d: part):
-            super().setup()
-        state = self.backend.server("get_state")
-        built = state.models[self.cfg.model.name]
+    def initial_state(state: Any) -> Any:
+        built = state.models[cfg.model.name]
         if {k: tuple(v.shape) for k, v in built.items()} != {k: tuple(v.shape) for k, v in init.items()}:
-            raise BenchError(f"{self.folder / 'init.pt'}: its tensors are not those of fedsim's {self.cfg.model.name}")
-        state.models[self.cfg.model.name] = {k: v.to(built[k].dtype) for k, v in init.items()}
-        self.backend.server("set_state", state)
+            raise BenchError(f"{folder / 'init.pt'}: its tensors are not those of fedsim's {cfg.model.name}")
+        state.models[cfg.model.name] = {k: v.to(built[k].dtype) for k, v in init.items()}
+        return state
 
-    def run_round(self, r: int):
-        with _replaced(loop, sample_round=lambda cfg, rnd, profiles: self.draws[rnd]):
-            return super().run_round(r)
+    return Inputs(data=lambda cfg: pending.pop(), partition=lambda cfg, data: part,
+                  draw=lambda cfg, rnd, profiles: draws[rnd], initial_state=initial_state)

@@ -119,7 +119,11 @@ class RuntimeConfig:
     server_gpus: float = knob(0.0, ge=0, le=MAX_GPUS, doc="GPU fraction of the server actor")
     threads: int | None = knob(None, ge=1, le=MAX_THREADS, doc="torch threads per worker; default: its CPU share")
     round_timeout_s: float = knob(1800.0, gt=0, le=MAX_SECONDS,
-                                  doc="wall-clock limit of one phase; late workers count as failed")
+                                  doc="wall-clock limit of one phase (late workers count as failed) and, on Ray, of "
+                                  "each server call and client-state transfer")
+    startup_timeout_s: float = knob(600.0, gt=0, le=MAX_SECONDS,
+                                    doc="on Ray, wall-clock limit for the client workers and the server actor to "
+                                    "start and answer their first call")
     cache_bytes: int | None = knob(None, ge=0, le=MAX_BYTES,
                                    doc="per-worker cache for personal client state; spills to disk")
     spill_dir: str | None = knob(None, doc="where spilled client state goes; default: inside the run folder")

@@ -51,3 +51,7 @@ class ClientFailedError(FedsimError):
     def __reduce__(self):  # picklable across Ray process boundaries
         return (type(self), (self.client_id, self.round, self.phase, self.error_type, self.error_message,
                              self.traceback))
+
+
+class CallbackError(FedsimError):
+    """A run callback raised; the message names the callback, the hook, the round and the original error."""

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fedsim.errors import ConfigError, FedsimError
+from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
 
 
@@ -45,21 +46,6 @@ def make_backend(cfg, workers: int | None = None):
     from actors import RayBackend
 
     return RayBackend(num_workers=workers)
-
-
-def progress_bar(total: int, start: int = 0):
-    """A tqdm bar over rounds, showing the latest accuracy; returns (callback, bar)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True, file=sys.stderr)
-
-    def update(r: int, row: dict) -> None:
-        acc = row.get("accuracy")
-        if acc is not None and acc == acc:
-            bar.set_postfix(acc=f"{acc:.4f}", arrived=row.get("arrived"))
-        bar.update(1)
-
-    return update, bar
 
 
 def print_summary(run_dir: Path) -> None:
@@ -102,8 +88,18 @@ def _after_last_round(rounds_table: Path) -> str:
     return f" after round {int(kept.max())}" if len(kept) else ""
 
 
+class _Started(Callback):
+    """Remembers the run folder, for the line that says how to resume an interrupted run."""
+
+    run_dir: Path | None = None
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.run_dir = run.run_dir
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.config import load_config
+    from fedsim.runtime.callbacks import ProgressBar
     from fedsim.runtime.loop import run
     from fedsim.runtime.rundir import resume_config
 
@@ -117,26 +113,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.override)
     if args.backend:
         cfg.runtime.backend = args.backend
-    update, bar = progress_bar(cfg.rounds) if not args.quiet else (None, None)
-    where: dict = {"run_dir": None}
+    started = _Started()
     try:
         run_dir = run(cfg if not args.resume else None, backend=make_backend(cfg, args.workers),
-                      resume=args.resume, progress=update, on_start=lambda d: where.update(run_dir=d))
+                      resume=args.resume, callbacks=[started] + ([] if args.quiet else [ProgressBar()]))
     except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
         word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
                                                                                       INTERRUPTED_EXIT_CODE)
-        saved = (where["run_dir"] or args.resume) and (Path(where["run_dir"] or args.resume) / "rounds.parquet")
+        where = started.run_dir or args.resume
+        saved = where and Path(where) / "rounds.parquet"
         if saved and saved.exists():
             print(f"fedsim: {word}{_after_last_round(saved)}; resume with `fedsim run --resume {saved.parent}`",
                   file=sys.stderr)
         else:
             print(f"fedsim: {word} before the first round finished; nothing was written", file=sys.stderr)
         return code
-    finally:
-        if bar is not None:
-            bar.close()
     print_summary(run_dir)
     return 0
 

@@ -33,6 +33,7 @@ from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from fedsim.errors import ConfigError, FedsimError  # noqa: E402
+from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus  # noqa: E402
 
 RESULT = "STRESS_JSON "
 COLUMNS = ["registered", "participants", "skip_late", "rounds", "s_per_round", "ms_per_participant", "startup_s",
@@ -143,45 +144,55 @@ def dir_stats(path: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
+class StressProbe(Callback):
+    """The callback that times a stress point: when its rounds start and end, its rows, and which of the processes
+    the sampler sees are workers and which the server."""
+
+    def __init__(self, sampler: MemorySampler) -> None:
+        self.sampler = sampler
+        self.t_loop = 0.0
+        self.marks: list[float] = []
+        self.rows: list[dict] = []
+        self.clients: list[dict] = []
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        roles = self.sampler.roles
+        roles.update({int(p["pid"]): "worker" for p in run.backend.get("placement", []) if "pid" in p})
+        server_pid = int(run.backend.get("server", {}).get("pid", os.getpid()))
+        if server_pid != os.getpid():
+            roles[server_pid] = "server"
+        self.sampler._scan()
+        self.t_loop = time.perf_counter()
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        self.marks.append(time.perf_counter())
+        self.rows.append(rows.row)
+        self.clients.extend(rows.clients)
+
+    def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
+        self.sampler.sample()  # the last round's memory, before the backend goes
+
+
 def measure(cfg, workers: int | None = None, t_start: float | None = None) -> dict:
     """Run `cfg` once and return its stress row (everything but the plot)."""
     import numpy as np
 
-    from fedsim.config import clients_per_round, save_config
-    from fedsim.runtime.loop import Simulation, new_run_dir
+    from fedsim.config import clients_per_round
+    from fedsim.runtime.loop import run
     from jobs.cli import make_backend
 
     t_start = T_START if t_start is None else t_start
     sampler = MemorySampler()
     sampler.start()
-    backend = make_backend(cfg, workers)
-    run_dir = new_run_dir(cfg)
-    save_config(cfg, run_dir / "config.yaml")
-    marks: list[float] = []
-    rows: list[dict] = []
-
-    def progress(r: int, row: dict) -> None:
-        marks.append(time.perf_counter())
-        rows.append(row)
-
-    sim = Simulation(cfg, backend, run_dir, progress)
+    probe = StressProbe(sampler)
     try:
-        sim.setup()
-        sampler.roles.update({int(p["pid"]): "worker" for p in getattr(backend, "placement", []) if "pid" in p})
-        server_pid = int(backend.server("ping")["pid"])
-        if server_pid != os.getpid():
-            sampler.roles[server_pid] = "server"
-        sampler._scan()
-        t_loop = time.perf_counter()
-        state = sim.run()
-        sampler.sample()
+        run_dir = run(cfg, make_backend(cfg, workers), callbacks=[probe])
     finally:
-        backend.shutdown()
         sampler.stop()
     t_done = time.perf_counter()
+    t_loop, marks, rows, clients = probe.t_loop, probe.marks, probe.rows, probe.clients
     times = np.diff([t_loop] + marks)
     steady = times[1:] if len(times) > 1 else times
-    clients = state.clients
     first_phase = {c["phase"] for c in clients[:1]}
     computed = [c for c in clients if c["phase"] in first_phase and c["wall_s"] and c["wall_s"] > 0]
     spill = Path(cfg.runtime.spill_dir or run_dir / "spill")

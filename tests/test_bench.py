@@ -14,12 +14,12 @@ import torch
 from bench import flower_fedavg, plain_fedavg
 from bench.common import BenchError, Workload, build_model, load_prepared
 from bench.prepare import MODEL_OPTIONS, prepare
-from bench.workload import BenchSimulation, make_config
+from bench.workload import make_config, prepared_inputs
 from fedsim.data.partition import partition
 from fedsim.data.synthetic import make_synthetic
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
-from fedsim.runtime.loop import new_run_dir
+from fedsim.runtime.loop import run
 from fedsim.runtime.setup import client_seed
 from tests.conftest import ROOT
 
@@ -74,13 +74,14 @@ def test_bench_models_are_fedsims(arch):
 
 
 def fedsim_run(folder, w: Workload, root):
-    """fedsim on the prepared folder: local backend, two workers, one thread each."""
+    """fedsim's one driver on the prepared folder: local backend, two workers, one thread each; the final global
+    model as its last checkpoint holds it, and the run's tables."""
+    from fedsim.checkpoint import load_run_checkpoint
+
     cfg = make_config(w, [f"results.root={root}", "runtime.backend=local", "runtime.threads=1"])
-    run_dir = new_run_dir(cfg)
-    sim = BenchSimulation(cfg, LocalBackend(num_workers=2), run_dir, folder)
-    sim.setup()
-    sim.run()
-    return sim.backend.server("get_state").models[w.model], load(run_dir)
+    run_dir = run(cfg, LocalBackend(num_workers=2), inputs=prepared_inputs(cfg, folder))
+    state = load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["server_state"]
+    return state.models[w.model], load(run_dir)
 
 
 @pytest.mark.parametrize("arch", ["mlp", "resnet8"])

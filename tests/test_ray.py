@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from actors.pool import RayBackend, size_pool
+from actors.pool import RayBackend, RemoteServer, size_pool
 from fedsim.errors import ResourceError
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
@@ -180,7 +180,7 @@ def test_a_hung_or_dead_worker_cannot_hang_a_checkpoint_or_a_restore(ray_local, 
                           (lambda: backend.rss_bytes(), "measuring memory failed: .*lost its process table")]:
         backend.workers = [Stuck.remote()]  # a fresh actor: a stuck one serves its calls in order
         ray.get(backend.workers[0].ready.remote())  # started, so the 1 s limit measures the call alone
-        backend._server = backend.workers[0]
+        backend.server = RemoteServer(backend.workers[0], backend.cfg)
         actors.append(backend.workers[0])
         t0 = time.monotonic()
         with pytest.raises(FedsimError, match=message) as err:

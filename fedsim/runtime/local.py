@@ -6,11 +6,13 @@ failure handling can be tested without a cluster.
 
 from __future__ import annotations
 
+import os
 import traceback
 from pathlib import Path
 from typing import Any
 
 from fedsim.algorithms.base import Broadcast, Phase
+from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import ClientWorker, WorkerReply
 
@@ -40,19 +42,26 @@ class LocalBackend:
         return ClientWorker(cfg, arrays, part, meta, i, device=self.device, threads=cfg.runtime.threads,
                             spill_dir=str(self._spill / f"w{i}"))
 
-    def server(self, method: str, *args: Any) -> Any:
-        return getattr(self._server, method)(*args)
+    @property
+    def server(self) -> Server:
+        if self._server is None:
+            raise RuntimeError("LocalBackend.server: the backend is not started")
+        return self._server
+
+    def describe(self) -> dict:
+        return {"placement": [w.ping() for w in self.workers], "server": {"pid": os.getpid(),
+                                                                          "device": str(self.server.device)}}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int],
-                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]:
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         replies, failed = {}, {}
         for w, cids in sorted(assignments.items()):
             per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
             try:
                 replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
             except Exception as exc:  # the whole worker failed
-                failed[w] = f"{type(exc).__name__}: {exc} | {traceback.format_exc(limit=2).splitlines()[-1]}"
+                failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
         return replies, failed
 
     def restart_worker(self, index: int) -> None:

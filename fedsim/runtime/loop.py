@@ -1,49 +1,48 @@
-"""The round loop, written once: sample, schedule stragglers, run each phase on the backend, record, checkpoint.
+"""The round loop, written once: sample, schedule stragglers, run each phase on the backend, record.
 
-Backends only move messages: `LocalBackend` (in-process, the reference) and the Ray backend in actors/.
+`run()` is the one driver: the CLI, sweeps, `fedsim stress` and the bench all call it, and differ only in the
+callbacks they attach (fedsim.runtime.callbacks; tables, checkpoints and meta.json are the default ones) and, for
+the bench, in the `Inputs` a run starts from. Backends only move messages (fedsim.runtime.backend):
+`LocalBackend` (in-process, the reference) and the Ray backend in actors/.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
-from fedsim.checkpoint import load_run_checkpoint, save_checkpoint
+from fedsim.algorithms.base import Phase, RoundInfo
+from fedsim.checkpoint import load_run_checkpoint
 from fedsim.config import RunConfig
+from fedsim.data import Dataset
 from fedsim.errors import CheckpointError, FedsimError
-from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, failure_columns, read_table, write_meta, write_table
-from fedsim.runtime.clock import Schedule, durations, make_profiles, sample_round, schedule
+from fedsim.results import failure_columns, read_table
+from fedsim.runtime.backend import Backend, BroadcastReply
+from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
+from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
 from fedsim.runtime.setup import Partition, client_archs, load_data, make_partition
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.worker import WorkerReply
 
 
-class Backend(Protocol):
-    """Where workers and the server live. `run_phase` returns replies by worker and failures by worker."""
+@dataclass(frozen=True)
+class Inputs:
+    """What a run starts from; by default all derived from its config. A harness that brings its own data,
+    partition, client draws or initial server state (the bench's prepared folder) sets them here."""
 
-    num_workers: int
-
-    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None:
-        """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
-
-    def server(self, method: str, *args: Any) -> Any: ...
-    def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int],
-                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]: ...
-    def restart_worker(self, index: int) -> None: ...
-    def export_states(self) -> dict[int, Any]: ...
-    def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
-    def shutdown(self) -> None: ...
+    data: Callable[[RunConfig], Dataset] = load_data
+    partition: Callable[[RunConfig, Dataset], Partition] = make_partition
+    draw: Callable[[RunConfig, int, Profiles], np.ndarray] = sample_round  # (cfg, round, profiles) -> client ids
+    initial_state: Callable[[Any], Any] | None = None  # the algorithm's fresh server state -> the one to start from
 
 
 def owner(client_id: int, num_workers: int) -> int:
@@ -93,25 +92,18 @@ class RunState:
     clients: list[dict] = field(default_factory=list)
 
 
-def new_run_dir(cfg: RunConfig) -> Path:
-    """results/<run_id>/, created now, with a timestamped id by default; never reuses a folder holding a run."""
-    path = planned_run_dir(cfg)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 class Simulation:
-    """One run of a config on a backend."""
+    """One run of a config on a backend: setup, restore, and the rounds; `run()` below drives it."""
 
-    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Path,
-                 progress: Callable[[int, dict], None] | None = None) -> None:
-        self.cfg, self.backend, self.run_dir, self.progress = cfg, backend, run_dir, progress
+    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Path, inputs: Inputs | None = None) -> None:
+        self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
+        self.inputs = inputs or Inputs()
         self.ckpt_path = run_dir / "checkpoints" / "last.pt"
 
     def setup(self) -> None:
         cfg = self.cfg
-        data = load_data(cfg)
-        self.part = make_partition(cfg, data)
+        data = self.inputs.data(cfg)
+        self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.train.lengths()
         self.archs = client_archs(cfg)
         self.balance = get_algorithm(cfg.algorithm.name).stateless_clients(cfg)
@@ -122,17 +114,24 @@ class Simulation:
         t0 = time.perf_counter()
         self.backend.start(cfg, arrays, self.part, meta, self.run_dir)
         self.startup_s = time.perf_counter() - t0
+        if self.inputs.initial_state is not None:
+            self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
         self.profiles = make_profiles(cfg)
+
+    def describe(self) -> dict:
+        """The backend as meta.json records it."""
+        return {"backend": type(self.backend).__name__, "num_workers": self.backend.num_workers,
+                "startup_s": self.startup_s, **self.backend.describe()}
 
     def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
         """Resume from the last checkpoint, dropping table rows written after it."""
         ck = load_run_checkpoint(self.ckpt_path)
-        kept, fresh = type(ck["server_state"]), type(self.backend.server("get_state"))
+        kept, fresh = type(ck["server_state"]), type(self.backend.server.get_state())
         if kept is not fresh:
             raise CheckpointError(f"{self.ckpt_path}: does not fit this run (its server state is a {kept.__name__}; "
                                   f"{self.cfg.algorithm.name} keeps a {fresh.__name__})")
         try:
-            self.backend.server("set_state", ck["server_state"])
+            self.backend.server.set_state(ck["server_state"])
             self.backend.load_states(ck["client_states"])
         except FedsimError:
             raise
@@ -143,8 +142,8 @@ class Simulation:
         return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
                         clients[clients["round"] <= last].to_dict("records"))
 
-    def run(self, state: RunState | None = None) -> RunState:
-        state = state or RunState()
+    def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
+        """The rounds from `state.next_round` on, each handed to the callbacks once recorded."""
         for r in range(state.next_round, self.cfg.rounds):
             row_list, client_rows, vround = self.run_round(r)
             state.virtual_time += vround
@@ -153,58 +152,44 @@ class Simulation:
             state.rounds.extend(row_list)
             state.clients.extend(client_rows)
             state.next_round = r + 1
-            done = r + 1 == self.cfg.rounds or self.backend.server("finished", r)
-            every = self.cfg.results.checkpoint_every
-            self.write(state, checkpoint=bool(every) and ((r + 1) % every == 0 or done), round=r)
-            if self.progress:
-                self.progress(r, row_list[0])
-            if done:
-                break
-        return state
-
-    def write(self, state: RunState, checkpoint: bool, round: int) -> None:
-        """Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones).
-
-        Ctrl-C and SIGTERM wait until both are written, so an interrupted run keeps its last round."""
-        with shielded():
-            write_table(state.rounds, self.run_dir / "rounds.parquet", ROUND_COLUMNS)
-            write_table(state.clients, self.run_dir / "clients.parquet", CLIENT_COLUMNS)
-            if checkpoint:
-                save_checkpoint(self.ckpt_path, {"round": round, "virtual_time": state.virtual_time,
-                                                 "server_state": self.backend.server("get_state"),
-                                                 "client_states": self.backend.export_states()})
+            last = r + 1 == self.cfg.rounds or self.backend.server.finished(r)
+            stop = callbacks.round_end(r, RoundRows(r, row_list, client_rows, state.rounds, state.clients, last))
+            if last:
+                return "completed"
+            if stop:
+                return "stopped"
+        return "completed"
 
     def run_round(self, r: int) -> tuple[list[dict], list[dict], float]:
         """Sample and schedule the round, run its phases in order, evaluate; returns rows and virtual seconds."""
         cfg, backend = self.cfg, self.backend
         t_round = time.perf_counter()
-        sampled = sample_round(cfg, r, self.profiles)
-        phases: list[Phase] = backend.server("phases", r)
+        sampled = np.asarray(self.inputs.draw(cfg, r, self.profiles))
+        phases = backend.server.phases(r)
         ids = [int(c) for c in sampled]
         n_of = {c: int(self.num_samples[c]) for c in ids}
-        bc, common_b, per_b, server_s = backend.server("broadcast", phases[0],
-                                                       RoundInfo(r, phases[0].name, ids, ids, n_of))
+        sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))
+        server_s = sent.seconds
         # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
-        down = np.array([common_b + per_b.get(c, 0) for c in ids], dtype=float)
+        down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
         sch = schedule(cfg, sampled, durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down))
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]
         rec = _RoundRecord(r, sch, {c: n_of[c] for c in kept})
         arrived = [c for c in kept if c not in set(late)]
         for pi, phase in enumerate(phases):
             if pi > 0:
-                info = RoundInfo(r, phase.name, kept, arrived, rec.num_samples)
-                bc, common_b, per_b, s = backend.server("broadcast", phase, info)
-                server_s += s
-            replies = self.run_phase(rec, pi, phase, bc, common_b, per_b, arrived, late if pi == 0 else [])
+                sent = backend.server.broadcast(phase, RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
+                server_s += sent.seconds
+            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [])
             arrived = [c for c in arrived if rec.status.get((pi, c)) == "ok"]
-            m, s = backend.server("step", phase, [replies[w] for w in sorted(replies)],
-                                  RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
-            server_s += s
-            rec.metrics.update({f"{phase.name}/{k}": v for k, v in m.items()})
+            step = backend.server.step(phase, [replies[w] for w in sorted(replies)],
+                                       RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
+            server_s += step.seconds
+            rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
         eval_rows, eval_s = [{"model": ""}], 0.0
-        if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server("finished", r):
-            rows, eval_s = backend.server("evaluate")
-            eval_rows = rows or eval_rows
+        if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r):
+            evaluated = backend.server.evaluate()
+            eval_rows, eval_s = evaluated.rows or eval_rows, evaluated.seconds
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
         base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": len(late),
                 "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
@@ -213,9 +198,10 @@ class Simulation:
                 "wall_server_s": server_s, "wall_eval_s": eval_s, **rec.metrics}
         return [{**base, **row} for row in eval_rows], rec.client_rows, vround
 
-    def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, bc: Broadcast, common_b: int,
-                  per_b: dict[int, int], arrived: list[int], late: list[int]) -> dict[int, WorkerReply]:
+    def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
+                  late: list[int]) -> dict[int, WorkerReply]:
         """Run one phase on the workers and record every client's outcome; returns the replies by worker."""
+        common_b, per_b = sent.common_bytes, sent.per_client_bytes
         W = self.backend.num_workers
         skip = self.cfg.stragglers.skip_late
         rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in arrived + late)  # late clients downloaded too
@@ -224,7 +210,7 @@ class Simulation:
         cost = {c: steps or max(rec.num_samples.get(c, 0), 1) for c in clients} if self.balance else None
         assignments = assign(clients, W, cost)
         t0 = time.perf_counter()
-        replies, failed = self.backend.run_phase(rec.round, pi, phase, bc, assignments, late,
+        replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
                                                  self.cfg.runtime.round_timeout_s)
         rec.clients_s += time.perf_counter() - t0
 
@@ -245,8 +231,9 @@ class Simulation:
                 if o.status == "failed" and o.error is not None:
                     extra.update(failure_columns(o.error.error_type, o.error.error_message, o.error.traceback))
                 rows.append(row(o.client_id, w, o.status, o.bytes_up, o.seconds, **extra))
-        for w, err in sorted(failed.items()):
-            rows.extend(row(c, w, "failed", 0, math.nan, **failure_columns("WorkerError", err))
+        for w, lost in sorted(failed.items()):
+            rows.extend(row(c, w, "failed", 0, math.nan, **failure_columns(lost.error_type, lost.message,
+                                                                            lost.traceback))
                         for c in assignments.get(w, []))
             self.replace_worker(w)
         if skip:
@@ -269,13 +256,13 @@ def resume_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | None = None,
-        progress: Callable[[int, dict], None] | None = None,
-        on_start: Callable[[Path], None] | None = None) -> Path:
+        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Path:
     """Run (or resume) a simulation; returns the run folder.
 
-    A new run's folder is created once data, partition and backend are ready (`on_start` is then called
-    with it), and removed again if the run stops before its first round is written: a run that cannot
-    start leaves nothing behind. A resumed run keeps its saved config (see fedsim.runtime.rundir).
+    A new run's folder is created once data, partition and backend are ready, and removed again if the run
+    stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
+    its saved config (see fedsim.runtime.rundir). `callbacks` run after the default ones (meta.json, tables and
+    checkpoints); any of them may stop the run after a round (fedsim.runtime.callbacks).
     """
     from fedsim.runtime.local import LocalBackend
 
@@ -290,21 +277,40 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             raise ValueError("run() needs a config or a run folder to resume")
         run_dir = planned_run_dir(cfg)
     backend = backend or LocalBackend()
-    sim = Simulation(cfg, backend, run_dir, progress)
+    sim = Simulation(cfg, backend, run_dir, inputs)
+    hooks = Callbacks([*default_callbacks(backend), *callbacks])
     created: NewRunDir | None = None
+    info: RunInfo | None = None
+    status: RunStatus = "failed"
     try:
         sim.setup()
         if resume is None:
             created = NewRunDir(run_dir, cfg)
-        state = sim.restore(*tables) if tables is not None else None
-        write_meta(run_dir, {"backend": type(backend).__name__, "num_workers": backend.num_workers,
-                             "startup_s": sim.startup_s, **getattr(backend, "describe", lambda: {})()})
-        if on_start is not None:
-            on_start(run_dir)
-        sim.run(state)
+        state = sim.restore(*tables) if tables is not None else RunState()
+        info = RunInfo(cfg, run_dir, sim.describe(), state.next_round)
+        hooks.setup_end(info)
+        status = sim.run(state, hooks)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
     finally:
         with shielded():
-            backend.shutdown()
-            if created is not None and not created.has_rounds():
-                created.remove()
+            try:
+                if info is not None:
+                    _end(hooks, info, status)
+            finally:
+                backend.shutdown()
+                if created is not None and not created.has_rounds():
+                    created.remove()
     return run_dir
+
+
+def _end(hooks: Callbacks, info: RunInfo, status: RunStatus) -> None:
+    """Tell the callbacks how the run ended; when it ended with an error, theirs must not hide it."""
+    if status in ("completed", "stopped"):
+        hooks.run_end(info, status)
+        return
+    try:
+        hooks.run_end(info, status)
+    except Exception:  # the run's own error is already on its way up
+        pass

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Broadcast, ClientResult, Phase, RoundInfo, SummedUpdate
+from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate
+from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import Partition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
@@ -21,7 +22,7 @@ from fedsim.runtime.worker import WorkerReply, pick_device
 
 
 class Server:
-    """Owns the global state; every method is called by the round loop, in order."""
+    """Owns the global state; every method is called by the round loop, in order (fedsim.runtime.backend.ServerAPI)."""
 
     def __init__(self, cfg, arrays: dict[str, np.ndarray], part: Partition, meta: dict,
                  device: str | None = None, threads: int | None = None) -> None:
@@ -39,7 +40,6 @@ class Server:
         self.x_test = as_tensor(arrays["x_test"], self.device)
         self.y_test = as_tensor(arrays["y_test"], self.device)
         self.state = self.algorithm.init_server(self.env)
-        self._broadcast: Broadcast | None = None
 
     def ping(self) -> dict:
         import os
@@ -49,15 +49,15 @@ class Server:
     def phases(self, round: int) -> list[Phase]:
         return self.algorithm.phases(round)
 
-    def broadcast(self, phase: Phase, info: RoundInfo) -> tuple[Broadcast, int, dict[int, int], float]:
+    def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply:
         """The phase's broadcast, its common size in bytes, per-client extra bytes, and seconds taken."""
         t0 = time.perf_counter()
         bc = self.algorithm.broadcast(phase, self.state, info)
         per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
-        return bc, state_nbytes(bc.common), per, time.perf_counter() - t0
+        return BroadcastReply(bc, state_nbytes(bc.common), per, time.perf_counter() - t0)
 
-    def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> tuple[dict, float]:
-        """Aggregate the arrived results of a phase into the state; returns (metrics, seconds)."""
+    def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
+        """Aggregate the arrived results of a phase into the state; its metrics and seconds."""
         t0 = time.perf_counter()
         if phase.reduce == "sum":
             total = WeightedSum()
@@ -73,13 +73,13 @@ class Server:
                         got[o.client_id] = o.result
             updates = dict(sorted(got.items()))
         self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
-        return dict(metrics or {}), time.perf_counter() - t0
+        return StepReply(dict(metrics or {}), time.perf_counter() - t0)
 
-    def evaluate(self) -> tuple[list[dict], float]:
+    def evaluate(self) -> EvalReply:
         """Rows of test metrics, one per global model; and seconds taken."""
         t0 = time.perf_counter()
         rows = self.algorithm.evaluate(self.state, self.x_test, self.y_test, self.device)
-        return rows, time.perf_counter() - t0
+        return EvalReply(list(rows or []), time.perf_counter() - t0)
 
     def finished(self, round: int) -> bool:
         return bool(self.algorithm.finished(self.state, round))

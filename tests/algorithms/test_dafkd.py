@@ -49,7 +49,7 @@ def run_round(server: Server, worker: ClientWorker, r: int, clients: list[int], 
     replies = []
     for pi, phase in enumerate(server.phases(r)):
         info = RoundInfo(r, phase.name, clients, arrived, {c: 1 for c in clients})
-        bc, _, _, _ = server.broadcast(phase, info)
+        bc = server.broadcast(phase, info).broadcast
         reply = worker.run_phase(r, pi, phase, bc.common, {}, arrived + (late if pi == 0 else []), late)
         assert all(o.status in ("ok", "late") for o in reply.outcomes), [o.error for o in reply.outcomes]
         server.step(phase, [reply], info)
@@ -120,7 +120,7 @@ def test_dropped_straggler_changes_the_normaliser_not_the_validity() -> None:
     for k, v in server.state.generator.items():
         assert torch.equal(v, mean_gen[k]), k
     assert all(torch.isfinite(v.float()).all() for v in server.state.models["resnet11"].values())
-    (row,) = server.evaluate()[0]
+    (row,) = server.evaluate().rows
     assert 0.0 <= row["accuracy"] <= 1.0 and math.isfinite(row["loss"])
 
 
@@ -191,7 +191,7 @@ def test_code_schedule_freezes_discriminator_and_generator_after_the_early_round
     """A5 with the code's values: no D loss from round 3, no G update from round 5 (alternating, λ_gp 0.3)."""
     server, worker = setup("algorithm.schedule=alternating", "algorithm.disc_rounds=3", "algorithm.gen_rounds=5",
                            "algorithm.gp_weight=0.3", "algorithm.generator=conditional")
-    bc, _, _, _ = server.broadcast(Phase("train", "each"), RoundInfo(0, "train", [0], [0], {0: 1}))
+    bc = server.broadcast(Phase("train", "each"), RoundInfo(0, "train", [0], [0], {0: 1})).broadcast
     early = worker.run_phase(0, 0, Phase("train", "each"), bc.common, {}, [0]).outcomes[0]
     late = worker.run_phase(5, 0, Phase("train", "each"), bc.common, {}, [1]).outcomes[0]
     assert {"d_loss", "g_loss"} <= set(early.result.metrics) and early.status == "ok"

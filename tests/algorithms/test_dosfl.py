@@ -70,7 +70,7 @@ def info(phase: str, arrived=(0, 1, 2)) -> RoundInfo:
 
 def run_parallel(server, workers, clients=((0, 1, 2),)):
     phase = server.phases(0)[0]
-    bc, *_ = server.broadcast(phase, info(phase.name))
+    bc = server.broadcast(phase, info(phase.name)).broadcast
     replies = [w.run_phase(0, 0, phase, bc.common, bc.per_client or {}, list(c)) for w, c in zip(workers, clients)]
     return phase, replies
 
@@ -139,14 +139,14 @@ def test_server_interleaves_by_step_index_with_each_steps_lr(lr_per: str) -> Non
     seq = server.algorithm.sequence([o.result.payload for o in reply.outcomes], torch.device("cpu"))
     assert [round(float(s[2]), 7) for s in seq[:4]] == [round(float(reply.outcomes[c].result.payload["lr"][j]), 7)
                                                        for j, c in ((0, 0), (0, 1), (1, 0), (1, 1))]
-    metrics, _ = server.step(phase, [reply], info(phase.name, arrived=(0, 2)))
+    metrics = server.step(phase, [reply], info(phase.name, arrived=(0, 2))).metrics
     assert {k: v for k, v in metrics.items() if "mech_" not in k} == {"clients": 2.0, "scalars": 48.0}
     W, b = numpy_server(theta0, [o.result.payload for o in reply.outcomes], 2, 2, lr_per)
     new = server.state.models["dosfl_linear_test"]
     np.testing.assert_allclose(new["fc.weight"].numpy(), W, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new["fc.bias"].numpy(), b, rtol=1e-5, atol=1e-6)
     assert server.finished(0)
-    assert [r["model"] for r in server.evaluate()[0]] == ["dosfl_linear_test"]
+    assert [r["model"] for r in server.evaluate().rows] == ["dosfl_linear_test"]
 
 
 def test_client_step_is_seeded_and_resets_change_it() -> None:
@@ -168,7 +168,8 @@ def test_serial_mode_runs_one_phase_per_client_against_the_updated_model() -> No
     assert [p.name for p in phases] == ["serial0", "serial1", "serial2"]
     order, models = [], [server.state.models["dosfl_linear_test"]]
     for i, phase in enumerate(phases):
-        bc, common_bytes, per_bytes, _ = server.broadcast(phase, info(phase.name))
+        sent = server.broadcast(phase, info(phase.name))
+        bc, common_bytes, per_bytes = sent.broadcast, sent.common_bytes, sent.per_client_bytes
         cid = bc.common["selected"]
         assert cid not in order
         if i == 0:
@@ -187,7 +188,7 @@ def test_serial_mode_runs_one_phase_per_client_against_the_updated_model() -> No
         models.append(server.state.models["dosfl_linear_test"])
         assert not torch.equal(models[-1]["fc.weight"], models[-2]["fc.weight"])
     assert sorted(order) == [0, 1, 2] and server.state.extra["done"] == order
-    rows = server.evaluate()[0]
+    rows = server.evaluate().rows
     assert [r["model"] for r in rows] == ["dosfl_linear_test", "after_1", "after_2", "after_3"]
     assert rows[0]["accuracy"] == rows[3]["accuracy"]
 

@@ -65,7 +65,7 @@ def sgd_steps(W, b, x, y, lr, steps, mu=0.0):
 def run_round(server, worker):
     phase = Phase("train", "sum")
     info = RoundInfo(0, "train", [0, 1], [0, 1], {0: 3, 1: 2})
-    bc, *_ = server.broadcast(phase, info)
+    bc = server.broadcast(phase, info).broadcast
     reply = worker.run_phase(0, 0, phase, bc.common, {}, [0, 1])
     server.step(phase, [reply], info)
     return server.state.models["linear_test"]
@@ -110,7 +110,8 @@ def test_fedprox_adds_the_proximal_gradient():
 def test_client_metrics_and_bytes_are_reported():
     _, server, worker = setup("fedavg")
     phase = Phase("train", "sum")
-    bc, common_bytes, _, _ = server.broadcast(phase, RoundInfo(0, "train", [0, 1], [0, 1], {0: 3, 1: 2}))
+    sent = server.broadcast(phase, RoundInfo(0, "train", [0, 1], [0, 1], {0: 3, 1: 2}))
+    bc, common_bytes = sent.broadcast, sent.common_bytes
     assert common_bytes == (12 + 3) * 4  # one float32 linear model goes down
     reply = worker.run_phase(0, 0, phase, bc.common, {}, [0, 1])
     assert [o.client_id for o in reply.outcomes] == [0, 1]

@@ -58,17 +58,18 @@ def test_round_on_digits_only_indices_travel(make_config):
     assert np.array_equal(st.indices, again.state.indices)  # selection is deterministic
     assert 40 <= len(st.indices) <= 40 + 10 and np.all(np.diff(st.indices) > 0)
     info = RoundInfo(0, "train", [0, 1, 2], [0, 1, 2], {c: int(len(part.train[c])) for c in range(3)})
-    bc, common_b, per_b, _ = server.broadcast(PHASE, info)
+    sent = server.broadcast(PHASE, info)
+    bc, common_b, per_b = sent.broadcast, sent.common_bytes, sent.per_client_bytes
     assert per_b == {} and common_b == state_nbytes(st.models) + 4 * len(st.indices) + 8  # models + int32 indices
     reply = worker.run_phase(0, 0, PHASE, bc.common, {}, [0, 1, 2])
     res = reply.outcomes[0].result
     assert res.payload["logits"].shape == (len(st.indices), 10) and "weights" in res.payload  # round 0: FedAvg init
     assert res.weight == len(part.train[0])
-    metrics, _ = server.step(PHASE, [reply], info)
+    metrics = server.step(PHASE, [reply], info).metrics
     assert {"selection_s", "distill_s", "distill_steps", "distill_steps_total", "fedavg_init"} <= set(metrics)
     assert server.state.total_steps == 4 and metrics["fedavg_init"] == 1.0
     info1 = RoundInfo(1, "train", [0, 1], [0, 1], info.num_samples)
-    bc1, _, _, _ = server.broadcast(PHASE, info1)
+    bc1 = server.broadcast(PHASE, info1).broadcast
     reply1 = worker.run_phase(1, 0, PHASE, bc1.common, {}, [0, 1])
     assert "weights" not in reply1.outcomes[0].result.payload  # other rounds upload logits only
     assert reply1.outcomes[0].bytes_up == 4 * 10 * len(server.state.indices)
@@ -119,7 +120,8 @@ def test_heterogeneous_broadcast_sends_each_client_its_own_mirror(make_config):
     cfg = make_config(*TINY, "data.num_clients=4", "model.mix={cnn: 2, mlp: 2}")
     server, _, _ = make_pair(cfg)
     info = RoundInfo(0, "train", [1, 2], [1, 2], {1: 10, 2: 10})
-    bc, common_b, per_b, _ = server.broadcast(PHASE, info)
+    sent = server.broadcast(PHASE, info)
+    bc, common_b, per_b = sent.broadcast, sent.common_bytes, sent.per_client_bytes
     assert "models" not in bc.common and set(bc.per_client[1]) == {"cnn"} and set(bc.per_client[2]) == {"mlp"}
     assert per_b[2] == state_nbytes(server.state.models["mlp"])
 
@@ -130,7 +132,7 @@ def test_test_half_proxy_scores_on_the_other_half(make_config):
     cfg = make_config("algorithm.name=feddf", "algorithm.proxy=test_half", "algorithm.distill.steps=2")
     server, _, _ = make_pair(cfg)
     assert len(server.state.indices) == len(server.y_test) // 2  # no selection: the whole proxy half
-    rows, _ = server.evaluate()
+    rows = server.evaluate().rows
     _, keep = split_test_halves(len(server.y_test), 0)
     model = feddf_mod.new_model(server.env, "cnn")
     model.load_state_dict(server.state.models["cnn"])

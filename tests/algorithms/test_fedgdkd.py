@@ -60,7 +60,7 @@ def run_round(server: Server, workers: list[ClientWorker], r: int, clients: list
     replies_by_phase = {}
     for pi, phase in enumerate(server.phases(r)):
         info = RoundInfo(r, phase.name, clients, clients, {c: 1 for c in clients})
-        bc, *_ = server.broadcast(phase, info)
+        bc = server.broadcast(phase, info).broadcast
         replies = []
         for w, worker in enumerate(workers):
             mine = [c for c in clients if c % len(workers) == w]
@@ -138,7 +138,7 @@ def test_generator_average_is_sample_weighted_with_bn_buffers(tmp_path) -> None:
     server = Server(*env, device="cpu")
     init = server.state.shared["generator"]
     info = RoundInfo(0, "gan", [0, 1], [0, 1], {0: 1, 1: 1})
-    bc, *_ = server.broadcast(GAN, info)
+    bc = server.broadcast(GAN, info).broadcast
     alone = [new_worker(env).run_phase(0, 0, GAN, bc.common, {}, [c]) for c in (0, 1)]
     n = env[2].train.lengths()
     assert [r.summed.weight for r in alone] == [float(n[0]), float(n[1])]  # |D_k|
@@ -176,7 +176,7 @@ def test_synthetic_set_is_identical_across_workers(tmp_path) -> None:
     w0, w1 = (new_worker(env, i) for i in (0, 1))
     run_round(server, [w0, w1], 0, [0, 1, 2, 3])
     info = RoundInfo(1, "logits", [0, 1], [0, 1], {0: 1, 1: 1})
-    bc, *_ = server.broadcast(LOGITS, info)
+    bc = server.broadcast(LOGITS, info).broadcast
     algo = server.algorithm
     sets = []
     for w in (w0, w1):

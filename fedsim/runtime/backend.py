@@ -1,0 +1,90 @@
+"""What the round loop asks of a backend: typed calls to the server, and a phase's work on the client workers.
+
+Two backends implement it: `LocalBackend` (fedsim/runtime/local.py, in-process, the reference) and the Ray
+backend (actors/pool.py). The loop never names a method by string; every server call returns a small frozen
+dataclass with named fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
+
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.worker import WorkerReply
+
+
+@dataclass(frozen=True)
+class BroadcastReply:
+    """A phase's broadcast and what it costs to send: the common part's bytes, each client's extra bytes."""
+
+    broadcast: Broadcast
+    common_bytes: int
+    per_client_bytes: dict[int, int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """The metrics of a server step (rounds.parquet columns, prefixed with the phase) and its wall seconds."""
+
+    metrics: dict[str, Any]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EvalReply:
+    """Test metrics, one row per global model, and the wall seconds evaluation took."""
+
+    rows: list[dict[str, Any]]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """Why a whole worker returned nothing for a phase (it raised, died or hung): each of its clients failed."""
+
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+class ServerAPI(Protocol):
+    """The server as the loop calls it, in order: phases, then per phase broadcast and step; evaluate, finished."""
+
+    def ping(self) -> dict: ...
+    def phases(self, round: int) -> list[Phase]: ...
+    def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply: ...
+    def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply: ...
+    def evaluate(self) -> EvalReply: ...
+    def finished(self, round: int) -> bool: ...
+    def get_state(self) -> Any: ...
+    def set_state(self, state: Any) -> None: ...
+
+
+class Backend(Protocol):
+    """Where workers and the server live. `server` is usable between `start` and `shutdown`."""
+
+    num_workers: int
+    server: ServerAPI
+
+    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None:
+        """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
+
+    def describe(self) -> dict:
+        """Facts for meta.json: each worker's placement (pid, device, ...) and the server's."""
+
+    def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+        """Run a phase on the assigned workers; replies by worker, and the workers that returned none."""
+
+    def restart_worker(self, index: int) -> None: ...
+    def export_states(self) -> dict[int, Any]: ...
+    def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
+    def shutdown(self) -> None: ...

@@ -1,0 +1,203 @@
+"""Callbacks: what a run does besides training, attached to the one driver (fedsim.runtime.loop.run).
+
+A callback sees three moments: `on_setup_end(run)` once data, backend and run folder are ready (before the
+first round it will run), `on_round_end(round, rows)` after every round (a true return value stops the run
+after that round), and `on_run_end(run, status)` whatever way the run ended, before the backend shuts down.
+The run's own files are callbacks too, and run first: `MetaWriter` (meta.json) and `ResultsWriter` (tables,
+then the checkpoint); `ProgressBar` is the CLI's bar. A callback that raises stops the run with a
+CallbackError naming it, the hook and the round.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fedsim.errors import CallbackError, FedsimError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from fedsim.config import RunConfig
+    from fedsim.runtime.backend import Backend
+
+RunStatus = Literal["completed", "stopped", "interrupted", "failed"]
+"""completed: every round ran (or the method finished); stopped: a callback asked to stop; interrupted: Ctrl-C or
+SIGTERM; failed: an error ended the run."""
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A run that is about to start its rounds: its config, folder, backend and the first round it runs."""
+
+    cfg: RunConfig
+    run_dir: Path
+    backend: dict[str, Any]  # as in meta.json: backend class, num_workers, startup_s, placement, server
+    first_round: int = 0  # > 0 when a resumed run continues
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.pt"
+
+
+@dataclass(frozen=True)
+class RoundRows:
+    """One finished round's rows of rounds.parquet (one per global model) and clients.parquet, and every row the
+    run has so far (a resumed run's kept rows included), as the run's tables will hold them."""
+
+    round: int
+    rounds: list[dict[str, Any]]
+    clients: list[dict[str, Any]]
+    all_rounds: list[dict[str, Any]]
+    all_clients: list[dict[str, Any]]
+    last: bool  # the run's last round: its configured rounds are done, or the method finished
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The first global model's row (the only one for most methods)."""
+        return self.rounds[0]
+
+    def frame(self) -> pd.DataFrame:
+        """This round's rows of rounds.parquet as a DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rounds)
+
+
+class Callback:
+    """Base class: override the hooks you need; each default does nothing."""
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        """Data, backend and run folder are ready; rounds from `run.first_round` follow."""
+
+    def on_round_end(self, round: int, rows: RoundRows) -> bool | None:
+        """Round `round` finished and its rows are final; return True to stop the run after it."""
+        return None
+
+    def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
+        """The run ended (see RunStatus); the backend is still up."""
+
+
+class Callbacks:
+    """Several callbacks called in order; an exception from one becomes a CallbackError naming it."""
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        self.items = list(callbacks)
+
+    def _call(self, cb: Callback, hook: str, where: str, *args: Any) -> Any:
+        try:
+            return getattr(cb, hook)(*args)
+        except FedsimError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise CallbackError(f"callback {type(cb).__name__}.{hook}{where} raised {type(exc).__name__}: {first}") \
+                from exc
+
+    def setup_end(self, run: RunInfo) -> None:
+        for cb in self.items:
+            self._call(cb, "on_setup_end", "", run)
+
+    def round_end(self, round: int, rows: RoundRows) -> bool:
+        """Every callback sees the round; True when any of them asks to stop."""
+        stop = False
+        for cb in self.items:
+            stop = bool(self._call(cb, "on_round_end", f" (round {round})", round, rows)) or stop
+        return stop
+
+    def run_end(self, run: RunInfo, status: RunStatus) -> None:
+        """Every callback hears the end, even when one before it raised; the first error is raised after."""
+        error: BaseException | None = None
+        for cb in self.items:
+            try:
+                self._call(cb, "on_run_end", "", run, status)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+class MetaWriter(Callback):
+    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up)."""
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        from fedsim.results import write_meta
+
+        write_meta(run.run_dir, run.backend)
+
+
+class ResultsWriter(Callback):
+    """rounds.parquet and clients.parquet after every round, then the checkpoint every results.checkpoint_every
+    rounds and after the last round run (also when a callback stopped the run early).
+
+    Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones); Ctrl-C and
+    SIGTERM wait until both are written, so an interrupted run keeps its last round."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.saved: int | None = None  # the round the checkpoint holds
+        self.written: tuple[int, float] | None = None  # the last round written, and its virtual time
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.run = run
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, write_table
+        from fedsim.runtime.signals import shielded
+
+        every = self.run.cfg.results.checkpoint_every
+        with shielded():
+            write_table(rows.all_rounds, self.run.run_dir / "rounds.parquet", ROUND_COLUMNS)
+            write_table(rows.all_clients, self.run.run_dir / "clients.parquet", CLIENT_COLUMNS)
+            self.written = (round, float(rows.row["virtual_time"]))
+            if every and ((round + 1) % every == 0 or rows.last):
+                self.save()
+
+    def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
+        from fedsim.runtime.signals import shielded
+
+        if status == "stopped" and run.cfg.results.checkpoint_every and self.written and \
+                self.saved != self.written[0]:
+            with shielded():
+                self.save()
+
+    def save(self) -> None:
+        """The checkpoint of the last round written: server state and every client's personal state."""
+        from fedsim.checkpoint import save_checkpoint
+
+        assert self.written is not None
+        round, virtual_time = self.written
+        save_checkpoint(self.run.checkpoint, {"round": round, "virtual_time": virtual_time,
+                                              "server_state": self.backend.server.get_state(),
+                                              "client_states": self.backend.export_states()})
+        self.saved = round
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over rounds on stderr, showing the latest accuracy and how many clients arrived."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=run.cfg.rounds, initial=run.first_round, unit="round", dynamic_ncols=True,
+                        file=sys.stderr)
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        acc = rows.row.get("accuracy")
+        if acc is not None and acc == acc:
+            self.bar.set_postfix(acc=f"{acc:.4f}", arrived=rows.row.get("arrived"))
+        self.bar.update(1)
+
+    def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
+        self.bar.close()
+
+
+def default_callbacks(backend: Backend) -> list[Callback]:
+    """The callbacks every run has, first: meta.json, then the tables and checkpoints."""
+    return [MetaWriter(), ResultsWriter(backend)]
