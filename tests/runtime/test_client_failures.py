@@ -1,0 +1,65 @@
+"""A client whose step raises fails alone, as a ClientFailedError whose type and message reach clients.parquet,
+on the local backend and across Ray's process boundary alike."""
+
+from __future__ import annotations
+
+import pickle
+
+import pandas as pd
+import pytest
+
+from fedsim.errors import ClientFailedError, FedsimError
+from fedsim.results import load
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from tests.runtime.failing_client import FAILING_CLIENT, FAILING_ROUND, FailingClientRayBackend
+from tests.runtime.test_loop import deterministic
+
+FAILING = ("algorithm.name=fedavg_failing_client", "data.num_clients=4", "participation.clients_per_round=4")
+
+
+def assert_one_failure_reported(res: dict) -> None:
+    clients, rounds = res["clients"], res["rounds"]
+    failed = clients[clients["status"] == "failed"]
+    assert failed[["round", "client"]].values.tolist() == [[FAILING_ROUND, FAILING_CLIENT]]
+    row = failed.iloc[0]
+    assert row["error_type"] == "ZeroDivisionError"
+    assert row["error_message"] == f"client {FAILING_CLIENT} divided by zero"
+    assert row["error"] == f"ZeroDivisionError: client {FAILING_CLIENT} divided by zero"
+    assert "failing_client.py" in row["error_traceback"] and "raise ZeroDivisionError" in row["error_traceback"]
+    assert clients.loc[clients["status"] != "failed", ["error", "error_type", "error_message"]].isna().all().all()
+    assert rounds["failures"].tolist() == [0, 1, 0] and rounds["arrived"].tolist() == [4, 3, 4]
+    assert rounds["accuracy"].notna().all()
+
+
+def test_client_failed_error_keeps_its_fields_across_pickling_and_reads_in_one_line():
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        err = ClientFailedError.wrap(exc, client_id=7, round=3, phase="train")
+    again = pickle.loads(pickle.dumps(err))
+    assert isinstance(again, FedsimError) and isinstance(again, ClientFailedError)
+    assert (again.client_id, again.round, again.phase, again.error_type, again.error_message) == \
+        (7, 3, "train", "KeyError", "'missing'")
+    assert "KeyError" in again.traceback and "test_client_failures.py" in again.traceback
+    assert str(again) == "client 7 failed in round 3, phase 'train': KeyError: 'missing'"
+    multi = ClientFailedError(1, 0, "train", "ValueError", "first line\nsecond line")
+    assert str(multi).endswith("ValueError: first line") and multi.error_message == "first line\nsecond line"
+
+
+def test_a_failing_client_is_reported_with_its_error_on_the_local_backend(make_config):
+    assert_one_failure_reported(load(run(make_config(*FAILING), LocalBackend(num_workers=2))))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_failing_client_is_reported_with_its_error_on_ray(ray_local, make_config):
+    cfg = make_config(*FAILING, "runtime.backend=ray", "runtime.client_cpus=1")
+    on_ray = load(run(cfg, FailingClientRayBackend(num_workers=2)))
+    assert on_ray["meta"]["backend"] == "FailingClientRayBackend" and on_ray["meta"]["num_workers"] == 2
+    assert_one_failure_reported(on_ray)
+    cfg.results.run_id = None
+    local = load(run(cfg, LocalBackend(num_workers=2)))
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    keep = ["round", "client", "status", "error", "error_type", "error_message"]
+    pd.testing.assert_frame_equal(on_ray["clients"][keep], local["clients"][keep])
