@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import torch
 
@@ -35,6 +37,20 @@ def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path):
     md = (out / "stress.md").read_text()
     assert "| registered | participants | skip_late | s_per_round |" in md and "fedsim stress" in md
     assert (out / "stress.png").stat().st_size > 1000
+    for run_dir in map(Path, df["run_dir"]):  # each point is a whole run: tables, config, meta.json
+        res = load(run_dir)
+        assert res["rounds"]["round"].tolist() == [0, 1] and res["meta"]["backend"] == "LocalBackend"
+        assert (run_dir / "checkpoints" / "config.yaml").is_file()
+
+
+def test_a_stress_point_that_cannot_start_leaves_no_run_folder(tmp_path, capsys):
+    out = tmp_path / "stress"
+    code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "10", "--rounds", "1", "--in-process",
+                "--out", str(out), "-o", "runtime.backend=local", "-o", SMALL_DATA,
+                "-o", "stragglers.trace=/no/such/trace.csv"])  # found missing once data and workers are ready
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines()[-1].startswith("fedsim: error: stragglers.trace: cannot read /no/such")
+    assert not (out / "runs").exists()
 
 
 def test_stress_command_rejects_bad_counts(tmp_path, capsys):
