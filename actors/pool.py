@@ -96,7 +96,7 @@ def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
     except RayTaskError as exc:
         if isinstance(getattr(exc, "cause", None), FedsimError):
             raise exc.cause from None
-        raise FedsimError(f"{what} failed: {_short(exc)}") from None
+        raise FedsimError(f"{what} failed: {_cause(exc)}") from None
     except RayActorError as exc:
         raise FedsimError(f"{what} failed: {_short(exc)}") from None
 
@@ -298,6 +298,14 @@ def compact(obj: Any) -> Any:
         return dataclasses.replace(obj, **{f.name: compact(getattr(obj, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
     return obj
+
+
+def _cause(exc: RayTaskError) -> str:
+    """'Type: first line' of the exception an actor raised."""
+    cause = getattr(exc, "cause", None)
+    if cause is None:
+        return _short(exc)
+    return f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
 
 
 def _short(exc: BaseException) -> str:
