@@ -169,7 +169,7 @@ def test_serial_mode_runs_one_phase_per_client_against_the_updated_model() -> No
     order, models = [], [server.state.models["dosfl_linear_test"]]
     for i, phase in enumerate(phases):
         sent = server.broadcast(phase, info(phase.name))
-        bc, common_bytes, per_bytes = sent.broadcast, sent.common_bytes, sent.per_client_bytes
+        bc, per_bytes = sent.broadcast, sent.per_client_bytes
         cid = bc.common["selected"]
         assert cid not in order
         if i == 0:

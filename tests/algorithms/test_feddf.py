@@ -121,7 +121,7 @@ def test_heterogeneous_broadcast_sends_each_client_its_own_mirror(make_config):
     server, _, _ = make_pair(cfg)
     info = RoundInfo(0, "train", [1, 2], [1, 2], {1: 10, 2: 10})
     sent = server.broadcast(PHASE, info)
-    bc, common_b, per_b = sent.broadcast, sent.common_bytes, sent.per_client_bytes
+    bc, per_b = sent.broadcast, sent.per_client_bytes
     assert "models" not in bc.common and set(bc.per_client[1]) == {"cnn"} and set(bc.per_client[2]) == {"mlp"}
     assert per_b[2] == state_nbytes(server.state.models["mlp"])
 

@@ -56,7 +56,7 @@ def info(r: int, phase: Phase, clients: list[int]) -> RoundInfo:
 
 def step(server: Server, worker: ClientWorker, r: int, phase_index: int, phase: Phase, clients: list[int]):
     sent = server.broadcast(phase, info(r, phase, clients))
-    bc, common_bytes, per_bytes = sent.broadcast, sent.common_bytes, sent.per_client_bytes
+    bc, per_bytes = sent.broadcast, sent.per_client_bytes
     per = {c: bc.per_client[c] for c in clients if bc.per_client and c in bc.per_client}
     reply = worker.run_phase(r, phase_index, phase, bc.common, per, clients)
     server.step(phase, [reply], info(r, phase, clients))
