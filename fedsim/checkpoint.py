@@ -38,6 +38,13 @@ def register_state(cls: T) -> T:
     return cls
 
 
+def register_state_alias(tag: str, cls: type) -> None:
+    """Accept an older tag for registered `cls`, so checkpoints written before a class moved still load."""
+    if state_tag(cls) not in _STATES:
+        raise TypeError(f"register_state_alias: {cls!r} is not registered")
+    _STATES[tag] = cls
+
+
 def registered_states() -> dict[str, type]:
     """Every class a checkpoint may name, by tag."""
     _register_builtin_states()

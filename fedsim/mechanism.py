@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsim import rng
 from fedsim.train import predict_logits
 
 PREFIX = "mech_"
@@ -40,7 +41,7 @@ def probe_set(env) -> tuple[torch.Tensor, torch.Tensor] | None:
     x, y = data.x_test, data.y_test
     limit = int(getattr(env.config.eval, "mechanism_samples", 1000))
     if len(y) > limit:
-        keep = np.sort(np.random.default_rng([int(env.config.seed), 0x3EC]).choice(len(y), limit, replace=False))
+        keep = np.sort(rng.numpy_generator(env.config.seed, "mechanism/probe").choice(len(y), limit, replace=False))
         x, y = x[keep], y[keep]
     probe = (torch.as_tensor(np.ascontiguousarray(x)).to(env.device),
              torch.as_tensor(np.asarray(y), dtype=torch.long).to(env.device))
@@ -58,8 +59,8 @@ def client_samples(env, client_ids: list[int], per_client: int) -> tuple[torch.T
     for cid in client_ids:
         idx = np.asarray(part.train[cid])
         if len(idx) > per_client:
-            rng = np.random.default_rng([int(env.config.seed), int(cid), 0x3ED])
-            idx = np.sort(rng.choice(idx, per_client, replace=False))
+            draw = rng.numpy_generator(env.config.seed, "mechanism/client_samples", client=int(cid))
+            idx = np.sort(draw.choice(idx, per_client, replace=False))
         rows.append(idx)
         owner.append(np.full(len(idx), cid))
     idx = np.concatenate(rows)

@@ -106,7 +106,7 @@ def test_mechanism_by_hand_on_crafted_steps(tmp_path):
 
 
 def algo_model(algo, arch, weights):
-    from fedsim.algorithms.fedavg import new_model
+    from fedsim.algorithms.toolkit import new_model
 
     model = new_model(algo.env, arch)
     model.load_state_dict(weights)

@@ -18,10 +18,11 @@ import yaml
 
 from fedsim.algorithms._personal import PersonalScores
 from fedsim.algorithms.dafkd import DaFKDState
-from fedsim.algorithms.fedavg import GlobalModels
 from fedsim.algorithms.feddf import FedDFState
 from fedsim.algorithms.fedgdkd import FedGDKDState, Prev
 from fedsim.algorithms.local_only import PoolState
+from fedsim.algorithms.scaffold import ScaffoldState
+from fedsim.algorithms.toolkit import GlobalModels
 from fedsim.checkpoint import load_checkpoint, pack, register_state, registered_states, save_checkpoint
 from fedsim.config import load_config
 from fedsim.errors import CheckpointError
@@ -52,6 +53,7 @@ def _example_states() -> list:
         FedGDKDState({"generator": _weights(7)}, 2, 9, {0: torch.randn(6, 10)}, torch.randn(6, 10), prev, scores),
         scores,
         PoolState({"x": torch.randn(3, 8, 8), "y": torch.arange(3)}, [0, 2], scores, {"rounds": 2}),
+        ScaffoldState({"cnn": _weights(8)}, {"cnn": _weights(9)}),
     ]
 
 
@@ -76,6 +78,7 @@ def test_every_builtin_state_class_round_trips_bit_for_bit(tmp_path):
     examples = _example_states()
     builtin = {tag: cls for tag, cls in registered_states().items() if tag.startswith("fedsim.")}
     assert {type(e) for e in examples} == set(builtin.values())  # a newly registered class needs an example here
+    assert builtin["fedsim.algorithms.fedavg:GlobalModels"] is GlobalModels  # checkpoints from before the move
     save_checkpoint(tmp_path / "ck.pt", {"states": examples})
     back = load_checkpoint(tmp_path / "ck.pt")["states"]
     assert all(_same(a, b) for a, b in zip(examples, back, strict=True))

@@ -14,6 +14,7 @@ from fedsim.algorithms.base import (
     ClientData,
     ClientResult,
     Env,
+    Message,
     Phase,
     RoundInfo,
     SummedUpdate,
@@ -30,5 +31,5 @@ for _mod in sorted(m.name for m in pkgutil.iter_modules(__path__)):
         except Exception as _exc:  # kept for get_algorithm's error message
             import_failures[_mod] = f"{type(_exc).__name__}: {_exc}"
 
-__all__ = ["Algorithm", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Env", "Phase", "RoundInfo",
-           "SummedUpdate", "algorithm_names", "get_algorithm", "register_algorithm"]
+__all__ = ["Algorithm", "Broadcast", "ClientContext", "ClientData", "ClientResult", "Env", "Message", "Phase",
+           "RoundInfo", "SummedUpdate", "algorithm_names", "get_algorithm", "register_algorithm"]

@@ -40,13 +40,6 @@ def gen_optimizer(G: torch.nn.Module, p: GanParams) -> torch.optim.Optimizer:
                             weight_decay=p.gen_weight_decay, amsgrad=p.gen_amsgrad)
 
 
-def split(msg: Any) -> tuple[Any, Any]:
-    """(common, own) parts of a client message."""
-    if isinstance(msg, dict) and set(msg) == {"common", "own"}:
-        return msg["common"], msg["own"]
-    return msg, None
-
-
 def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Whether two state dicts hold the same tensors (by identity or value)."""
     return a is b or (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a))
@@ -132,15 +125,14 @@ class FeatureFD:
     """
 
     def __init__(self, env: Any, device: torch.device) -> None:
-        from fedsim.algorithms.fedavg import new_model
+        from fedsim import rng
+        from fedsim.algorithms.toolkit import seeded_model
         from fedsim.train import train_classifier
 
         data = env.extras["server_data"]
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(env.config.seed)
-            self.net = new_model(env, "cnn_medium").to(device)
+        self.net = seeded_model(env, "cnn_medium", rng.seed(env.config.seed, "fid/init")).to(device)
         x, y = torch.as_tensor(data.x_train).to(device), torch.as_tensor(data.y_train).to(device)
-        train_classifier(self.net, x, y, env.config.train, torch.Generator().manual_seed(env.config.seed))
+        train_classifier(self.net, x, y, env.config.train, rng.torch_generator(env.config.seed, "fid/train"))
         self.net.eval()
         with torch.no_grad():
             self.real = self.net.embed(torch.as_tensor(data.x_test).to(device)).double()

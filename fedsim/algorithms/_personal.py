@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
+from fedsim import rng
 from fedsim.algorithms.base import ClientContext, ClientResult, Env
-from fedsim.algorithms.fedavg import clone_state, new_model
+from fedsim.algorithms.toolkit import clone_state, new_model
 from fedsim.checkpoint import register_state
 from fedsim.errors import ConfigError
 from fedsim.train import evaluate_classifier
@@ -28,9 +28,9 @@ def require_client_test(env: Env, method: str) -> None:
                           "set it to 'balanced' (the thesis protocol) or 'proportional'")
 
 
-def init_seed(run_seed: int, client_id: int, salt: int = 0) -> int:
-    """A seed for a client's initial weights: fixed across rounds and worker counts."""
-    return int(np.random.SeedSequence([run_seed, client_id, 0x9E3779B9, salt]).generate_state(1)[0])
+def init_seed(run_seed: int, client_id: int) -> int:
+    """The seed of a client's initial personal weights (stream "init/personal"): fixed across rounds and workers."""
+    return rng.seed(run_seed, "init/personal", client=client_id)
 
 
 def seeded_init(module: torch.nn.Module, build: Any, seed: int) -> torch.nn.Module:

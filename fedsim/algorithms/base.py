@@ -8,35 +8,42 @@ process boundaries unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
+from fedsim import rng
+
 Reduce = Literal["each", "sum"]
 
 
 @dataclass(frozen=True)
 class Phase:
-    """One exchange of a round.
+    """One exchange of a round, and the methods that handle it.
 
     `reduce="sum"`: client payloads are dicts of tensors that the server only needs as a weighted sum;
     workers pre-sum them (float64, in client-id order) and send one partial sum. `reduce="each"`: the
     server needs every client's own payload (logits, per-sample weights, LOO teachers ...).
+
+    `broadcast`, `client` and `server` name the algorithm's methods for this phase (names, not functions,
+    because phases travel to workers that hold their own Algorithm instance). A method with one phase may
+    leave them unset and override the hooks `broadcast`, `client_step` and `server_step` directly.
     """
 
     name: str
     reduce: Reduce = "each"
+    broadcast: str | None = None  # (state, info) -> Broadcast; unset: an empty broadcast
+    client: str | None = None  # (state, msg, ctx) -> ClientResult
+    server: str | None = None  # (state, updates, info) -> (state, metrics)
 
 
 @dataclass
 class Broadcast:
     """What goes down in a phase: `common` is sent once to every worker (one object ref), `per_client`
-    holds client-specific payloads (e.g. leave-one-out teachers).
-
-    A client step receives `common` itself, or `{"common": common, "own": per_client[cid]}` when
-    `per_client` has an entry for that client.
+    holds client-specific payloads (e.g. leave-one-out teachers). Each client receives them as a Message.
     """
 
     common: Any = None
@@ -44,6 +51,14 @@ class Broadcast:
 
     def for_client(self, client_id: int) -> Any:
         return None if self.per_client is None else self.per_client.get(client_id)
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a client step receives: the phase's common part and this client's own part (either may be None)."""
+
+    common: Any = None
+    own: Any = None
 
 
 @dataclass
@@ -141,15 +156,20 @@ class ClientContext:
     arch: str
     data: ClientData
     device: torch.device
-    seed: int  # derived from (run seed, round, client id, phase); use it for every random draw
+    seed: int  # stream "client" at (round, client id, phase index): the seed of `generator()`
     models: Any  # fedsim.runtime.worker.ModelPool: `models.get(arch)` returns this worker's reused instance
     env: Env
+    phase_index: int = 0
 
     def generator(self, device: torch.device | None = None) -> torch.Generator:
-        """A torch generator seeded for this client, round and phase."""
+        """A torch generator seeded for this client, round and phase: the one for local training."""
         g = torch.Generator(device=device or "cpu")
         g.manual_seed(self.seed)
         return g
+
+    def stream(self, name: str) -> torch.Generator:
+        """Another named stream of this client, round and phase (fedsim.rng), independent of `generator()`."""
+        return rng.torch_generator(self.env.config.seed, name, self.round, self.client_id, self.phase_index)
 
 
 class Algorithm:
@@ -159,9 +179,14 @@ class Algorithm:
       init_server(env) -> state            server state: global model(s), generator, ...
       phases(round) -> list[Phase]         the exchanges of this round, in order
       broadcast(phase, state, info) -> Broadcast
-      client_step(phase, state, msg, ctx) -> ClientResult     runs inside a worker
+      client_step(phase, state, msg: Message, ctx) -> ClientResult     runs inside a worker
       server_step(phase, state, updates, info) -> (state, metrics)
         updates is a SummedUpdate for reduce="sum", else {client_id: ClientResult} sorted by id
+    The three middle hooks call the handlers a Phase names; a one-phase method may override them instead.
+
+    The server and every worker each build their own instance (from the same params and Env): nothing
+    set on `self` during a round travels between them; what must travel goes in a Broadcast or a
+    ClientResult, and what a client keeps goes in its state.
       evaluate(state, x_test, y_test, device) -> list of rows, one per global model ({"model": name, ...})
     """
 
@@ -182,15 +207,28 @@ class Algorithm:
         return [Phase("train", "sum")]
 
     def broadcast(self, phase: Phase, state: Any, info: RoundInfo) -> Broadcast:
-        raise NotImplementedError
+        if phase.broadcast is None:
+            return Broadcast()
+        return self.handler(phase, "broadcast")(state, info)
 
-    def client_step(
-        self, phase: Phase, state: dict[str, Any] | None, msg: Any, ctx: ClientContext
-    ) -> ClientResult:
-        raise NotImplementedError
+    def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        return self.handler(phase, "client")(state, msg, ctx)
 
     def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
-        raise NotImplementedError
+        return self.handler(phase, "server")(state, updates, info)
+
+    def handler(self, phase: Phase, side: Literal["broadcast", "client", "server"]) -> Callable[..., Any]:
+        """The method `phase` names for `side`; a clear error when it names none or one that does not exist."""
+        name = getattr(phase, side)
+        hook = {"broadcast": "broadcast", "client": "client_step", "server": "server_step"}[side]
+        if name is None:
+            raise TypeError(f"{type(self).__name__}: phase {phase.name!r} names no {side} handler "
+                            f"(set Phase({phase.name!r}, {side}=...) or override {hook})")
+        fn = getattr(self, name, None)
+        if not callable(fn):
+            raise TypeError(f"{type(self).__name__}: phase {phase.name!r} names {side} handler {name!r}, "
+                            "which is not a method of the algorithm")
+        return fn
 
     def evaluate(
         self, state: Any, x_test: torch.Tensor, y_test: torch.Tensor, device: torch.device

@@ -25,18 +25,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsim import mechanism
+from fedsim import mechanism, rng
+from fedsim.algorithms.aggregate import weighted_average
 from fedsim.algorithms.base import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    Message,
     Phase,
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.fedavg import FedAvg, clone_state, init_global_models, new_model
+from fedsim.algorithms.toolkit import clone_state, evaluate_models, init_global_models, loaded_model, new_model
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
@@ -113,13 +115,6 @@ class DaFKDState:
     pending: dict[str, Any] = field(default_factory=dict)
 
 
-def average(states: list[State], weights: list[float]) -> State:
-    """Weighted mean of state dicts in float64, in the given (client-id) order; buffers included."""
-    total = float(sum(weights))
-    return {k: (sum(w * s[k].double() for s, w in zip(states, weights)) / total).to(states[0][k].dtype)
-            for k in states[0]}
-
-
 def _active(limit: int | None, value: int) -> bool:
     return limit is None or value < limit
 
@@ -158,8 +153,7 @@ class DaFKD(Algorithm):
 
     def distill_seed(self, round: int) -> int:
         """The round's distillation-set seed (< 2^32, exact in the float metrics tables)."""
-        ss = np.random.SeedSequence([self.env.config.seed, round, 0xDAF])
-        return int(ss.generate_state(1, dtype=np.uint32)[0])
+        return rng.seed(self.env.config.seed, "dafkd/distill_set", round)
 
     def distill_set(self, gen: torch.nn.Module, seed: int) -> torch.Tensor:
         """D̂_g: distill_size samples of `gen` in chunks of the distillation batch (BN in batch mode, as
@@ -188,47 +182,56 @@ class DaFKD(Algorithm):
 
     def init_server(self, env: Env) -> DaFKDState:
         models = init_global_models(env)
-        torch.manual_seed(env.config.seed * 1000 + 999)
-        return DaFKDState(models, clone_state(self.new_generator()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.seed(env.config.seed, "init/dafkd/generator"))
+            generator = self.new_generator()
+        return DaFKDState(models, clone_state(generator))
 
     def phases(self, round: int) -> list[Phase]:
         p = self.params
         two = p.upload == "scores" and p.distill_from == "aggregated" and round >= p.distill_from_round
-        return [Phase("train", "each"), Phase("score", "each")] if two else [Phase("train", "each")]
+        train = Phase("train", "each", broadcast="send_models", client="train_client", server="train_server")
+        score = Phase("score", "each", broadcast="send_generator", client="score_client", server="score_server")
+        return [train, score] if two else [train]
 
-    def broadcast(self, phase: Phase, state: DaFKDState, info: RoundInfo) -> Broadcast:
+    def send_generator(self, state: DaFKDState, info: RoundInfo) -> Broadcast:
+        """App. B second phase: the aggregated generator and the noise seed."""
+        return Broadcast(common={"generator": state.generator, "seed": self.distill_seed(info.round)})
+
+    def send_models(self, state: DaFKDState, info: RoundInfo) -> Broadcast:
         seed = self.distill_seed(info.round)
-        if phase.name == "score":  # App. B: the aggregated generator and the noise seed
-            return Broadcast(common={"generator": state.generator, "seed": seed})
         common = {"models": state.models, "generator": state.generator}
         p = self.params
         if p.upload == "scores" and p.distill_from == "start" and info.round >= p.distill_from_round:
             common["seed"] = seed
         return Broadcast(common=common)
 
-    def server_step(self, phase: Phase, state: DaFKDState, updates: dict[int, ClientResult],
-                    info: RoundInfo) -> tuple[DaFKDState, dict]:
+    def score_server(self, state: DaFKDState, updates: dict[int, ClientResult],
+                     info: RoundInfo) -> tuple[DaFKDState, dict]:
+        """App. B: the teacher from the uploaded scores, distilled into the averaged models."""
+        models = state.pending.get("models", state.models)
+        metrics = {}
+        if updates:
+            teacher, metrics = self.teacher_from_scores(updates)
+            x = self.distill_set(self.server_module("generator", self.new_generator, state.generator),
+                                 state.pending["seed"])
+            distilled, m = self.distil_all(models, x, teacher, info.round)
+            metrics.update({**m, **self.mechanism_accuracy(models, distilled)})
+            models = distilled
+        return DaFKDState(models, state.generator), {"distill_seed": state.pending.get("seed", -1), **metrics}
+
+    def train_server(self, state: DaFKDState, updates: dict[int, ClientResult],
+                     info: RoundInfo) -> tuple[DaFKDState, dict]:
         p = self.params
-        if phase.name == "score":
-            models = state.pending.get("models", state.models)
-            metrics = {}
-            if updates:
-                teacher, metrics = self.teacher_from_scores(updates)
-                x = self.distill_set(self.server_module("generator", self.new_generator, state.generator),
-                                     state.pending["seed"])
-                distilled, m = self.distil_all(models, x, teacher, state.pending["seed"])
-                metrics.update({**m, **self.mechanism_accuracy(models, distilled)})
-                models = distilled
-            return DaFKDState(models, state.generator), {"distill_seed": state.pending.get("seed", -1), **metrics}
         if not updates:
             return state, {}
         ids = list(updates)
-        w = [updates[c].weight for c in ids]
-        generator = average([updates[c].payload["generator"] for c in ids], w)
+        weights = {c: updates[c].weight for c in ids}
+        generator = weighted_average({c: updates[c].payload["generator"] for c in ids}, weights)
         models = dict(state.models)
         for arch in dict.fromkeys(self.env.client_archs[c] for c in ids):
             mine = [c for c in ids if self.env.client_archs[c] == arch]
-            models[arch] = average([updates[c].payload["model"] for c in mine], [updates[c].weight for c in mine])
+            models[arch] = weighted_average({c: updates[c].payload["model"] for c in mine}, weights)
         seed = self.distill_seed(info.round)
         out = {"arrived": float(len(ids)), "distill_seed": float(seed), **self.mechanism_teacher(updates)}
         if info.round < p.distill_from_round:
@@ -239,7 +242,7 @@ class DaFKD(Algorithm):
         x = self.distill_set(self.server_module("generator", self.new_generator, gen_state), seed)
         teacher, m = (self.teacher_from_scores(updates) if p.upload == "scores"
                       else self.teacher_from_models(updates, x))
-        distilled, m2 = self.distil_all(models, x, teacher, seed)
+        distilled, m2 = self.distil_all(models, x, teacher, info.round)
         return DaFKDState(distilled, generator), {**out, **m, **m2, **self.mechanism_accuracy(models, distilled)}
 
     def server_module(self, key: str, build, state: State) -> torch.nn.Module:
@@ -343,18 +346,20 @@ class DaFKD(Algorithm):
                                   "acc_after_distill": math.nan if distilled is None else acc(distilled)})
 
     def distil_all(self, models: dict[str, State], x: torch.Tensor, teacher: torch.Tensor,
-                   seed: int) -> tuple[dict[str, State], dict]:
+                   round: int) -> tuple[dict[str, State], dict]:
         """Distil the teacher into every architecture's averaged model (the student starts from ŵ, Eq. 8)."""
         out, metrics = dict(models), {}
         for arch, weights in models.items():
-            student = new_model(self.env, arch).to(self.env.device)
-            student.load_state_dict(weights)
-            r = distill(student, x, teacher, self.params.distill, torch.Generator().manual_seed(seed + 1))
+            student = loaded_model(self.env, arch, weights)
+            r = distill(student, x, teacher, self.params.distill,
+                        rng.torch_generator(self.env.config.seed, f"dafkd/distill/{arch}", round))
             out[arch] = clone_state(student)
             metrics.update({"distill_loss": r["loss"], "distill_steps": r["steps"]})
         return out, metrics
 
-    evaluate = FedAvg.evaluate  # one row per architecture's global classifier
+    def evaluate(self, state: DaFKDState, x_test: torch.Tensor, y_test: torch.Tensor,
+                 device: torch.device) -> list[dict[str, Any]]:
+        return evaluate_models(self.env, state.models, x_test, y_test, device)
 
     # ------------------------------------------------------------------ client
 
@@ -365,36 +370,46 @@ class DaFKD(Algorithm):
         if "head" in state:
             head.load_state_dict(state["head"])
         else:  # first participation: a seeded fresh head
-            head.reset(torch.Generator().manual_seed(ctx.seed + 1))
+            head.reset(ctx.stream("dafkd/head_init"))
         disc = None
         if not self.params.sharing:
             disc = ctx.models.get(f"dafkd/disc/{ctx.arch}", build=lambda: new_model(ctx.env, ctx.arch))
             disc.load_state_dict(state.get("disc", model.state_dict()))  # first time: the global trunk
         return head, disc
 
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        p = self.params
-        weight = float(ctx.data.num_samples) if p.weighting == "samples" else 1.0
+    def client_weight(self, ctx: ClientContext) -> float:
+        return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
+
+    def score_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        """App. B second phase: this round's trained model scores the aggregated generator's set."""
+        if state is None or "pending" not in state:
+            raise ValueError(f"client {ctx.client_id} has no model trained this round to score with")
         model = ctx.models.get(ctx.arch)
         gen = ctx.models.get("dafkd/generator", build=self.new_generator)
-        gen.load_state_dict(msg["generator"])
-        if phase.name == "score":  # App. B second phase: this round's trained model, the aggregated G
-            model.load_state_dict(state["pending"])
-            head, disc = self.personal_modules(state, ctx, model)
-            kept = {k: v for k, v in state.items() if k != "pending"}
-            return ClientResult(self.upload_scores(model, head, disc, self.distill_set(gen, msg["seed"])),
-                                weight, {}, kept)
-        model.load_state_dict(msg["models"][ctx.arch])
+        gen.load_state_dict(msg.common["generator"])
+        model.load_state_dict(state["pending"])
+        head, disc = self.personal_modules(state, ctx, model)
+        kept = {k: v for k, v in state.items() if k != "pending"}
+        return ClientResult(self.upload_scores(model, head, disc, self.distill_set(gen, msg.common["seed"])),
+                            self.client_weight(ctx), {}, kept)
+
+    def train_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        p, common = self.params, msg.common
+        weight = self.client_weight(ctx)
+        model = ctx.models.get(ctx.arch)
+        gen = ctx.models.get("dafkd/generator", build=self.new_generator)
+        gen.load_state_dict(common["generator"])
+        model.load_state_dict(common["models"][ctx.arch])
         head, disc = self.personal_modules(state, ctx, model)
         metrics = self.local_train(model, head, disc, gen, ctx)
         payload = {"model": clone_state(model), "generator": clone_state(gen)}
         new_state = {"head": clone_state(head)} | ({} if disc is None else {"disc": clone_state(disc)})
         if p.upload == "discriminator":
             payload.update(new_state)
-        elif "seed" in msg:  # distill_from=start (code): scores on the start-of-round generator's set
+        elif "seed" in common:  # distill_from=start (code): scores on the start-of-round generator's set
             start_gen = ctx.models.get("dafkd/generator0", build=self.new_generator)
-            start_gen.load_state_dict(msg["generator"])
-            payload.update(self.upload_scores(model, head, disc, self.distill_set(start_gen, msg["seed"])))
+            start_gen.load_state_dict(common["generator"])
+            payload.update(self.upload_scores(model, head, disc, self.distill_set(start_gen, common["seed"])))
         elif p.distill_from == "aggregated" and ctx.round >= p.distill_from_round:
             new_state["pending"] = payload["model"]  # for this round's score phase
         return ClientResult(payload, weight, metrics, new_state)

@@ -23,14 +23,23 @@ import torch
 
 import fedsim.data.text  # noqa: F401  (registers text_tsv / text_npz)
 import fedsim.models.text  # noqa: F401  (registers textcnn / bilstm)
-from fedsim import mechanism
-from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Env, Phase, RoundInfo, register_algorithm
-from fedsim.algorithms.fedavg import FedAvg, GlobalModels, new_model
+from fedsim import mechanism, rng
+from fedsim.algorithms.base import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Env,
+    Message,
+    Phase,
+    RoundInfo,
+    register_algorithm,
+)
+from fedsim.algorithms.toolkit import GlobalModels, evaluate_models, loaded_model, new_model
 from fedsim.config import clients_per_round
 from fedsim.configtools import knob
 from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_SEED
 from fedsim.meta_distill import Distiller, DistillSettings, class_balanced_labels, sgd_replay, trainable, xavier_init_
-from fedsim.train import evaluate_classifier
 
 
 @dataclass
@@ -105,7 +114,7 @@ def distilled_shape(model: torch.nn.Module, input_shape: tuple[int, ...]) -> tup
 
 
 @register_algorithm
-class DOSFL(FedAvg):
+class DOSFL(Algorithm):
     """One-shot FL by uploading distilled synthetic training steps instead of weights."""
 
     name = "dosfl"
@@ -139,7 +148,7 @@ class DOSFL(FedAvg):
     def init_seed(self) -> int:
         if self.params.init_seed is not None:
             return self.params.init_seed
-        return int(np.random.SeedSequence([self.env.config.seed, 2009_07999]).generate_state(1)[0])
+        return rng.seed(self.env.config.seed, "init/dosfl/theta0")
 
     def theta0(self, model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
         """θ0 from the init seed: the state dict of `model` after the deterministic Xavier init."""
@@ -153,26 +162,33 @@ class DOSFL(FedAvg):
 
     def phases(self, round: int) -> list[Phase]:
         if self.params.mode == "parallel":
-            return [Phase("distill", "each")]
-        return [Phase(f"serial{i}", "each") for i in range(clients_per_round(self.env.config))]
+            return [Phase("distill", "each", broadcast="send_seed", client="distill_client", server="merge")]
+        return [Phase(f"serial{i}", "each", broadcast="send_next", client="distill_client", server="merge")
+                for i in range(clients_per_round(self.env.config))]
 
     def finished(self, state: GlobalModels, round: int) -> bool:
         return True  # one communication round
 
+    @classmethod
+    def stateless_clients(cls, cfg: Any) -> bool:
+        return True  # a client keeps nothing between phases: any worker may distil it
+
     # --- serial order -------------------------------------------------------------------------------------
     def serial_pick(self, state: GlobalModels, info: RoundInfo) -> int | None:
         """The next client to distil: the first of a seeded order of participants still alive and not done."""
-        rng = np.random.default_rng([self.env.config.seed, info.round, 2])
+        order = rng.numpy_generator(self.env.config.seed, "dosfl/serial_order", info.round)
         done, alive = set(state.extra["done"]), set(info.arrived)
-        for cid in rng.permutation(np.asarray(info.participants, dtype=np.int64)).tolist():
+        for cid in order.permutation(np.asarray(info.participants, dtype=np.int64)).tolist():
             if cid not in done and cid in alive:
                 return int(cid)
         return None
 
-    def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
+    def send_seed(self, state: GlobalModels, info: RoundInfo) -> Broadcast:
+        return Broadcast(common={"init_seed": state.extra["init_seed"]})
+
+    def send_next(self, state: GlobalModels, info: RoundInfo) -> Broadcast:
+        """Serial: the init seed, the client whose turn it is, and (after the first) the server's model."""
         seed = state.extra["init_seed"]
-        if self.params.mode == "parallel":
-            return Broadcast(common={"init_seed": seed})
         cid = self.serial_pick(state, info)
         common = {"init_seed": seed, "selected": -1 if cid is None else cid}
         if cid is None or not state.extra["done"]:  # the first client rebuilds θ0 from the seed
@@ -195,9 +211,8 @@ class DOSFL(FedAvg):
         return start
 
     # --- client -------------------------------------------------------------------------------------------
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        own = msg.get("own") if isinstance(msg, dict) and "common" in msg else None
-        common = msg["common"] if own is not None else msg
+    def distill_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        common, own = msg.common, msg.own
         if self.params.mode == "serial" and common.get("selected") != ctx.client_id:
             return ClientResult(payload=None, weight=1.0, metrics={"skipped": 1.0})
         p = self.params
@@ -244,14 +259,14 @@ class DOSFL(FedAvg):
     def train_on(self, arch: str, start_sd: dict[str, torch.Tensor], payloads: list[dict]) -> dict:
         """Plain SGD from `start_sd` over the interleaved steps; returns the new state dict."""
         device = self.env.device
-        model = new_model(self.env, arch).to(device)
-        model.load_state_dict(start_sd)
+        model = loaded_model(self.env, arch, start_sd)
         params, rest = trainable(model)
         params = sgd_replay(model, params, rest, self.sequence(payloads, device), self.params.label_form)
         return {k: (params[k] if k in params else v).detach().cpu().clone() for k, v in model.state_dict().items()}
 
-    def server_step(self, phase: Phase, state: GlobalModels, updates: dict[int, ClientResult],
-                    info: RoundInfo) -> tuple[GlobalModels, dict]:
+    def merge(self, state: GlobalModels, updates: dict[int, ClientResult],
+              info: RoundInfo) -> tuple[GlobalModels, dict]:
+        """θ trained on the arrived clients' steps, interleaved (per architecture)."""
         got = {cid: r.payload for cid, r in updates.items() if r.payload is not None}
         if not got:
             return state, {"clients": 0.0}
@@ -274,8 +289,7 @@ class DOSFL(FedAvg):
     # --- mechanism (evaluation only) ----------------------------------------------------------------------
     def _probe_acc(self, arch: str, weights: dict[str, torch.Tensor], probe: tuple[torch.Tensor, ...]) -> float:
         """Test accuracy of `weights` on the mechanism probe set (eval mode, a fresh model)."""
-        model = new_model(self.env, arch).to(self.env.device)
-        model.load_state_dict(weights)
+        model = loaded_model(self.env, arch, weights)
         return mechanism.accuracy(mechanism.logits(model, probe[0]), probe[1])
 
     def _ceiling(self, arch: str, theta0: dict[str, torch.Tensor], clients: list[int]) -> dict[str, torch.Tensor]:
@@ -284,13 +298,11 @@ class DOSFL(FedAvg):
         idx = np.concatenate([np.asarray(part.train[c]) for c in clients])
         x = torch.as_tensor(np.ascontiguousarray(data.x_train[idx])).to(device)
         y = torch.as_tensor(np.asarray(data.y_train[idx]), dtype=torch.long).to(device)
-        model = new_model(self.env, arch).to(device)
-        model.load_state_dict(theta0)
+        model = loaded_model(self.env, arch, theta0)
         params, rest = trainable(model)
         center = {n: v.clone() for n, v in params.items()}
         rest = {k: v.detach().clone() for k, v in rest.items()}
-        seed = int(np.random.SeedSequence([self.env.config.seed, 0xD05F1]).generate_state(1)[0])
-        gen = torch.Generator().manual_seed(seed)  # its own stream: no training draw is taken
+        gen = rng.torch_generator(self.env.config.seed, "mechanism/dosfl_ceiling")  # no training draw is taken
         d = Distiller(self.settings(), distilled_shape(model, self.env.input_shape), self.env.num_classes, gen, device)
         d.fit(model, self.starts(model, center, gen), rest, x, y, gen)
         return self.train_on(arch, theta0, [d.export()])
@@ -330,11 +342,9 @@ class DOSFL(FedAvg):
 
     def evaluate(self, state: GlobalModels, x_test: torch.Tensor, y_test: torch.Tensor,
                  device: torch.device) -> list[dict[str, Any]]:
-        rows = super().evaluate(state, x_test, y_test, device)
+        rows = evaluate_models(self.env, state.models, x_test, y_test, device)
         for k, models in state.extra.get("snapshots", []):
-            for arch, weights in models.items():
-                model = new_model(self.env, arch).to(device)
-                model.load_state_dict(weights)
-                rows.append({"model": f"after_{k}" if len(models) == 1 else f"{arch}@after_{k}",
-                             **evaluate_classifier(model, x_test, y_test, self.env.config.eval.batch_size)})
+            for row in evaluate_models(self.env, models, x_test, y_test, device):
+                arch = row.pop("model")
+                rows.append({"model": f"after_{k}" if len(models) == 1 else f"{arch}@after_{k}", **row})
         return rows

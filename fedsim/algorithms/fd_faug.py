@@ -17,14 +17,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from fedsim.algorithms._gan import GanParams, split, synthetic_set, train_acgan
+from fedsim import rng
+from fedsim.algorithms._gan import GanParams, synthetic_set, train_acgan
 from fedsim.algorithms._personal import personal_model, score, with_model
-from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Phase, RoundInfo, register_algorithm
-from fedsim.algorithms.fedavg import clone_state
+from fedsim.algorithms.base import (
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Message,
+    Phase,
+    RoundInfo,
+    register_algorithm,
+)
 from fedsim.algorithms.local_only import LocalOnly, PoolState
+from fedsim.algorithms.toolkit import clone_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, soften
 from fedsim.limits import MAX_BATCH, MAX_CHANNELS, MAX_EPOCHS, MAX_SAMPLES
@@ -61,10 +69,13 @@ class FDFAug(LocalOnly):
         env = self.env
         return build_generator(env.num_classes, env.input_shape, self.params.generator, env.mean, env.std)
 
+    def phases(self, round: int) -> list[Phase]:
+        share = [Phase("share", "each", client="share_client", server="train_faug")] if round == 0 else []
+        return share + [Phase("train", "each", broadcast="send_teachers", client="fd_client", server="fd_server")]
+
     # ---------------------------------------------------------------- server
-    def broadcast(self, phase: Phase, state: PoolState, info: RoundInfo) -> Broadcast:
-        if phase.name == "share":
-            return Broadcast()
+    def send_teachers(self, state: PoolState, info: RoundInfo) -> Broadcast:
+        """Per participant: the FAug generator (once) and the leave-one-out mean of the others' label logits."""
         held, ex = set(state.has_pool), state.extra
         uploads: dict[int, torch.Tensor] = ex.get("label_logits", {})
         per: dict[int, dict] = {}
@@ -79,24 +90,26 @@ class FDFAug(LocalOnly):
                 per[c] = own
         return Broadcast(common=None, per_client=per or None)
 
-    def server_step(self, phase: Phase, state: PoolState, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
-        if phase.name == "share":
-            state, metrics = super().server_step(phase, state, updates, info)
-            if not state.pool:
-                return state, metrics
-            p, env = self.params, self.env
-            gen = torch.Generator().manual_seed(env.config.seed * 7919 + 0xFA)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(env.config.seed * 7919 + 0xFA)
-                G = self.generator().to(env.device)
-                shape = env.input_shape
-                D = CNNDiscriminator(shape[0], shape[-1], list(p.disc_widths), env.num_classes).to(env.device)
-            x, y = state.pool["x"].to(env.device), state.pool["y"].to(env.device)
-            m = train_acgan(G, D, x, y, p, p.faug_epochs, p.gan_batch_size, p.disc_lr, p.real_label,
-                            env.num_classes, gen)
-            seed = int(np.random.SeedSequence([env.config.seed, 0xFA06]).generate_state(1)[0])
-            extra = {**state.extra, "faug_generator": clone_state(G), "faug_seed": seed}
-            return dataclasses.replace(state, extra=extra), {**metrics, **{f"faug_{k}": v for k, v in m.items()}}
+    def train_faug(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
+        """Pool the shares and train the conditional GAN on them ([C] ACGAN)."""
+        state, metrics = self.share_server(state, updates, info)
+        if not state.pool:
+            return state, metrics
+        p, env = self.params, self.env
+        gen = rng.torch_generator(env.config.seed, "fd_faug/gan_training")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.seed(env.config.seed, "init/fd_faug/gan"))
+            G = self.generator().to(env.device)
+            shape = env.input_shape
+            D = CNNDiscriminator(shape[0], shape[-1], list(p.disc_widths), env.num_classes).to(env.device)
+        x, y = state.pool["x"].to(env.device), state.pool["y"].to(env.device)
+        m = train_acgan(G, D, x, y, p, p.faug_epochs, p.gan_batch_size, p.disc_lr, p.real_label,
+                        env.num_classes, gen)
+        seed = rng.seed(env.config.seed, "fd_faug/synthetic")
+        extra = {**state.extra, "faug_generator": clone_state(G), "faug_seed": seed}
+        return dataclasses.replace(state, extra=extra), {**metrics, **{f"faug_{k}": v for k, v in m.items()}}
+
+    def fd_server(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
         uploads = dict(state.extra.get("label_logits", {}))
         uploads.update({c: r.payload["label_logits"] for c, r in updates.items()})
         held = sorted(set(state.has_pool) | (set(updates) if "faug_generator" in state.extra else set()))
@@ -105,12 +118,9 @@ class FDFAug(LocalOnly):
         return dataclasses.replace(state, has_pool=held, scores=scores, extra=extra), scores.summary(sorted(updates))
 
     # ---------------------------------------------------------------- client
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        if phase.name == "share":
-            return super().client_step(phase, state, msg, ctx)
+    def fd_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
         p, d, c = self.params, ctx.data, ctx.env.num_classes
-        _, own = split(msg)
-        own = own or {}
+        own = msg.own or {}
         if "faug" in own:
             state = {**(state or {}), "faug_generator": own["faug"]["generator"], "faug_seed": own["faug"]["seed"]}
         model = personal_model(ctx, state)

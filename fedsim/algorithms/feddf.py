@@ -21,27 +21,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim import mechanism
+from fedsim import mechanism, rng
+from fedsim.algorithms.aggregate import average_by_arch, sum_by_arch
 from fedsim.algorithms.base import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    Message,
     Phase,
     RoundInfo,
-    SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.fedavg import (
-    GlobalModels,
-    as_summable,
-    average_by_arch,
-    clone_state,
-    init_global_models,
-    new_model,
-)
 from fedsim.algorithms.fedprox import proximal_term
+from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models, loaded_model
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data.proxy import proxy_pool, split_test_halves
@@ -114,8 +108,14 @@ class FedDFState(GlobalModels):
     selection: dict[str, float] = field(default_factory=dict)
 
 
-def _rng_seed(*parts: int) -> int:
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] % (2**31 - 1))
+@dataclass(frozen=True)
+class FedDFRound:
+    """What every client gets: the proxy indices to compute logits on, whether to upload weights too, and (one
+    architecture) the global model; with several architectures each client's own mirror comes per client."""
+
+    indices: torch.Tensor
+    fedavg: bool
+    models: dict[str, dict[str, torch.Tensor]] | None = None
 
 
 def scheduled_steps(round1: int, steps: int, steps_min: int, interval: int) -> int:
@@ -173,10 +173,10 @@ class FedDF(Algorithm):
         return [Phase("train", "each")]
 
     def broadcast(self, phase: Phase, state: FedDFState, info: RoundInfo) -> Broadcast:
-        common = {"indices": torch.from_numpy(state.indices.astype(np.int32)),
-                  "fedavg": self.is_fedavg_round(info.round)}
+        common = FedDFRound(indices=torch.from_numpy(state.indices.astype(np.int32)),
+                            fedavg=self.is_fedavg_round(info.round))
         if len(state.models) == 1:
-            return Broadcast(common={**common, "models": state.models})
+            return Broadcast(common=replace(common, models=state.models))
         archs = self.env.client_archs  # heterogeneous: each client downloads only its own architecture's mirror
         return Broadcast(common=common, per_client={c: {archs[c]: state.models[archs[c]]} for c in info.participants})
 
@@ -217,11 +217,10 @@ class FedDF(Algorithm):
         cfg = replace(p.distill, steps=steps, epochs=None)
         validate, val, loss = self.validator(), {}, []
         probe, before, after, self._mech_s = self.mechanism_probe(), [], [], 0.0
-        for i, arch in enumerate(models):
-            student = new_model(self.env, arch).to(dev)
-            student.load_state_dict(models[arch])
+        for arch in models:
+            student = loaded_model(self.env, arch, models[arch], dev)
             before.append(self.mechanism_outputs(student, x, probe))
-            gen = torch.Generator().manual_seed(_rng_seed(self.env.config.seed, info.round, i, 17))
+            gen = rng.torch_generator(self.env.config.seed, f"feddf/distill/{arch}", info.round)
             res = distill(student, x, teacher, cfg, gen, validate=validate)
             after.append(self.mechanism_outputs(student, x, probe))
             models[arch], val[arch] = clone_state(student), res["best_score"]
@@ -242,11 +241,9 @@ class FedDF(Algorithm):
 
     def fedavg(self, updates: dict[int, ClientResult], previous: dict[str, dict]) -> dict[str, dict]:
         """FedAvg within each architecture over the clients that uploaded weights."""
-        total: dict[str, torch.Tensor] = {}
-        for cid, res in updates.items():
-            for k, v in as_summable(self.env.client_archs[cid], res.payload["weights"]).items():
-                total[k] = total.get(k, 0) + v.to(torch.float64) * res.weight
-        return average_by_arch(SummedUpdate(total, sum(r.weight for r in updates.values()), len(updates)), previous)
+        summed = sum_by_arch({c: r.payload["weights"] for c, r in updates.items()},
+                             {c: r.weight for c, r in updates.items()}, self.env.client_archs)
+        return average_by_arch(summed, previous)
 
     def select_for(self, state: FedDFState, round: int) -> tuple[np.ndarray, dict[str, float]]:
         """Proxy indices for `round`, chosen with the best mirror (paper Sec. 3.2)."""
@@ -256,13 +253,12 @@ class FedDF(Algorithm):
         m = cfg.candidates(len(pool))
         emb = logits = None
         if cfg.needs_model:
-            model = new_model(self.env, state.best).to(self.env.device)
-            model.load_state_dict(state.models[state.best])
+            model = loaded_model(self.env, state.best, state.models[state.best])
             bs = self.env.config.eval.batch_size
             parts = [embed_and_predict(model, pool.take(np.arange(i, min(i + 8192, m)), self.env.device), bs)
                      for i in range(0, m, 8192)]
             emb, logits = np.concatenate([e for e, _ in parts]), torch.cat([lg for _, lg in parts])
-        idx, info = select(emb, logits, cfg, len(pool), _rng_seed(self.env.config.seed, round, 23))
+        idx, info = select(emb, logits, cfg, len(pool), rng.seed(self.env.config.seed, "feddf/selection", round))
         return idx, {**info, "seconds": time.perf_counter() - t0}
 
     def evaluate(self, state: FedDFState, x_test: torch.Tensor, y_test: torch.Tensor,
@@ -272,11 +268,9 @@ class FedDF(Algorithm):
             keep_t = torch.from_numpy(keep).to(x_test.device)
             x_test, y_test = x_test[keep_t], y_test[keep_t]
         rows = []
-        for arch, weights in state.models.items():
-            model = new_model(self.env, arch).to(device)
-            model.load_state_dict(weights)
-            row = evaluate_classifier(model, x_test, y_test, self.env.config.eval.batch_size)
-            rows.append({"model": arch, **row, "val_accuracy": state.val.get(arch, math.nan),
+        for row in evaluate_models(self.env, state.models, x_test, y_test, device):
+            arch = row["model"]
+            rows.append({**row, "val_accuracy": state.val.get(arch, math.nan),
                          "drives_selection": float(arch == state.best)})
         macro = float(np.mean([r["accuracy"] for r in rows]))
         return [{**r, "macro_accuracy": macro} for r in rows]
@@ -315,7 +309,7 @@ class FedDF(Algorithm):
             _, keep = split_test_halves(len(data.y_test), self.params.proxy_seed)
             limit = int(getattr(self.env.config.eval, "mechanism_samples", 1000))
             if len(keep) > limit:
-                keep = np.sort(np.random.default_rng([int(self.env.config.seed), 0x3EC]).choice(keep, limit, False))
+                keep = np.sort(rng.numpy_generator(self.env.config.seed, "mechanism/probe").choice(keep, limit, False))
             self._mech_probe = (torch.as_tensor(np.ascontiguousarray(data.x_test[keep])).to(self.env.device),
                                 torch.as_tensor(np.asarray(data.y_test[keep]), dtype=torch.long).to(self.env.device))
         return self._mech_probe
@@ -364,9 +358,7 @@ class FedDF(Algorithm):
         models are built under a forked RNG so no training stream moves."""
         logits = []
         for cid, res in updates.items():
-            with torch.random.fork_rng(devices=[]):
-                model = new_model(self.env, self.env.client_archs[cid]).to(self.env.device)
-            model.load_state_dict(res.payload["weights"])
+            model = loaded_model(self.env, self.env.client_archs[cid], res.payload["weights"])
             logits.append(mechanism.logits(model, x).float().cpu())
         p = self.params
         return ensemble_teacher(torch.stack(logits), weights, T=p.distill.T, mix=p.mix)
@@ -376,7 +368,8 @@ class FedDF(Algorithm):
         rest = np.setdiff1d(np.arange(len(self.pool(self.env))), indices)
         limit = int(getattr(self.env.config.eval, "mechanism_samples", 1000))
         if len(rest) > limit:
-            rest = np.sort(np.random.default_rng([int(self.env.config.seed), round, 0x5E1]).choice(rest, limit, False))
+            rest = np.sort(rng.numpy_generator(self.env.config.seed, "mechanism/left_out", round).choice(rest, limit,
+                                                                                                      False))
         return rest
 
     # ---- client --------------------------------------------------------------------------------------
@@ -390,14 +383,15 @@ class FedDF(Algorithm):
         return train_classifier(net, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator(),
                                 extra_loss=extra, optimizer=opt)
 
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        common, models = (msg["common"], msg["own"]) if "own" in msg else (msg, msg["models"])
+    def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        common: FedDFRound = msg.common
+        models = msg.own if msg.own is not None else common.models
         model = ctx.models.get(ctx.arch)
         model.load_state_dict(models[ctx.arch])
         metrics = self.local_train(model, ctx)
-        x = self.pool(ctx.env).take(common["indices"], ctx.device)
+        x = self.pool(ctx.env).take(common.indices, ctx.device)
         payload = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
-        if common["fedavg"]:
+        if common.fedavg:
             payload["weights"] = clone_state(model)
         weight = float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
         return ClientResult(payload=payload, weight=weight, metrics=metrics)

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsim import mechanism
-from fedsim.algorithms._gan import FeatureFD, GanParams, gen_optimizer, randn, same_state, split, step, synthetic_set
+from fedsim import mechanism, rng
+from fedsim.algorithms._gan import FeatureFD, GanParams, gen_optimizer, randn, same_state, step, synthetic_set
 from fedsim.algorithms._personal import (
     PersonalScores,
     balanced_labels,
@@ -33,17 +33,20 @@ from fedsim.algorithms._personal import (
     seeded_init,
     with_model,
 )
+from fedsim.algorithms.aggregate import as_summable, average_by_arch
 from fedsim.algorithms.base import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    Message,
     Phase,
     RoundInfo,
+    SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.fedavg import as_summable, average_by_arch, clone_state
+from fedsim.algorithms.toolkit import clone_state
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
@@ -53,6 +56,9 @@ from fedsim.models.thesis_nets import build_generator
 from fedsim.train import batch_indices, make_optimizer, predict_logits
 
 GEN = "generator"
+PHASES = (Phase("gan", "sum", broadcast="send_gan", client="gan_client", server="average_gan"),
+          Phase("logits", "each", broadcast="send_kd_set", client="logits_client", server="loo_teachers"),
+          Phase("codistill", "each", broadcast="send_teachers", client="codistill_client", server="codistill_server"))
 
 
 def lse(logits: torch.Tensor) -> torch.Tensor:
@@ -146,8 +152,8 @@ class FedGDKD(Algorithm):
 
     def init_server(self, env: Env) -> FedGDKDState:
         shared = {}
-        for i, name in enumerate(self.shared_names):
-            m = seeded_init(self.build(name), lambda n=name: self.build(n), env.config.seed * 1000 + 17 + i)
+        for name in self.shared_names:
+            m = seeded_init(self.build(name), lambda n=name: self.build(n), rng.seed(env.config.seed, f"init/{name}"))
             shared[name] = clone_state(m)
         return FedGDKDState(shared=shared)
 
@@ -157,40 +163,46 @@ class FedGDKD(Algorithm):
         return m
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("gan", "sum"), Phase("logits", "each"), Phase("codistill", "each")]
+        return list(PHASES)
 
     # ---------------------------------------------------------------- server
-    def broadcast(self, phase: Phase, state: FedGDKDState, info: RoundInfo) -> Broadcast:
-        if phase.name == "gan":
-            per, prev = None, state.prev
-            if self.params.catch_up and prev is not None:
-                own = {"kd_seed": prev.kd_seed, "teacher": prev.mean_logits}
-                if not same_state(prev.generator, state.shared[GEN]):  # only after a restore or a skipped gan
-                    own[GEN] = prev.generator
-                per = {c: own for c in info.participants if c not in set(prev.participants)} or None
-            return Broadcast(common=state.shared, per_client=per)
-        if phase.name == "logits":
-            return Broadcast(common={GEN: state.shared[GEN], "kd_seed": state.kd_seed})
+    def send_gan(self, state: FedGDKDState, info: RoundInfo) -> Broadcast:
+        """The shared GAN; clients absent last round also get last round's KD set and full-mean teacher."""
+        per, prev = None, state.prev
+        if self.params.catch_up and prev is not None:
+            own = {"kd_seed": prev.kd_seed, "teacher": prev.mean_logits}
+            if not same_state(prev.generator, state.shared[GEN]):  # only after a restore or a skipped gan
+                own[GEN] = prev.generator
+            per = {c: own for c in info.participants if c not in set(prev.participants)} or None
+        return Broadcast(common=state.shared, per_client=per)
+
+    def average_gan(self, state: FedGDKDState, updates: SummedUpdate, info: RoundInfo) -> tuple[Any, dict]:
+        shared = average_by_arch(updates, state.shared) if updates.count else state.shared
+        seed = rng.seed(self.env.config.seed, "fedgdkd/kd_set", info.round)
+        return FedGDKDState(shared, info.round, seed, {}, None, state.prev, state.scores), \
+            {"clients": float(updates.count)}
+
+    def send_kd_set(self, state: FedGDKDState, info: RoundInfo) -> Broadcast:
+        return Broadcast(common={GEN: state.shared[GEN], "kd_seed": state.kd_seed})
+
+    def loo_teachers(self, state: FedGDKDState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
+        ids = sorted(updates)
+        if not ids:
+            return state, {}
+        stacked = torch.stack([updates[c].payload["logits"].float() for c in ids])
+        teachers = dict(zip(ids, leave_one_out(stacked))) if len(ids) > 1 else {}
+        mean = stacked.mean(0)
+        y = balanced_labels(len(mean), self.env.num_classes)
+        metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean()),
+                   **self._mechanism_synthetic(stacked, teachers, y), **self._mechanism_loo_test(updates)}
+        return FedGDKDState(state.shared, state.round, state.kd_seed, teachers, mean, state.prev,
+                            state.scores), metrics
+
+    def send_teachers(self, state: FedGDKDState, info: RoundInfo) -> Broadcast:
         return Broadcast(common=None, per_client={c: {"teacher": t} for c, t in state.teachers.items()})
 
-    def server_step(self, phase: Phase, state: FedGDKDState, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
-        if phase.name == "gan":
-            shared = average_by_arch(updates, state.shared) if updates.count else state.shared
-            seed = int(np.random.SeedSequence([self.env.config.seed, info.round, 0x6D]).generate_state(1)[0])
-            return FedGDKDState(shared, info.round, seed, {}, None, state.prev, state.scores), \
-                {"clients": float(updates.count)}
-        if phase.name == "logits":
-            ids = sorted(updates)
-            if not ids:
-                return state, {}
-            stacked = torch.stack([updates[c].payload["logits"].float() for c in ids])
-            teachers = dict(zip(ids, leave_one_out(stacked))) if len(ids) > 1 else {}
-            mean = stacked.mean(0)
-            y = balanced_labels(len(mean), self.env.num_classes)
-            metrics = {"ensemble_synthetic_accuracy": float((mean.argmax(1) == y).float().mean()),
-                       **self._mechanism_synthetic(stacked, teachers, y), **self._mechanism_loo_test(updates)}
-            return FedGDKDState(state.shared, state.round, state.kd_seed, teachers, mean, state.prev,
-                                state.scores), metrics
+    def codistill_server(self, state: FedGDKDState, updates: dict[int, ClientResult],
+                         info: RoundInfo) -> tuple[Any, dict]:
         scores = state.scores.record(updates)
         mech = self._mechanism_kd(updates)
         prev = state.prev
@@ -244,31 +256,36 @@ class FedGDKD(Algorithm):
         return rows
 
     # ---------------------------------------------------------------- client
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
+    def gan_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
         C = personal_model(ctx, state)
-        n = float(ctx.data.num_samples)
-        common, own = split(msg)
-        if phase.name == "gan":
-            metrics: dict[str, float] = {"catch_up": 0.0}
-            if own is not None:  # selected now, absent last round: last round's set, full-mean teacher
-                G = self.module(ctx, GEN, own.get(GEN, common[GEN]))
-                x, y = self.kd_set(G, own["kd_seed"], ctx)
-                metrics = {"catch_up": 1.0, **{f"catch_up_{k}": v for k, v in self.kd(C, x, y, own["teacher"],
-                                                                                    ctx).items()}}
-            mods = {name: self.module(ctx, name, common[name]) for name in self.shared_names}
-            metrics.update(self.local_gan(C, mods, ctx))
-            payload: dict[str, torch.Tensor] = {}
-            for name, m in mods.items():
-                payload.update(as_summable(name, clone_state(m)))
-            return ClientResult(payload, self.client_weight(ctx), metrics,
-                                with_model(state, C, kd_generator=None, kd_seed=None))
-        if phase.name == "logits":
-            x, _ = self.kd_set(self.module(ctx, GEN, common[GEN]), common["kd_seed"], ctx)
-            logits = predict_logits(C, x, ctx.env.config.eval.batch_size).cpu()
-            probe = mechanism.probe_set(ctx.env)
-            return ClientResult({"logits": logits}, n, {},
-                                with_model(state, C, kd_generator=common[GEN], kd_seed=int(common["kd_seed"])),
-                                probe=None if probe is None else mechanism.logits(C, probe[0]).cpu())
+        common, own = msg.common, msg.own
+        metrics: dict[str, float] = {"catch_up": 0.0}
+        if own is not None:  # selected now, absent last round: last round's set, full-mean teacher
+            G = self.module(ctx, GEN, own.get(GEN, common[GEN]))
+            x, y = self.kd_set(G, own["kd_seed"], ctx)
+            metrics = {"catch_up": 1.0, **{f"catch_up_{k}": v for k, v in self.kd(C, x, y, own["teacher"],
+                                                                                ctx).items()}}
+        mods = {name: self.module(ctx, name, common[name]) for name in self.shared_names}
+        metrics.update(self.local_gan(C, mods, ctx))
+        payload: dict[str, torch.Tensor] = {}
+        for name, m in mods.items():
+            payload.update(as_summable(name, clone_state(m)))
+        return ClientResult(payload, self.client_weight(ctx), metrics,
+                            with_model(state, C, kd_generator=None, kd_seed=None))
+
+    def logits_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        C = personal_model(ctx, state)
+        common = msg.common
+        x, _ = self.kd_set(self.module(ctx, GEN, common[GEN]), common["kd_seed"], ctx)
+        logits = predict_logits(C, x, ctx.env.config.eval.batch_size).cpu()
+        probe = mechanism.probe_set(ctx.env)
+        return ClientResult({"logits": logits}, float(ctx.data.num_samples), {},
+                            with_model(state, C, kd_generator=common[GEN], kd_seed=int(common["kd_seed"])),
+                            probe=None if probe is None else mechanism.logits(C, probe[0]).cpu())
+
+    def codistill_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        C = personal_model(ctx, state)
+        n, own = float(ctx.data.num_samples), msg.own
         metrics = {}
         if own is not None and state is not None and "kd_generator" in state:
             x, y = self.kd_set(self.module(ctx, GEN, state["kd_generator"]), state["kd_seed"], ctx)

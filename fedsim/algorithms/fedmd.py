@@ -22,7 +22,15 @@ import torch.nn.functional as F
 
 from fedsim import mechanism
 from fedsim.algorithms._personal import personal_model, score, with_model
-from fedsim.algorithms.base import Broadcast, ClientContext, ClientResult, Phase, RoundInfo, register_algorithm
+from fedsim.algorithms.base import (
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Message,
+    Phase,
+    RoundInfo,
+    register_algorithm,
+)
 from fedsim.algorithms.local_only import LocalOnly, PoolState, pool_data
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, soften
@@ -53,7 +61,6 @@ class FedMD(LocalOnly):
 
     name = "fedmd"
     Params = FedMDParams
-    work_phase = "logits"
     mechanism_columns = {
         "logits/mech_consensus_public_acc": "accuracy of the consensus (mean of the arrivals' logits) on the "
                                             "public set's labels",
@@ -69,48 +76,56 @@ class FedMD(LocalOnly):
         return self.params.public_fraction
 
     def phases(self, round: int) -> list[Phase]:
-        return super().phases(round) + [Phase("digest", "each")]
+        share = [Phase("share", "each", client="share_client", server="share_server")] if round == 0 else []
+        return share + [Phase("logits", "each", broadcast="send_pool", client="logits_client", server="consensus"),
+                        Phase("digest", "each", broadcast="send_consensus", client="digest_client",
+                              server="digest_server")]
 
-    def broadcast(self, phase: Phase, state: PoolState, info: RoundInfo) -> Broadcast:
-        if phase.name == "digest":
-            return Broadcast(common={"consensus": state.extra.get("consensus")})
-        return super().broadcast(phase, state, info)
+    # ---------------------------------------------------------------- server
+    def consensus(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
+        held = sorted(set(state.has_pool) | set(updates))
+        if not updates:
+            return dataclasses.replace(state, has_pool=held, extra={}), {}
+        consensus = torch.stack([updates[c].payload["logits"].float() for c in sorted(updates)]).mean(0)
+        acc = float((consensus.argmax(1) == state.pool["y"]).float().mean())
+        mech = mechanism.columns({"consensus_public_acc": acc}) if mechanism.enabled(self.env) else {}
+        return dataclasses.replace(state, has_pool=held, extra={"consensus": consensus}), \
+            {"consensus_public_accuracy": acc, **mech}
 
-    def server_step(self, phase: Phase, state: PoolState, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
-        if phase.name == "logits":
-            held = sorted(set(state.has_pool) | set(updates))
-            if not updates:
-                return dataclasses.replace(state, has_pool=held, extra={}), {}
-            consensus = torch.stack([updates[c].payload["logits"].float() for c in sorted(updates)]).mean(0)
-            acc = float((consensus.argmax(1) == state.pool["y"]).float().mean())
-            mech = mechanism.columns({"consensus_public_acc": acc}) if mechanism.enabled(self.env) else {}
-            return dataclasses.replace(state, has_pool=held, extra={"consensus": consensus}), \
-                {"consensus_public_accuracy": acc, **mech}
-        if phase.name == "digest":
-            scores = state.scores.record(updates)
-            return dataclasses.replace(state, scores=scores, extra={}), \
-                {**scores.summary(sorted(updates)), **self._mechanism_digest(updates)}
-        return super().server_step(phase, state, updates, info)
+    def send_consensus(self, state: PoolState, info: RoundInfo) -> Broadcast:
+        return Broadcast(common={"consensus": state.extra.get("consensus")})
 
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        if phase.name == "share":
-            return super().client_step(phase, state, msg, ctx)
-        p, n, gen = self.params, float(ctx.data.num_samples), ctx.generator()
-        state = self.receive_pool(state, msg)
+    def digest_server(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
+        scores = state.scores.record(updates)
+        return dataclasses.replace(state, scores=scores, extra={}), \
+            {**scores.summary(sorted(updates)), **self._mechanism_digest(updates)}
+
+    # ---------------------------------------------------------------- client
+    def public_set(self, state: dict | None, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
         public = pool_data(state)
+        if public is None:
+            raise ValueError(f"client {ctx.client_id} holds no public set (it took no part in round 0's share)")
+        return public[0].to(ctx.data.x.device), public[1].to(ctx.data.x.device)
+
+    def logits_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        p, gen = self.params, ctx.generator()
+        state = self.receive_pool(state, msg)
+        px, py = self.public_set(state, ctx)
         model = personal_model(ctx, state)
-        dev = ctx.data.x.device
-        px, py = public[0].to(dev), public[1].to(dev)
-        if phase.name == "logits":
-            metrics: dict[str, float] = {}
-            if state is None or "model" not in state:  # transfer learning: public set, then private set
-                metrics.update({f"pretrain_public_{k}": v for k, v in
-                                self.epochs(model, px, py, p.pretrain_public_epochs, ctx, gen).items()})
-                self.epochs(model, ctx.data.x, ctx.data.y, p.pretrain_private_epochs, ctx, gen)
-            logits = predict_logits(model, px, ctx.env.config.eval.batch_size).cpu()
-            return ClientResult({"logits": logits}, n, metrics, with_model(state, model))
+        metrics: dict[str, float] = {}
+        if state is None or "model" not in state:  # transfer learning: public set, then private set
+            metrics.update({f"pretrain_public_{k}": v for k, v in
+                            self.epochs(model, px, py, p.pretrain_public_epochs, ctx, gen).items()})
+            self.epochs(model, ctx.data.x, ctx.data.y, p.pretrain_private_epochs, ctx, gen)
+        logits = predict_logits(model, px, ctx.env.config.eval.batch_size).cpu()
+        return ClientResult({"logits": logits}, float(ctx.data.num_samples), metrics, with_model(state, model))
+
+    def digest_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        p, n, gen = self.params, float(ctx.data.num_samples), ctx.generator()
+        px, py = self.public_set(state, ctx)
+        model = personal_model(ctx, state)
         mech = {"personal_acc_before_digest": self._personal_accuracy(model, ctx)}
-        consensus = msg["consensus"].to(dev).float()
+        consensus = msg.common["consensus"].to(px.device).float()
         metrics = {"digest_loss": self.digest(model, px, py, consensus, ctx, gen)}
         mech["personal_acc_after_digest"] = self._personal_accuracy(model, ctx)
         metrics.update({f"revisit_{k}": v for k, v in

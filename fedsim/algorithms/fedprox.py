@@ -33,7 +33,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def extra_loss(self, model: torch.nn.Module, global_state: dict[str, torch.Tensor]):
+    def extra_loss(self, model: torch.nn.Module):
         if self.params.mu == 0:
             return None
         anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # the round's global weights

@@ -30,6 +30,7 @@ from fedsim.algorithms.base import (
     ClientContext,
     ClientResult,
     Env,
+    Message,
     Phase,
     RoundInfo,
     register_algorithm,
@@ -70,7 +71,6 @@ class LocalOnly(Algorithm):
     name = "local_only"
     Params = LocalOnlyParams
     share_fraction = 0.0  # of each client's private data pooled and shared in round 0
-    work_phase = "train"
 
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
@@ -80,8 +80,9 @@ class LocalOnly(Algorithm):
         return PoolState()
 
     def phases(self, round: int) -> list[Phase]:
-        work = [Phase(self.work_phase, "each")]
-        return ([Phase("share", "each")] if round == 0 and self.share_fraction > 0 else []) + work
+        share = Phase("share", "each", client="share_client", server="share_server")
+        work = Phase("train", "each", broadcast="send_pool", client="train_client", server="train_server")
+        return ([share] if round == 0 and self.share_fraction > 0 else []) + [work]
 
     def pool_messages(self, state: PoolState, info: RoundInfo) -> dict[int, Any] | None:
         """The pool for participants that do not hold it yet (sent once per client)."""
@@ -90,15 +91,14 @@ class LocalOnly(Algorithm):
         held = set(state.has_pool)
         return {c: {"pool": state.pool} for c in info.participants if c not in held} or None
 
-    def broadcast(self, phase: Phase, state: PoolState, info: RoundInfo) -> Broadcast:
-        if phase.name == "share":
-            return Broadcast()
+    def send_pool(self, state: PoolState, info: RoundInfo) -> Broadcast:
         return Broadcast(common=None, per_client=self.pool_messages(state, info))
 
-    def server_step(self, phase: Phase, state: PoolState, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
-        if phase.name == "share":
-            shared = pool(updates)
-            return dataclasses.replace(state, pool=shared), {"pool_samples": float(len(shared.get("y", [])))}
+    def share_server(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
+        shared = pool(updates)
+        return dataclasses.replace(state, pool=shared), {"pool_samples": float(len(shared.get("y", [])))}
+
+    def train_server(self, state: PoolState, updates: dict[int, ClientResult], info: RoundInfo) -> tuple[Any, dict]:
         held = sorted(set(state.has_pool) | (set(updates) if state.pool else set()))
         scores = state.scores.record(updates)
         return dataclasses.replace(state, has_pool=held, scores=scores), scores.summary(sorted(updates))
@@ -108,10 +108,10 @@ class LocalOnly(Algorithm):
         return state.scores.rows()
 
     # ---------------------------------------------------------------- client
-    def receive_pool(self, state: dict | None, msg: Any) -> dict | None:
+    def receive_pool(self, state: dict | None, msg: Message) -> dict | None:
         """The client's state with a newly received pool stored in it."""
-        if isinstance(msg, dict) and "own" in msg and msg["own"] and "pool" in msg["own"]:
-            p = msg["own"]["pool"]
+        if msg.own and "pool" in msg.own:
+            p = msg.own["pool"]
             return {**(state or {}), "pool_x": p["x"], "pool_y": p["y"]}
         return state
 
@@ -131,9 +131,10 @@ class LocalOnly(Algorithm):
         tr = dataclasses.replace(ctx.env.config.train, epochs=epochs, steps=None)
         return train_classifier(model, x, y, tr, gen)
 
-    def client_step(self, phase: Phase, state: dict | None, msg: Any, ctx: ClientContext) -> ClientResult:
-        if phase.name == "share":
-            return ClientResult(share_sample(ctx, self.share_fraction), float(ctx.data.num_samples))
+    def share_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        return ClientResult(share_sample(ctx, self.share_fraction), float(ctx.data.num_samples))
+
+    def train_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
         state = self.receive_pool(state, msg)
         model = personal_model(ctx, state)
         x, y = self.training_set(state, ctx)

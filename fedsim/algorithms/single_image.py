@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fedsim import rng
 from fedsim.algorithms.base import Env, register_algorithm
 from fedsim.algorithms.feddf import DistillFLParams, FedDF
 from fedsim.configtools import knob
@@ -26,7 +27,8 @@ class SingleImageParams(DistillFLParams):
                       "or a path (the paper used ameyoko_small.jpg / colonpath_sample.jpg, not shipped)")
     pool_size: int = knob(50_000, ge=1, le=MAX_SAMPLES, doc="patches generated from the image (the paper: 50,000)")
     patch_size: int | None = knob(None, ge=1, le=1024, doc="patch side in pixels; default: the dataset's image size")
-    pool_seed: int | None = knob(None, ge=0, le=MAX_SEED, doc="seed of the patch generation; default: the run seed")
+    pool_seed: int | None = knob(None, ge=0, le=MAX_SEED, doc="seed of the patch generation; default: stream "
+                                 "'single_image/pool' of the run seed")
     init_crop: float = knob(0.5, gt=0, le=1, doc="first random crop, as a fraction of the image's shorter side")
     scale_min: float = knob(0.002, gt=0, le=1, doc="smallest area fraction of the random resized crop (1/500)")
     degrees: float = knob(30.0, ge=0, le=180, doc="random rotation range, ± degrees")
@@ -38,7 +40,7 @@ class SingleImageParams(DistillFLParams):
 def pool_spec(env: Env, p: SingleImageParams) -> PatchSpec:
     """The patch pool this run uses, from its params and the dataset's image size."""
     size = p.patch_size or int(env.input_shape[-1])
-    seed = env.config.seed if p.pool_seed is None else p.pool_seed
+    seed = rng.seed(env.config.seed, "single_image/pool") if p.pool_seed is None else p.pool_seed
     return PatchSpec(n=p.pool_size, size=size, seed=seed, init_crop=p.init_crop, scale_min=p.scale_min,
                      degrees=p.degrees, shear=p.shear, jitter_p=p.jitter_p, vflip=p.vflip)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedsim import rng as streams
 from fedsim.config import DistConfig, RunConfig, clients_per_round
 from fedsim.errors import DataError
 
@@ -37,7 +38,7 @@ def make_profiles(cfg: RunConfig) -> Profiles:
     n, s = cfg.data.num_clients, cfg.stragglers
     if s.trace:
         return _read_trace(s.trace, n)
-    rng = np.random.default_rng([cfg.seed, 7919])
+    rng = streams.numpy_generator(cfg.seed, "clock/profiles")
     speed = _draw(rng, s.speed, n)
     bw = _draw(rng, s.bandwidth_mbps, n) * 1e6 / 8
     return Profiles(speed, bw, np.full(n, cfg.participation.availability))
@@ -117,7 +118,7 @@ def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarr
 def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
     """Sorted client ids sampled for `round` among the available ones (over-selection included)."""
     n = cfg.data.num_clients
-    rng = np.random.default_rng([cfg.seed, round, 104729])
+    rng = streams.numpy_generator(cfg.seed, "participation", round)
     avail = np.flatnonzero(rng.random(n) < profiles.availability) if (profiles.availability < 1).any() \
         else np.arange(n)
     k = clients_per_round(cfg)

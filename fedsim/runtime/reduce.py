@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from fedsim.errors import AggregationError
+
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -27,8 +29,16 @@ class WeightedSum:
         self.weight = 0.0
         self.count = 0
 
-    def add(self, payload: dict[str, torch.Tensor], weight: float) -> None:
-        """Add one client's payload with its weight."""
+    def add(self, payload: dict[str, torch.Tensor], weight: float, client: int | str = "?") -> None:
+        """Add one client's payload with its weight. A payload that is not a dict of tensors, or a tensor whose
+        shape differs from the sum's, is an AggregationError naming `client`, and leaves the sum untouched."""
+        if not isinstance(payload, dict) or not all(isinstance(v, torch.Tensor) for v in payload.values()):
+            raise AggregationError(f"aggregate: client {client} sent a {type(payload).__name__}, not a dict of "
+                                   "tensors, in a reduce='sum' phase")
+        for k, v in payload.items():
+            if k in self.hi and self.hi[k].shape != v.shape:
+                raise AggregationError(f"aggregate: client {client} sent {k!r} with shape {tuple(v.shape)}, "
+                                       f"the others {tuple(self.hi[k].shape)}")
         for k, v in payload.items():
             term = v.detach().to("cpu", torch.float64) * weight
             if k not in self.hi:
@@ -42,6 +52,9 @@ class WeightedSum:
     def merge(self, other: WeightedSum) -> None:
         """Fold in another partial sum (from another worker)."""
         for k, v in other.hi.items():
+            if k in self.hi and self.hi[k].shape != v.shape:
+                raise AggregationError(f"aggregate: partial sums disagree on the shape of {k!r}: "
+                                       f"{tuple(v.shape)} vs {tuple(self.hi[k].shape)}")
             if k not in self.hi:
                 self.hi[k], self.lo[k] = v.clone(), other.lo[k].clone()
             else:

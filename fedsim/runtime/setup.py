@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedsim import rng
 from fedsim.algorithms.base import ClientData, Env
 from fedsim.config import RunConfig
 from fedsim.data import Dataset, client_test_shards, load_dataset, partition, split_validation
@@ -48,15 +49,16 @@ class Partition:
 
 
 def make_partition(cfg: RunConfig, data: Dataset) -> Partition:
-    """Split the training set over clients as the config says (seeded by the run seed)."""
+    """Split the training set over clients as the config says (streams "data/*" of the run seed)."""
     p = cfg.data.partition
-    parts = partition(data.y_train, cfg.data.num_clients, p.kind, cfg.seed, alpha=p.alpha,
+    parts = partition(data.y_train, cfg.data.num_clients, p.kind, rng.seed(cfg.seed, "data/partition"), alpha=p.alpha,
                       min_samples=p.min_samples, shards_per_client=p.shards_per_client)
-    train, val = split_validation(parts, cfg.data.val_fraction, cfg.seed + 1)
+    train, val = split_validation(parts, cfg.data.val_fraction, rng.seed(cfg.seed, "data/validation"))
     test = None
     if cfg.data.client_test != "none":
-        test = Ragged.from_list(client_test_shards(data.y_test, cfg.data.num_clients, cfg.data.client_test,
-                                                   cfg.seed + 2, train_parts=train, train_labels=data.y_train))
+        seed = rng.seed(cfg.seed, "data/client_test")
+        test = Ragged.from_list(client_test_shards(data.y_test, cfg.data.num_clients, cfg.data.client_test, seed,
+                                                   train_parts=train, train_labels=data.y_train))
     return Partition(Ragged.from_list(train), Ragged.from_list(val), test)
 
 
@@ -112,6 +114,5 @@ def as_tensor(array: np.ndarray, device: torch.device | str = "cpu") -> torch.Te
 
 
 def client_seed(seed: int, round: int, client_id: int, phase: int) -> int:
-    """A 63-bit seed for one client's draws in one phase, independent of worker count and order."""
-    ss = np.random.SeedSequence([seed, round, client_id, phase])
-    return int(ss.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+    """The seed of one client's draws in one phase (stream "client"), independent of worker count and order."""
+    return rng.seed(seed, "client", round, client_id, phase)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Phase
+from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Message, Phase
 from fedsim.errors import ClientFailedError
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
@@ -34,7 +34,7 @@ class ModelPool:
         """The instance for `key`; classifiers are built from the registry, anything else by `build`."""
         if key not in self._models:
             if build is None:
-                from fedsim.algorithms.fedavg import new_model
+                from fedsim.algorithms.toolkit import new_model
 
                 build = lambda: new_model(self.env, key)  # noqa: E731
             self._models[key] = build().to(self.device)
@@ -110,21 +110,22 @@ class ClientWorker:
             ctx = ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
                                 data=client_data(self.data_t, self.part, cid), device=self.device,
                                 seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
-                                env=self.env)
+                                env=self.env, phase_index=phase_index)
+            status = "late" if cid in late_set else "ok"
             try:
                 res = self.algorithm.client_step(phase, self.store.get(cid), _merge(common, per_client, cid), ctx)
                 _check_weight(res, cid)
+                if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
+                    summed.add(res.payload, res.weight, cid)
             except Exception as exc:  # one client's failure must not sink the round
                 outcomes.append(ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                               error=ClientFailedError.wrap(exc, cid, round, phase.name)))
                 continue
-            status = "late" if cid in late_set else "ok"
             up = state_nbytes(res.payload)
             if status == "ok":
                 if res.state is not None:
                     self.store.put(cid, res.state)
                 if summed is not None:
-                    summed.add(res.payload, res.weight)
                     res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
             res.state = None
             outcomes.append(ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0))
@@ -139,11 +140,9 @@ class ClientWorker:
         self.store.load(states)
 
 
-def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Any:
-    """The message a client sees: the common part, plus its own part when there is one."""
-    if not per_client or cid not in per_client:
-        return common
-    return {"common": common, "own": per_client[cid]}
+def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Message:
+    """The message a client sees: the common part, and its own part (None when it has none)."""
+    return Message(common, per_client.get(cid) if per_client else None)
 
 
 def _check_weight(res: ClientResult, cid: int) -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
+from fedsim.algorithms.base import ClientResult, RoundInfo
 from fedsim.config import load_config
 from fedsim.errors import ConfigError
 from fedsim.models.dafkd_nets import DomainHead
@@ -191,9 +191,10 @@ def test_code_schedule_freezes_discriminator_and_generator_after_the_early_round
     """A5 with the code's values: no D loss from round 3, no G update from round 5 (alternating, λ_gp 0.3)."""
     server, worker = setup("algorithm.schedule=alternating", "algorithm.disc_rounds=3", "algorithm.gen_rounds=5",
                            "algorithm.gp_weight=0.3", "algorithm.generator=conditional")
-    bc = server.broadcast(Phase("train", "each"), RoundInfo(0, "train", [0], [0], {0: 1})).broadcast
-    early = worker.run_phase(0, 0, Phase("train", "each"), bc.common, {}, [0]).outcomes[0]
-    late = worker.run_phase(5, 0, Phase("train", "each"), bc.common, {}, [1]).outcomes[0]
+    train = server.algorithm.phases(0)[0]
+    bc = server.broadcast(train, RoundInfo(0, "train", [0], [0], {0: 1})).broadcast
+    early = worker.run_phase(0, 0, train, bc.common, {}, [0]).outcomes[0]
+    late = worker.run_phase(5, 0, train, bc.common, {}, [1]).outcomes[0]
     assert {"d_loss", "g_loss"} <= set(early.result.metrics) and early.status == "ok"
     assert not {"d_loss", "g_loss"} & set(late.result.metrics)
     assert all(torch.equal(late.result.payload["generator"][k], v) for k, v in bc.common["generator"].items())
@@ -225,14 +226,15 @@ def test_end_to_end_app_b_run_records_both_phases(tmp_path) -> None:
 def test_warmup_rounds_only_average_and_the_state_checkpoints(tmp_path) -> None:
     """distill_from_round=1 (code): round 0 is one phase of plain averaging, round 1 has the App. B score
     phase; the server state survives a weights_only checkpoint."""
-    from fedsim.algorithms.dafkd import DaFKDState, average
+    from fedsim.algorithms.aggregate import weighted_average
+    from fedsim.algorithms.dafkd import DaFKDState
     from fedsim.checkpoint import load_checkpoint, save_checkpoint
 
     server, worker = setup("algorithm.upload=scores", "algorithm.distill_from_round=1")
     assert [p.name for p in server.phases(0)] == ["train"] and len(server.phases(1)) == 2
     (reply,) = run_round(server, worker, 0, [0, 2])
     assert set(reply.outcomes[0].result.payload) == {"model", "generator"} and "pending" not in worker.store.get(0)
-    mean = average([o.result.payload["model"] for o in reply.outcomes], [1.0, 1.0])
+    mean = weighted_average({o.client_id: o.result.payload["model"] for o in reply.outcomes}, {0: 1.0, 2: 1.0})
     assert all(torch.equal(server.state.models["resnet11"][k], v) for k, v in mean.items())
     save_checkpoint(tmp_path / "ck.pt", {"state": server.state})
     back = load_checkpoint(tmp_path / "ck.pt")["state"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fedsim.algorithms.feddf as feddf_mod
+from fedsim.algorithms import toolkit
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
 from fedsim.algorithms.feddf import ClippedLogits, scheduled_steps
 from fedsim.algorithms.single_image import SingleImage
@@ -122,7 +123,7 @@ def test_heterogeneous_broadcast_sends_each_client_its_own_mirror(make_config):
     info = RoundInfo(0, "train", [1, 2], [1, 2], {1: 10, 2: 10})
     sent = server.broadcast(PHASE, info)
     bc, per_b = sent.broadcast, sent.per_client_bytes
-    assert "models" not in bc.common and set(bc.per_client[1]) == {"cnn"} and set(bc.per_client[2]) == {"mlp"}
+    assert bc.common.models is None and set(bc.per_client[1]) == {"cnn"} and set(bc.per_client[2]) == {"mlp"}
     assert per_b[2] == state_nbytes(server.state.models["mlp"])
 
 
@@ -134,7 +135,7 @@ def test_test_half_proxy_scores_on_the_other_half(make_config):
     assert len(server.state.indices) == len(server.y_test) // 2  # no selection: the whole proxy half
     rows = server.evaluate().rows
     _, keep = split_test_halves(len(server.y_test), 0)
-    model = feddf_mod.new_model(server.env, "cnn")
+    model = toolkit.new_model(server.env, "cnn")
     model.load_state_dict(server.state.models["cnn"])
     expect = feddf_mod.evaluate_classifier(model, server.x_test[keep], server.y_test[keep])["accuracy"]
     assert rows[0]["accuracy"] == pytest.approx(expect) and rows[0]["macro_accuracy"] == rows[0]["accuracy"]

@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.algorithms._gan import frechet_distance, synthetic_set
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
-from fedsim.algorithms.fedgdkd import classifier_loss, generator_loss, lse
+from fedsim.algorithms.base import ClientResult, RoundInfo
+from fedsim.algorithms.fedgdkd import PHASES, classifier_loss, generator_loss, lse
 from fedsim.config import load_config
 from fedsim.models import state_nbytes
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
 from fedsim.runtime.worker import ClientWorker
 
-GAN, LOGITS, CODISTILL = Phase("gan", "sum"), Phase("logits", "each"), Phase("codistill", "each")
+GAN, LOGITS, CODISTILL = PHASES
 N_KD = 30  # kd_size: 3 noise rows × 10 classes
 
 

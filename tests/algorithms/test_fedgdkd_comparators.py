@@ -17,7 +17,7 @@ from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
 from fedsim.runtime.worker import ClientWorker
 
-SHARE, TRAIN = Phase("share", "each"), Phase("train", "each")
+SHARE, TRAIN = "share", "train"  # phase names; each algorithm names its own handlers
 FAST = {"local_only": ["algorithm.pretrain_epochs=2"], "local_shared": ["algorithm.pretrain_epochs=2"],
         "centralised": ["algorithm.pretrain_epochs=1"],
         "fedmd": ["algorithm.pretrain_public_epochs=2", "algorithm.digest_epochs=1", "algorithm.revisit_epochs=1"],
@@ -54,7 +54,13 @@ def info(r: int, phase: Phase, clients: list[int]) -> RoundInfo:
     return RoundInfo(r, phase.name, clients, clients, {c: 1 for c in clients})
 
 
-def step(server: Server, worker: ClientWorker, r: int, phase_index: int, phase: Phase, clients: list[int]):
+def phase_of(algo, name: str, round: int = 0) -> Phase:
+    """The algorithm's phase called `name` in `round`."""
+    return next(p for p in algo.phases(round) if p.name == name)
+
+
+def step(server: Server, worker: ClientWorker, r: int, phase_index: int, name: str, clients: list[int]):
+    phase = phase_of(server.algorithm, name, r)
     sent = server.broadcast(phase, info(r, phase, clients))
     bc, per_bytes = sent.broadcast, sent.per_client_bytes
     per = {c: bc.per_client[c] for c in clients if bc.per_client and c in bc.per_client}
@@ -133,10 +139,10 @@ def test_fedmd_consensus_is_the_plain_mean(tmp_path) -> None:
     state.pool = {"x": torch.zeros(3, 1, 8, 8), "y": torch.tensor([0, 1, 2])}
     base = torch.arange(30, dtype=torch.float32).view(3, 10)
     results = {0: base, 1: 2 * base, 2: 6 * base}
-    logits = Phase("logits", "each")
+    logits = phase_of(algo, "logits")
     state, metrics = algo.server_step(logits, state, {c: ClientResult({"logits": v}) for c, v in results.items()},
                                       info(0, logits, [0, 1, 2]))
-    bc = algo.broadcast(Phase("digest", "each"), state, info(0, logits, [0, 1, 2]))
+    bc = algo.broadcast(phase_of(algo, "digest"), state, info(0, logits, [0, 1, 2]))
     torch.testing.assert_close(bc.common["consensus"], 3 * base)  # (1 + 2 + 6)/3, no leave-one-out
     assert bc.per_client is None
     assert metrics["consensus_public_accuracy"] == 0.0  # argmax is class 9 for every row
@@ -148,12 +154,13 @@ def test_fd_teacher_is_the_per_label_leave_one_out_mean(tmp_path) -> None:
     algo = server.algorithm
     eye = torch.eye(10)
     uploads = {0: eye, 1: 2 * eye, 2: 6 * eye}
-    state, _ = algo.server_step(TRAIN, server.state,
+    train = phase_of(algo, TRAIN, 1)
+    state, _ = algo.server_step(train, server.state,
                                 {c: ClientResult({"label_logits": v}, 1.0,
                                                  {"personal_accuracy": 0.5, "personal_loss": 1.0,
                                                   "test_samples": 10.0}) for c, v in uploads.items()},
-                                info(0, TRAIN, [0, 1, 2]))
-    bc = algo.broadcast(TRAIN, state, info(1, TRAIN, [0, 1, 2, 3]))
+                                info(0, train, [0, 1, 2]))
+    bc = algo.broadcast(train, state, info(1, train, [0, 1, 2, 3]))
     for c, want in ((0, 4.0), (1, 3.5), (2, 1.5), (3, 3.0)):  # client 3 has no upload: mean of all three
         torch.testing.assert_close(bc.per_client[c]["teacher"], want * eye)
 
@@ -177,7 +184,7 @@ def test_feddtg_averages_generator_and_discriminator_uniformly_without_catch_up(
     phases = server.phases(0)
     for r, clients in ((0, [0, 1]), (1, [1, 2])):
         for pi, phase in enumerate(phases):
-            reply, sent = step(server, worker, r, pi, phase, clients)
+            reply, sent = step(server, worker, r, pi, phase.name, clients)
             if phase.name == "gan":
                 assert reply.summed.weight == 2.0 and reply.summed.count == 2  # uniform 1/|S_t|
                 keys = reply.summed.totals()

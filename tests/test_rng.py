@@ -1,0 +1,48 @@
+"""Named random streams: one seed per (run seed, name, round, client, phase), and no other derivation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedsim import rng
+from tests.conftest import ROOT as _ROOT
+
+ROOT = Path(_ROOT)
+
+
+def test_a_stream_is_its_key_and_every_part_of_the_key_matters() -> None:
+    base = rng.seed(7, "client", 3, 4, 1)
+    assert base == rng.seed(7, "client", 3, 4, 1)
+    others = [rng.seed(8, "client", 3, 4, 1), rng.seed(7, "clients", 3, 4, 1), rng.seed(7, "client", 4, 4, 1),
+              rng.seed(7, "client", 3, 5, 1), rng.seed(7, "client", 3, 4, 2), rng.seed(7, "client", 3, 4),
+              rng.seed(7, "client", 3, 4, 0)]
+    assert len({base, *others}) == 1 + len(others)
+    assert all(0 <= s < 2**32 for s in (base, *others))  # exact as a float64 metric
+    a = rng.torch_generator(7, "x", 1)
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=rng.torch_generator(7, "x", 1)))
+    assert (rng.numpy_generator(7, "x").random(3) == rng.numpy_generator(7, "x").random(3)).all()
+
+
+def test_bad_keys_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs a name"):
+        rng.seed(1, "")
+    with pytest.raises(ValueError, match="must be >= -1"):
+        rng.seed(1, "client", -2)
+
+
+def test_no_other_module_derives_seeds_by_hand() -> None:
+    """Methods, the runtime and the mechanism toolkit take every draw from fedsim.rng: no salts, no arithmetic
+    on the run seed, no SeedSequence of their own."""
+    offenders = []
+    files = [*(ROOT / "fedsim" / "algorithms").glob("*.py"), *(ROOT / "fedsim" / "runtime").glob("*.py"),
+             ROOT / "fedsim" / "mechanism.py"]
+    pattern = re.compile(r"SeedSequence|default_rng\(\[|seed\s*[*+]\s*\d|0x[0-9A-Fa-f]{2,}")
+    for f in files:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
