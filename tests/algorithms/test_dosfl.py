@@ -10,15 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from fedsim.algorithms.base import RoundInfo
 from fedsim.config import load_config
 from fedsim.errors import ConfigError
-from fedsim.models import Classifier, register_model
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
+from tests.algorithms.linear_model import register_linear
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,21 +29,7 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-class Linear(Classifier):
-    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
-        super().__init__()
-        self.embed_dim = in_channels * image_size * image_size
-        self.fc = nn.Linear(self.embed_dim, num_classes)
-
-    def embed(self, x):
-        return x.flatten(1)
-
-    def head(self, z):
-        return self.fc(z)
-
-
-register_model("dosfl_linear_test")(lambda in_channels, num_classes, image_size: Linear(in_channels, num_classes,
-                                                                                        image_size))
+register_linear("dosfl_linear_test")
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((12, 1, 2, 2)).astype(np.float32)

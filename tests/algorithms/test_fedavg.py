@@ -10,30 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 
 from fedsim.algorithms.base import Phase, RoundInfo
 from fedsim.config import load_config
-from fedsim.models import Classifier, register_model
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
+from tests.algorithms.linear_model import register_linear
 
-
-class Linear(Classifier):
-    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(in_channels * image_size * image_size, num_classes)
-        self.embed_dim = in_channels * image_size * image_size
-
-    def embed(self, x):
-        return x.flatten(1)
-
-    def head(self, z):
-        return self.fc(z)
-
-
-register_model("linear_test")(lambda in_channels, num_classes, image_size: Linear(in_channels, num_classes, image_size))
+register_linear("linear_test")
 
 X = np.array([[1.0, 0.0, 2.0, -1.0], [0.5, 1.5, -0.5, 0.0], [-1.0, 2.0, 0.0, 1.0],
               [2.0, -1.0, 1.0, 0.5], [0.0, 0.5, -2.0, 1.0]], dtype=np.float32).reshape(5, 1, 2, 2)

@@ -12,35 +12,19 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
 from fedsim.algorithms.base import RoundInfo
 from fedsim.config import load_config
 from fedsim.errors import ConfigError
-from fedsim.models import Classifier, register_model
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
+from tests.algorithms.linear_model import register_linear
 
-
-class Linear(Classifier):
-    def __init__(self, in_channels: int, num_classes: int, image_size: int) -> None:
-        super().__init__()
-        self.embed_dim = in_channels * image_size * image_size
-        self.fc = nn.Linear(self.embed_dim, num_classes)
-
-    def embed(self, x):
-        return x.flatten(1)
-
-    def head(self, z):
-        return self.fc(z)
-
-
-register_model("linear_scaffold")(lambda in_channels, num_classes, image_size: Linear(in_channels, num_classes,
-                                                                                    image_size))
+register_linear("linear_scaffold")
 
 X = np.array([[1.0, 0.0, 2.0, -1.0], [0.5, 1.5, -0.5, 0.0], [-1.0, 2.0, 0.0, 1.0], [2.0, -1.0, 1.0, 0.5],
               [0.0, 0.5, -2.0, 1.0], [1.0, 1.0, 1.0, -1.0], [-0.5, 0.0, 1.5, 2.0]], dtype=np.float32)
