@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 import torch
 
 from fedsim.runtime.worker import ClientWorker
+
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+    from fedsim.runtime.setup import Partition
 
 
 def assigned_device(gpu_fraction: float) -> str:
@@ -22,12 +28,13 @@ def assigned_device(gpu_fraction: float) -> str:
 class ClientWorkerActor(ClientWorker):
     """Hosts many virtual clients; one instance per worker slot."""
 
-    def __init__(self, cfg, arrays, part, meta, worker_index: int, spill_dir: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+                 worker_index: int, spill_dir: str | None = None) -> None:
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
         super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),
                          threads=threads, spill_dir=spill_dir)
 
-    def ping(self) -> dict:
+    def ping(self) -> dict[str, Any]:
         out = super().ping()
         out.update(gpu_ids=[str(g) for g in ray.get_gpu_ids()], node_id=ray.get_runtime_context().get_node_id(),
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))

@@ -17,8 +17,9 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -32,8 +33,12 @@ from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepRep
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
 
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+    from fedsim.runtime.setup import Partition
 
-def size_pool(cfg, nodes: list[dict[str, float]]) -> int:
+
+def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
     """How many client workers fit, node by node, after the server's reservation; fails naming the knob."""
     rt = cfg.runtime
     total = 0
@@ -75,7 +80,7 @@ def init_ray(address: str | None) -> None:
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
     except SystemExit as exc:  # Ray's handler caught a SIGTERM during start-up
-        if ours and exc.code == signal.SIGTERM:
+        if ours and callable(previous) and exc.code == signal.SIGTERM:
             previous(signal.SIGTERM, None)
         raise
     finally:
@@ -105,14 +110,14 @@ class RemoteServer:
     """The ServerAPI of a ServerActor: every call waits at most runtime.round_timeout_s (the first ping, while the
     actor builds its state, runtime.startup_timeout_s)."""
 
-    def __init__(self, actor: Any, cfg) -> None:
+    def __init__(self, actor: Any, cfg: RunConfig) -> None:
         self.actor, self.rt = actor, cfg.runtime
 
     def _call(self, method: str, *args: Any) -> Any:
         return wait_for(getattr(self.actor, method).remote(*args), f"server {method}", self.rt.round_timeout_s,
                         "runtime.round_timeout_s")
 
-    def ping(self) -> dict:
+    def ping(self) -> dict[str, Any]:
         return wait_for(self.actor.ping.remote(), "server actor start", self.rt.startup_timeout_s,
                         "runtime.startup_timeout_s")
 
@@ -151,7 +156,7 @@ class RayBackend:
         self._requested = num_workers
         self.workers: list[Any] = []
         self.placement: list[dict] = []
-        self.server: ServerAPI | None = None
+        self._server: ServerAPI | None = None
         self.server_placement: dict = {}
         self._started_ray = False
 
@@ -159,7 +164,18 @@ class RayBackend:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def start(self, cfg, arrays: dict, part, meta: dict, run_dir: Path) -> None:
+    @property
+    def server(self) -> ServerAPI:
+        if self._server is None:
+            raise RuntimeError("RayBackend.server: the backend is not started")
+        return self._server
+
+    @server.setter
+    def server(self, server: ServerAPI) -> None:
+        self._server = server
+
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+              run_dir: Path) -> None:
         rt = cfg.runtime
         if not ray.is_initialized():
             self._started_ray = True  # before init: a start interrupted half-way is still shut down
@@ -206,12 +222,12 @@ class RayBackend:
                 ray.kill(w, no_restart=True)
             raise
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"placement": self.placement, "server": self.server_placement}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int],
-                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, str]]:
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         common = ray.put(compact(bc.common))
         futures = {}
         for w, cids in sorted(assignments.items()):
@@ -261,8 +277,8 @@ class RayBackend:
 
     def rss_bytes(self) -> list[int]:
         """Resident memory of each actor (workers, then the server; the driver's when it hosts the server)."""
-        if isinstance(self.server, RemoteServer):
-            return self._get([w.rss_bytes.remote() for w in self.workers] + [self.server.actor.rss_bytes.remote()],
+        if isinstance(self._server, RemoteServer):
+            return self._get([w.rss_bytes.remote() for w in self.workers] + [self._server.actor.rss_bytes.remote()],
                              "measuring memory")
         import psutil
 
@@ -270,13 +286,13 @@ class RayBackend:
             + [psutil.Process().memory_info().rss]
 
     def shutdown(self) -> None:
-        server_actor = [self.server.actor] if isinstance(self.server, RemoteServer) else []
+        server_actor = [self._server.actor] if isinstance(self._server, RemoteServer) else []
         for actor in self.workers + server_actor:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 continue
-        self.workers, self.server = [], None
+        self.workers, self._server = [], None
         if self._started_ray:
             ray.shutdown()
 

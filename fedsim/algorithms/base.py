@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
 
 from fedsim import rng
+
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+    from fedsim.runtime.worker import ModelPool
 
 Reduce = Literal["each", "sum"]
 
@@ -94,6 +98,10 @@ class SummedUpdate:
         return {k: (v / self.weight).to(dtype) for k, v in self.total.items()}
 
 
+Updates = SummedUpdate | dict[int, ClientResult]
+"""What a server step receives: a SummedUpdate for reduce="sum", else {client_id: ClientResult} sorted by id."""
+
+
 @dataclass
 class ClientData:
     """A client's private data, as tensors on the worker's device (views into the worker's one copy)."""
@@ -118,7 +126,7 @@ class Env:
     `config.model` and their own `params`.
     """
 
-    config: Any
+    config: RunConfig
     params: Any
     num_classes: int
     input_shape: tuple[int, ...]
@@ -157,7 +165,7 @@ class ClientContext:
     data: ClientData
     device: torch.device
     seed: int  # stream "client" at (round, client id, phase index): the seed of `generator()`
-    models: Any  # fedsim.runtime.worker.ModelPool: `models.get(arch)` returns this worker's reused instance
+    models: ModelPool  # `models.get(arch)` returns this worker's reused instance
     env: Env
     phase_index: int = 0
 
@@ -214,7 +222,9 @@ class Algorithm:
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
         return self.handler(phase, "client")(state, msg, ctx)
 
-    def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict]:
+    def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict[str, Any]]:
+        """Fold a phase's `updates` into the state. They are one of `Updates`, as `phase.reduce` says; `Any` here so
+        that an override names the one its phase gets."""
         return self.handler(phase, "server")(state, updates, info)
 
     def handler(self, phase: Phase, side: Literal["broadcast", "client", "server"]) -> Callable[..., Any]:
@@ -240,7 +250,7 @@ class Algorithm:
         return False
 
     @classmethod
-    def stateless_clients(cls, cfg: Any) -> bool:
+    def stateless_clients(cls, cfg: RunConfig) -> bool:
         """Whether clients keep no state between rounds, so any worker may train any client."""
         return False
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ class WorkerFailure:
 class ServerAPI(Protocol):
     """The server as the loop calls it, in order: phases, then per phase broadcast and step; evaluate, finished."""
 
-    def ping(self) -> dict: ...
+    def ping(self) -> dict[str, Any]: ...
     def phases(self, round: int) -> list[Phase]: ...
     def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply: ...
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply: ...
@@ -70,13 +72,16 @@ class ServerAPI(Protocol):
 class Backend(Protocol):
     """Where workers and the server live. `server` is usable between `start` and `shutdown`."""
 
-    num_workers: int
-    server: ServerAPI
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def server(self) -> ServerAPI: ...
 
-    def start(self, cfg: RunConfig, arrays: dict, part: Partition, meta: dict, run_dir: Path) -> None:
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+              run_dir: Path) -> None:
         """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """Facts for meta.json: each worker's placement (pid, device, ...) and the server's."""
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,

@@ -20,6 +20,7 @@ from fedsim.errors import CallbackError, FedsimError
 
 if TYPE_CHECKING:
     import pandas as pd
+    from tqdm import tqdm
 
     from fedsim.config import RunConfig
     from fedsim.runtime.backend import Backend
@@ -180,7 +181,7 @@ class ProgressBar(Callback):
     """A tqdm bar over rounds on stderr, showing the latest accuracy and how many clients arrived."""
 
     def __init__(self) -> None:
-        self.bar: Any = None
+        self.bar: tqdm | None = None
 
     def on_setup_end(self, run: RunInfo) -> None:
         from tqdm import tqdm
@@ -189,13 +190,15 @@ class ProgressBar(Callback):
                         file=sys.stderr)
 
     def on_round_end(self, round: int, rows: RoundRows) -> None:
+        assert self.bar is not None, "on_setup_end opens the bar"
         acc = rows.row.get("accuracy")
         if acc is not None and acc == acc:
             self.bar.set_postfix(acc=f"{acc:.4f}", arrived=rows.row.get("arrived"))
         self.bar.update(1)
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
-        self.bar.close()
+        if self.bar is not None:  # None when an earlier callback's on_setup_end failed
+            self.bar.close()
 
 
 def default_callbacks(backend: Backend) -> list[Callback]:

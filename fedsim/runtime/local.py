@@ -9,12 +9,18 @@ from __future__ import annotations
 import os
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from fedsim.algorithms.base import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import ClientWorker, WorkerReply
+
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+    from fedsim.runtime.setup import Partition
 
 
 class LocalBackend:
@@ -30,7 +36,8 @@ class LocalBackend:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def start(self, cfg, arrays: dict, part, meta: dict, run_dir: Path) -> None:
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+              run_dir: Path) -> None:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)
         self._spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
@@ -48,7 +55,7 @@ class LocalBackend:
             raise RuntimeError("LocalBackend.server: the backend is not started")
         return self._server
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         return {"placement": [w.ping() for w in self.workers], "server": {"pid": os.getpid(),
                                                                           "device": str(self.server.device)}}
 

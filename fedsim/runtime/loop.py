@@ -227,7 +227,9 @@ class Simulation:
         rows = []
         for w, reply in sorted(replies.items()):
             for o in reply.outcomes:
-                extra = {k: float(v) for k, v in o.result.metrics.items()} if o.result is not None else {}
+                extra: dict[str, Any] = {}
+                if o.result is not None:
+                    extra = {k: float(v) for k, v in o.result.metrics.items()}
                 if o.status == "failed" and o.error is not None:
                     extra.update(failure_columns(o.error.error_type, o.error.error_message, o.error.traceback))
                 rows.append(row(o.client_id, w, o.status, o.bytes_up, o.seconds, **extra))

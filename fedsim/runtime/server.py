@@ -7,24 +7,27 @@ calls it directly.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate
+from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate, Updates
 from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import Partition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import WorkerReply, pick_device
 
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+
 
 class Server:
     """Owns the global state; every method is called by the round loop, in order (fedsim.runtime.backend.ServerAPI)."""
 
-    def __init__(self, cfg, arrays: dict[str, np.ndarray], part: Partition, meta: dict,
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
                  device: str | None = None, threads: int | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -41,7 +44,7 @@ class Server:
         self.y_test = as_tensor(arrays["y_test"], self.device)
         self.state = self.algorithm.init_server(self.env)
 
-    def ping(self) -> dict:
+    def ping(self) -> dict[str, Any]:
         import os
 
         return {"pid": os.getpid(), "device": str(self.device)}
@@ -64,7 +67,7 @@ class Server:
             for r in replies:  # worker order; the double-double sum makes the order immaterial
                 if r.summed is not None:
                     total.merge(r.summed)
-            updates: Any = SummedUpdate(total.totals(), total.weight, total.count)
+            updates: Updates = SummedUpdate(total.totals(), total.weight, total.count)
         else:
             got: dict[int, ClientResult] = {}
             for r in replies:

@@ -78,7 +78,7 @@ def shielded() -> Iterator[None]:
     if not _main_thread() or not watched:
         yield
         return
-    previous = {s: signal.getsignal(s) for s in watched}
+    previous: dict[int, Callable[..., Any] | int | None] = {s: signal.getsignal(s) for s in watched}
     pending: list[int] = []
 
     def defer(signum: int, frame: Any) -> None:

@@ -10,23 +10,26 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Message, Phase
+from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
 from fedsim.errors import ClientFailedError
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+
 
 class ModelPool:
     """One reusable module per architecture (or custom key) on the worker's device."""
 
-    def __init__(self, env, device: torch.device) -> None:
+    def __init__(self, env: Env, device: torch.device) -> None:
         self.env, self.device = env, device
         self._models: dict[str, torch.nn.Module] = {}
 
@@ -73,8 +76,9 @@ def pick_device(gpu_ids: list | None = None) -> torch.device:
 class ClientWorker:
     """Runs the client side of each phase for the clients it owns."""
 
-    def __init__(self, cfg, arrays: dict[str, np.ndarray], part: Partition, meta: dict, worker_index: int,
-                 device: str | None = None, threads: int | None = None, spill_dir: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+                 worker_index: int, device: str | None = None, threads: int | None = None,
+                 spill_dir: str | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)
         self.index = worker_index
@@ -93,7 +97,7 @@ class ClientWorker:
         self.store = ClientStateStore(cache, spill_dir if cache is not None else None)
         self.seed = cfg.seed
 
-    def ping(self) -> dict:
+    def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
         return {"index": self.index, "pid": os.getpid(), "device": str(self.device),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
