@@ -14,7 +14,7 @@ import math
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, TypeGuard, Union, get_args, get_origin
 
 from fedsim.errors import ConfigError
 
@@ -27,7 +27,10 @@ def knob(default: Any = MISSING, *, doc: str = "", ge: float | None = None, gt: 
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        def fresh_copy() -> Any:
+            return type(default)(default)
+
+        return field(default_factory=fresh_copy, metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -40,6 +43,11 @@ def _show(value: Any, limit: int = 60) -> str:
     """repr(value), shortened so an absurd value still gives a readable one-line message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_config_class(tp: Any) -> TypeGuard[type]:
+    """Whether a type hint names a (nested) config dataclass."""
+    return isinstance(tp, type) and is_dataclass(tp)
 
 
 def _type_name(tp: Any) -> str:
@@ -76,7 +84,7 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors, nonfinite: bool = 
         if value not in get_args(tp):
             errors.add(path, f"must be one of {list(get_args(tp))}, got {_show(value)}")
         return value
-    if is_dataclass(tp):
+    if _is_config_class(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
@@ -249,7 +257,7 @@ def describe(cls: type, prefix: str = "", instance: Any = None) -> list[tuple[st
             default = f.default_factory()
         else:
             default = "required"
-        if is_dataclass(tp):
+        if _is_config_class(tp):
             rows.extend(describe(tp, key, default if is_dataclass(default) else None))
             continue
         bounds = ", ".join(f"{w} {f.metadata[k]}" for k, w in (("ge", ">="), ("gt", ">"), ("le", "<="),

@@ -129,6 +129,7 @@ class DistillConfig:
         """Optimizer steps this config takes on a set of n samples."""
         if self.steps is not None:
             return self.steps
+        assert self.epochs is not None  # exactly one of the two is set (__post_init__)
         return self.epochs * -(-n // self.batch_size)
 
 
@@ -177,7 +178,7 @@ def distill(student: nn.Module, inputs: torch.Tensor, teacher_probs: torch.Tenso
         if cfg.clip_logits is not None:
             z = clip_logits(z, cfg.clip_logits)
         loss = cfg.kd_weight * kd_loss(z, teacher_probs[idx], cfg.T)
-        if cfg.ce_weight > 0:
+        if cfg.ce_weight > 0 and hard_labels is not None:  # always given with ce_weight > 0 (checked above)
             loss = loss + cfg.ce_weight * F.cross_entropy(z, hard_labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()

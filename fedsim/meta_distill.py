@@ -154,6 +154,7 @@ class Distiller:
         """ℓ(real batch; θ_T), θ_T unrolled from θ0; masked examples are replaced by `noise` (no gradient)."""
         x, y = self.x, self.y
         if mask is not None:
+            assert noise is not None, "a mask comes with its noise (sample_mask)"
             m = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
             x = torch.where(m, noise, x)
             if self.s.soft_labels:

@@ -9,6 +9,7 @@ torch.optim's fused multi-tensor kernels pay off) and for Adam it returns torch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -24,8 +25,9 @@ class SGD:
             raise ValueError("SGD: Nesterov momentum needs momentum > 0 and dampening = 0")
         self.params = [p for p in params if p.requires_grad]
         # one group in torch.optim's shape, so code that reads or sets the lr works unchanged
-        self.param_groups = [{"params": self.params, "lr": lr, "momentum": momentum, "dampening": dampening,
-                              "weight_decay": weight_decay, "nesterov": nesterov}]
+        self.param_groups: list[dict[str, Any]] = [{"params": self.params, "lr": lr, "momentum": momentum,
+                                                   "dampening": dampening, "weight_decay": weight_decay,
+                                                   "nesterov": nesterov}]
         self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ import platform
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal, TypedDict
 
 import pandas as pd
 
@@ -110,7 +111,16 @@ def run_folder(path: str | Path) -> Path:
     return p
 
 
-def load(path: str | Path) -> dict[str, pd.DataFrame | dict]:
+class RunTables(TypedDict):
+    """What `load` returns for a run folder."""
+
+    rounds: pd.DataFrame
+    clients: pd.DataFrame
+    config: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def load(path: str | Path) -> RunTables:
     """A run's tables: {"rounds": DataFrame, "clients": DataFrame, "config": dict, "meta": dict}.
 
     A missing clients.parquet gives an empty table; a corrupt file of any kind is a CheckpointError naming it."""
@@ -178,7 +188,7 @@ def find_runs(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], lis
     return list(dict.fromkeys(runs)), skipped
 
 
-def collect(paths: str | Path | Iterable[str | Path], table: str = "rounds") -> pd.DataFrame:
+def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds") -> pd.DataFrame:
     """Concatenate one table of many runs, with a `run` column and every config key as `config.<key>`.
 
     `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a

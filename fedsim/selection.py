@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 
 from fedsim.configtools import knob
 from fedsim.limits import MAX_SAMPLES
+
+if TYPE_CHECKING:
+    from fedsim.models import Classifier
 
 
 @dataclass
@@ -90,6 +93,7 @@ def kmeans_distances(x: np.ndarray, k: int, niter: int, seed: int, device: str =
     gpu = device == "gpu" or (device == "auto" and faiss_gpu_available())
     km = faiss.Kmeans(x.shape[1], k, niter=niter, seed=seed, gpu=gpu, verbose=False, min_points_per_centroid=1)
     km.train(x)
+    assert km.centroids is not None  # set by train
     sq, ids = km.index.search(x, 1)
     return ids[:, 0].astype(np.int64), np.sqrt(np.maximum(sq[:, 0], 0)).astype(np.float64), km.centroids
 
@@ -144,7 +148,7 @@ def entropy_prune(pred: np.ndarray, confidence: np.ndarray, removal: float, stra
 
 
 @torch.no_grad()
-def embed_and_predict(model: torch.nn.Module, x: torch.Tensor, batch_size: int = 1024
+def embed_and_predict(model: Classifier, x: torch.Tensor, batch_size: int = 1024
                       ) -> tuple[np.ndarray, torch.Tensor]:
     """Penultimate embeddings (float32 numpy) and logits of `model` on `x`, in eval mode."""
     model.eval()
@@ -169,6 +173,7 @@ def select(embeddings: np.ndarray | None, logits: torch.Tensor | None, cfg: Sele
     conf, pred = (t.numpy() for t in probs.max(dim=1))
     idx = np.arange(m, dtype=np.int64)
     if cfg.kmeans:
+        assert embeddings is not None  # checked above
         t0 = time.perf_counter()
         _, dist, _ = kmeans_distances(embeddings, cfg.k, cfg.niter, seed, cfg.device)
         info["kmeans_s"] = time.perf_counter() - t0

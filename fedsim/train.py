@@ -12,6 +12,9 @@ from torch import nn
 from fedsim.config import TrainConfig
 from fedsim.optim import SGD
 
+LossTerm = Callable[[nn.Module], torch.Tensor | float]
+"""A term added to the training loss, given the model (a plain 0 when nothing contributes)."""
+
 
 def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer | SGD:
     """The optimizer the config names, over `params` (SGD on CPU is fedsim's equal of torch.optim's: see optim)."""
@@ -38,7 +41,7 @@ def batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
     finally:
         for m, (momentum, tracked) in zip(bns, saved):
             m.momentum = momentum
-            if tracked is not None:
+            if tracked is not None and m.num_batches_tracked is not None:
                 m.num_batches_tracked.copy_(tracked)
 
 
@@ -63,7 +66,7 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
 
 def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
                      generator: torch.Generator,
-                     extra_loss: Callable[[nn.Module], torch.Tensor] | None = None,
+                     extra_loss: LossTerm | None = None,
                      optimizer: torch.optim.Optimizer | SGD | None = None) -> dict[str, float]:
     """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
     model.train()

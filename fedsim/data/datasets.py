@@ -151,7 +151,7 @@ def load_synthetic(
 # ---------------------------------------------------------------- torchvision
 
 
-def _trusting(cls: type) -> type:
+def _trusting(cls: type[Any]) -> type[Any]:
     """An SVHN subclass whose integrity check only asks that the files exist (md5=None)."""
     split_list = {k: [url, f, None] for k, (url, f, _) in cls.split_list.items()}
     return type(cls.__name__, (cls,), {"split_list": split_list})
@@ -168,7 +168,8 @@ def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -
     label_key = "fine_labels" if hundred else "labels"
 
     def read(entries: list[list[str]]) -> tuple[np.ndarray, list[int]]:
-        xs, ys = [], []
+        xs: list[np.ndarray] = []
+        ys: list[int] = []
         for filename, md5 in entries:
             if (download or verify) and not check_integrity(str(folder / filename), md5):
                 raise ValueError(f"{filename} fails its md5 check")

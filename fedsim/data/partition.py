@@ -83,7 +83,8 @@ def _dirichlet(
     classes = np.flatnonzero(np.bincount(labels))
     n_c = np.bincount(labels)[classes]
     tries = int(min(MAX_TRIES, max(1, _DRAW_BUDGET // (len(classes) * k))))
-    best, best_short = None, None
+    best: tuple[np.ndarray, np.ndarray] | None = None
+    best_short: int | None = None
     for _ in range(tries):
         props = rng.dirichlet(np.full(k, alpha), size=len(classes))  # classes × clients
         bounds = (np.cumsum(props, axis=1) * n_c[:, None]).astype(np.int64)
@@ -94,6 +95,7 @@ def _dirichlet(
             best, best_short = (props, counts), short
         if short == 0:
             break
+    assert best is not None  # tries >= 1
     props, counts = best
     owner = np.empty(n, dtype=np.int64)
     for ci, c in enumerate(classes):

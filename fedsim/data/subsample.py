@@ -57,7 +57,7 @@ def load_subsample(root: Path, download: bool, *, of: str | None = None, fractio
         xs = [_unit(x, m, s) for x in xs]
         if size is not None:
             xs = [resize(np.ascontiguousarray(x, dtype=np.float32), size) for x in xs]
-        if mean is not None:
+        if mean is not None and std is not None:  # given together (checked above)
             c = xs[0].shape[1]
             m, s = (float(mean),) * c, (float(std),) * c
         xs = [normalise_(np.ascontiguousarray(x, dtype=np.float32), m, s) for x in xs]

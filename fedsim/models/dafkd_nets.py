@@ -123,10 +123,12 @@ class MultiTaskNet(nn.Module):
         return self.classifier.head(z), self.domain(z)
 
 
-class _ImageGenerator(nn.Module):
+class ImageGenerator(nn.Module):
     """Shared part of the generators: noise drawing and mapping tanh pixels to the dataset's scale."""
 
     conditional = False
+    mean: torch.Tensor  # buffers
+    std: torch.Tensor
 
     def __init__(self, noise_dim: int, num_classes: int, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
         super().__init__()
@@ -158,7 +160,7 @@ def dcgan_layout(image_size: int) -> tuple[int, int]:
     raise ConfigError(f"algorithm.generator: dcgan needs an even image size of at least 4, got {image_size}")
 
 
-class DCGANGenerator(_ImageGenerator):
+class DCGANGenerator(ImageGenerator):
     """ConvT(z→base×base, 2^(n-1)·width) then n-1 ConvT×2 stages halving the width, BN+ReLU, ConvT×2 to
     `channels` with tanh; at 3×32×32, width 64 this is the code's GeneratorCifar (256/128/64 features)."""
 
@@ -184,7 +186,7 @@ class DCGANGenerator(_ImageGenerator):
         return self._scale(self.net(z.view(z.shape[0], -1, 1, 1)))
 
 
-class ConditionalGenerator(_ImageGenerator):
+class ConditionalGenerator(ImageGenerator):
     """§4.1's generator: Linear embeddings of one-hot y and of z (width each), concatenated, then
     FC(2·width→2·width)-BN-LeakyReLU(0.2) and FC to C·H·W pixels with tanh."""
 
@@ -207,7 +209,7 @@ class ConditionalGenerator(_ImageGenerator):
 
 
 def build_generator(kind: str, noise_dim: int, num_classes: int, input_shape: tuple[int, ...], width: int,
-                    mean: tuple[float, ...], std: tuple[float, ...]) -> _ImageGenerator:
+                    mean: tuple[float, ...], std: tuple[float, ...]) -> ImageGenerator:
     """'dcgan' (unconditional) or 'conditional' (label-conditional MLP) for C×H×W images."""
     if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
         raise ConfigError(f"algorithm.generator: DaFKD generates square C×H×W images; the data is {input_shape}")
@@ -220,7 +222,7 @@ def build_generator(kind: str, noise_dim: int, num_classes: int, input_shape: tu
     return cls(noise_dim, num_classes, channels, size, width, mean, std)
 
 
-def generator_step(gen: _ImageGenerator, opt: torch.optim.Optimizer,
+def generator_step(gen: ImageGenerator, opt: torch.optim.Optimizer,
                    discriminate: Callable[[torch.Tensor], torch.Tensor], n: int, rng: torch.Generator) -> float:
     """One non-saturating generator step (Eq. 3): minimise BCE(D(g(z)), 1); `discriminate` returns logits."""
     gen.train()

@@ -29,12 +29,12 @@ class Classifier(nn.Module):
         return self.head(self.embed(x))
 
 
-Builder = Callable[..., nn.Module]
+Builder = Callable[..., Classifier]
 _BUILDERS: dict[str, Builder] = {}
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:
-    """Register `fn(in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module`."""
+    """Register `fn(in_channels: int, num_classes: int, image_size: int, **kw) -> Classifier`."""
 
     def wrap(fn: Builder) -> Builder:
         _BUILDERS[name] = fn
@@ -71,7 +71,7 @@ def check_model_options(name: str, options: dict, prefix: str = "model.options",
                         skip=("in_channels", "num_classes", "image_size"))
 
 
-def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **kw) -> nn.Module:
+def build_model(name: str, in_channels: int, num_classes: int, image_size: int, **kw) -> Classifier:
     """Build a registered model; an unknown name lists the valid ones."""
     if name not in _BUILDERS:
         raise ConfigError(f"model: unknown architecture {name!r}; choose one of {model_names()}")

@@ -25,6 +25,8 @@ from fedsim.models.registry import Classifier, check_options, positive_int, regi
 class TextModel(Classifier):
     """Common part: the frozen table and the id-or-vector input convention."""
 
+    table: torch.Tensor  # a buffer
+
     def __init__(self, table: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("table", table.float(), persistent=False)

@@ -29,8 +29,8 @@ class WeightedSum:
         self.weight = 0.0
         self.count = 0
 
-    def add(self, payload: dict[str, torch.Tensor], weight: float, client: int | str = "?") -> None:
-        """Add one client's payload with its weight. A payload that is not a dict of tensors, or a tensor whose
+    def add(self, payload: object, weight: float, client: int | str = "?") -> None:
+        """Add one client's payload (a dict of tensors) with its weight. Any other payload, or a tensor whose
         shape differs from the sum's, is an AggregationError naming `client`, and leaves the sum untouched."""
         if not isinstance(payload, dict) or not all(isinstance(v, torch.Tensor) for v in payload.values()):
             raise AggregationError(f"aggregate: client {client} sent a {type(payload).__name__}, not a dict of "

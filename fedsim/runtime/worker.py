@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
+    from fedsim.models import Classifier
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 class ModelPool:
@@ -33,8 +36,14 @@ class ModelPool:
         self.env, self.device = env, device
         self._models: dict[str, torch.nn.Module] = {}
 
+    @overload
+    def get(self, key: str) -> Classifier: ...
+    @overload
+    def get(self, key: str, build: Callable[[], M]) -> M: ...
+
     def get(self, key: str, build: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
-        """The instance for `key`; classifiers are built from the registry, anything else by `build`."""
+        """The instance for `key`; classifiers are built from the registry, anything else by `build` (a key is
+        always built by the same `build`, so it keeps the type that `build` returns)."""
         if key not in self._models:
             if build is None:
                 from fedsim.algorithms.toolkit import new_model
