@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from fedsim.algorithms._personal import balanced_labels
 from fedsim.configtools import knob
 from fedsim.models.thesis_nets import GeneratorConfig
+from fedsim.optim import SGD
 from fedsim.train import batch_indices
 
 
@@ -36,7 +37,7 @@ class GanParams:
 
 def gen_optimizer(G: torch.nn.Module, p: GanParams) -> torch.optim.Optimizer:
     """A fresh generator Adam (re-created every round, as in the author's code)."""
-    return torch.optim.Adam(G.parameters(), lr=p.gen_lr, betas=tuple(p.gen_betas), eps=1e-8,
+    return torch.optim.Adam(G.parameters(), lr=p.gen_lr, betas=(p.gen_betas[0], p.gen_betas[1]), eps=1e-8,
                             weight_decay=p.gen_weight_decay, amsgrad=p.gen_amsgrad)
 
 
@@ -70,7 +71,7 @@ def synthetic_set(G: torch.nn.Module, seed: int, size: int, num_classes: int, nz
     return x, y
 
 
-def step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> float:
+def step(opt: torch.optim.Optimizer | SGD, loss: torch.Tensor) -> float:
     """Zero the optimiser's gradients, back-propagate `loss`, step; returns the loss value."""
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -63,13 +63,19 @@ def with_model(state: dict | None, model: torch.nn.Module, **extra: Any) -> dict
     return out
 
 
-def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
-    """Accuracy and loss of the personal model on the client's own test shard."""
+def test_shard(ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The client's own test inputs and labels; a ConfigError when the run gives clients none."""
     d = ctx.data
     if d.x_test is None or d.y_test is None:
         raise ConfigError("data.client_test: this method needs personal test shards ('balanced')")
-    m = evaluate_classifier(model, d.x_test, d.y_test, ctx.env.config.eval.batch_size)
-    return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(d.y_test))}
+    return d.x_test, d.y_test
+
+
+def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
+    """Accuracy and loss of the personal model on the client's own test shard."""
+    x_test, y_test = test_shard(ctx)
+    m = evaluate_classifier(model, x_test, y_test, ctx.env.config.eval.batch_size)
+    return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(y_test))}
 
 
 @register_state

@@ -22,7 +22,10 @@ class Centralised(LocalOnly):
 
     name = "centralised"
     Params = LocalOnlyParams
-    share_fraction = 1.0
+
+    @property
+    def share_fraction(self) -> float:
+        return 1.0
 
     def training_set(self, state: dict | None, ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
         shared = pool_data(state)

@@ -18,8 +18,10 @@ shared/specs/seed003_dafkd.md §7; every ambiguity A1-A10 is a Params key with t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -43,10 +45,11 @@ from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
 from fedsim.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
-from fedsim.models.dafkd_nets import DomainHead, build_generator, generator_step, gradient_penalty
+from fedsim.models.dafkd_nets import DomainHead, ImageGenerator, build_generator, generator_step, gradient_penalty
 from fedsim.train import batch_indices, batchnorm_stats_kept, make_optimizer
 
 State = dict[str, torch.Tensor]
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @dataclass
@@ -147,7 +150,7 @@ class DaFKD(Algorithm):
 
     # ------------------------------------------------------------------ shared helpers
 
-    def new_generator(self) -> torch.nn.Module:
+    def new_generator(self) -> ImageGenerator:
         p, e = self.params, self.env
         return build_generator(p.generator, p.noise_dim, e.num_classes, e.input_shape, p.gen_width, e.mean, e.std)
 
@@ -155,7 +158,7 @@ class DaFKD(Algorithm):
         """The round's distillation-set seed (< 2^32, exact in the float metrics tables)."""
         return rng.seed(self.env.config.seed, "dafkd/distill_set", round)
 
-    def distill_set(self, gen: torch.nn.Module, seed: int) -> torch.Tensor:
+    def distill_set(self, gen: ImageGenerator, seed: int) -> torch.Tensor:
         """D̂_g: distill_size samples of `gen` in chunks of the distillation batch (BN in batch mode, as
         when it was trained). Server and clients call this with the same weights and seed: same bits."""
         n, b = self.params.distill_size, self.params.distill.batch_size
@@ -210,7 +213,7 @@ class DaFKD(Algorithm):
                      info: RoundInfo) -> tuple[DaFKDState, dict]:
         """App. B: the teacher from the uploaded scores, distilled into the averaged models."""
         models = state.pending.get("models", state.models)
-        metrics = {}
+        metrics: dict[str, Any] = {}
         if updates:
             teacher, metrics = self.teacher_from_scores(updates)
             x = self.distill_set(self.server_module("generator", self.new_generator, state.generator),
@@ -245,11 +248,11 @@ class DaFKD(Algorithm):
         distilled, m2 = self.distil_all(models, x, teacher, info.round)
         return DaFKDState(distilled, generator), {**out, **m, **m2, **self.mechanism_accuracy(models, distilled)}
 
-    def server_module(self, key: str, build, state: State) -> torch.nn.Module:
-        """A reused server-side module for `key`, loaded with `state`."""
+    def server_module(self, key: str, build: Callable[[], M], state: State) -> M:
+        """A reused server-side module for `key` (always built by the same `build`), loaded with `state`."""
         if key not in self._server_modules:
             self._server_modules[key] = build().to(self.env.device)
-        mod = self._server_modules[key]
+        mod = cast(M, self._server_modules[key])
         mod.load_state_dict(state)
         return mod
 
@@ -258,7 +261,7 @@ class DaFKD(Algorithm):
         arch = self.env.client_archs[cid]
         build = lambda a=arch: new_model(self.env, a)  # noqa: E731
         model = self.server_module(arch, build, res.payload["model"])
-        head = self.server_module(f"head/{arch}", lambda d=model.embed_dim: DomainHead(d), res.payload["head"])
+        head = self.server_module(f"head/{arch}", lambda: DomainHead(model.embed_dim), res.payload["head"])
         disc = self.server_module(f"disc/{arch}", build, res.payload["disc"]) if "disc" in res.payload else None
         return model, head, disc
 
@@ -338,7 +341,7 @@ class DaFKD(Algorithm):
         def acc(models: dict[str, State]) -> float:
             scores = []
             for arch, weights in models.items():
-                model = self.server_module(f"probe/{arch}", lambda a=arch: new_model(self.env, a), weights)
+                model = self.server_module(f"probe/{arch}", partial(new_model, self.env, arch), weights)
                 scores.append(mechanism.accuracy(mechanism.logits(model, x), y))
             return float(np.mean(scores))
 
@@ -402,7 +405,7 @@ class DaFKD(Algorithm):
         model.load_state_dict(common["models"][ctx.arch])
         head, disc = self.personal_modules(state, ctx, model)
         metrics = self.local_train(model, head, disc, gen, ctx)
-        payload = {"model": clone_state(model), "generator": clone_state(gen)}
+        payload: dict[str, Any] = {"model": clone_state(model), "generator": clone_state(gen)}
         new_state = {"head": clone_state(head)} | ({} if disc is None else {"disc": clone_state(disc)})
         if p.upload == "discriminator":
             payload.update(new_state)

@@ -62,7 +62,7 @@ class FDFAug(LocalOnly):
     Params = FDFAugParams
 
     @property
-    def share_fraction(self) -> float:  # type: ignore[override]
+    def share_fraction(self) -> float:
         return self.params.share_fraction
 
     def generator(self) -> torch.nn.Module:

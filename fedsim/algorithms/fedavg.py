@@ -31,7 +31,7 @@ from fedsim.algorithms.base import (
 )
 from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models
 from fedsim.configtools import knob
-from fedsim.train import make_optimizer, train_classifier
+from fedsim.train import LossTerm, make_optimizer, train_classifier
 
 
 @dataclass
@@ -87,7 +87,7 @@ class FedAvg(Algorithm):
     def client_weight(self, ctx: ClientContext) -> float:
         return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
 
-    def extra_loss(self, model: torch.nn.Module) -> Any:
+    def extra_loss(self, model: torch.nn.Module) -> LossTerm | None:
         """A term added to the local CE loss, built while `model` holds the global weights (FedProx)."""
         return None
 

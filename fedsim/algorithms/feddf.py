@@ -65,7 +65,7 @@ class DistillFLParams:
     """Knobs shared by FedDF and single-image FL; defaults are the single-image paper's settings."""
 
     distill: ServerDistill = knob(factory=ServerDistill)
-    selection: NoSelection = knob(factory=NoSelection)
+    selection: SelectionConfig = knob(factory=SelectionConfig)
     fedavg_every: int = knob(5, ge=1, le=MAX_ROUNDS,
                              doc="FedAvg initialisation every this many rounds (rate 100/50/20% = 1/2/5); "
                              "other rounds start from the last distilled model")
@@ -88,6 +88,7 @@ class DistillFLParams:
 
 @dataclass
 class FedDFParams(DistillFLParams):
+    selection: NoSelection = knob(factory=NoSelection)  # keeps its place after `distill`
     proxy: Literal["dataset", "test_half", "extras"] = knob(
         "dataset", doc="proxy set: another dataset's train inputs, half of this dataset's test set (the other half "
         "scores the models, as the reference does for a same-dataset proxy), or env.extras['proxy']")
@@ -143,7 +144,7 @@ class FedDF(Algorithm):
     """Ensemble distillation on a proxy set, with mirrors per architecture and optional proxy selection."""
 
     name = "feddf"
-    Params = FedDFParams
+    Params: ClassVar[type] = FedDFParams  # any params class: subclasses bring their own
 
     # ---- shared pieces -------------------------------------------------------------------------------
     def pool(self, env: Env):
@@ -386,11 +387,12 @@ class FedDF(Algorithm):
     def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
         common: FedDFRound = msg.common
         models = msg.own if msg.own is not None else common.models
+        assert models is not None  # one architecture: the global model comes with the common part
         model = ctx.models.get(ctx.arch)
         model.load_state_dict(models[ctx.arch])
         metrics = self.local_train(model, ctx)
         x = self.pool(ctx.env).take(common.indices, ctx.device)
-        payload = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
+        payload: dict[str, Any] = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
         if common.fedavg:
             payload["weights"] = clone_state(model)
         weight = float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0

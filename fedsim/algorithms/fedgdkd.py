@@ -31,6 +31,7 @@ from fedsim.algorithms._personal import (
     require_client_test,
     score,
     seeded_init,
+    test_shard,
     with_model,
 )
 from fedsim.algorithms.aggregate import as_summable, average_by_arch
@@ -289,7 +290,7 @@ class FedGDKD(Algorithm):
         metrics = {}
         if own is not None and state is not None and "kd_generator" in state:
             x, y = self.kd_set(self.module(ctx, GEN, state["kd_generator"]), state["kd_seed"], ctx)
-            before = self._personal_accuracy(C, ctx)
+            before = self._personal_accuracy(C, ctx) if mechanism.enabled(ctx.env) else None
             metrics = self.kd(C, x, y, own["teacher"], ctx)
             if before is not None:
                 metrics.update(mechanism.columns({"personal_acc_before_kd": before,
@@ -298,12 +299,10 @@ class FedGDKD(Algorithm):
         return ClientResult(None, n, metrics, with_model(state, C, kd_generator=None, kd_seed=None))
 
     @staticmethod
-    def _personal_accuracy(C: torch.nn.Module, ctx: ClientContext) -> float | None:
-        """The personal model's accuracy on its own test shard (eval mode restored), or None when not measured."""
-        if not mechanism.enabled(ctx.env):
-            return None
-        return mechanism.accuracy(mechanism.logits(C, ctx.data.x_test, ctx.env.config.eval.batch_size),
-                                  ctx.data.y_test)
+    def _personal_accuracy(C: torch.nn.Module, ctx: ClientContext) -> float:
+        """The personal model's accuracy on its own test shard (eval mode restored); evaluation only."""
+        x_test, y_test = test_shard(ctx)
+        return mechanism.accuracy(mechanism.logits(C, x_test, ctx.env.config.eval.batch_size), y_test)
 
     def client_weight(self, ctx: ClientContext) -> float:
         """Generator averaging weight: |D_k| (eq. 4.9)."""

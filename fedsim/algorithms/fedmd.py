@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsim import mechanism
-from fedsim.algorithms._personal import personal_model, score, with_model
+from fedsim.algorithms._personal import personal_model, score, test_shard, with_model
 from fedsim.algorithms.base import (
     Broadcast,
     ClientContext,
@@ -72,7 +72,7 @@ class FedMD(LocalOnly):
     }
 
     @property
-    def share_fraction(self) -> float:  # type: ignore[override]
+    def share_fraction(self) -> float:
         return self.params.public_fraction
 
     def phases(self, round: int) -> list[Phase]:
@@ -161,8 +161,8 @@ class FedMD(LocalOnly):
         """The personal model's accuracy on its own test shard (NaN when not measured); evaluation only."""
         if not mechanism.enabled(ctx.env):
             return float("nan")
-        return mechanism.accuracy(mechanism.logits(model, ctx.data.x_test, ctx.env.config.eval.batch_size),
-                                  ctx.data.y_test)
+        x_test, y_test = test_shard(ctx)
+        return mechanism.accuracy(mechanism.logits(model, x_test, ctx.env.config.eval.batch_size), y_test)
 
     def _mechanism_digest(self, updates: dict[int, ClientResult]) -> dict[str, float]:
         """Means over the arrivals of their client-measured accuracies around the digest step."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,12 +69,16 @@ class LocalOnly(Algorithm):
     """Train the personal model on private data only; upload nothing."""
 
     name = "local_only"
-    Params = LocalOnlyParams
-    share_fraction = 0.0  # of each client's private data pooled and shared in round 0
+    Params: ClassVar[type] = LocalOnlyParams  # any params class: subclasses bring their own
 
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
         require_client_test(env, self.name)
+
+    @property
+    def share_fraction(self) -> float:
+        """The fraction of each client's private data pooled and shared in round 0 (none here)."""
+        return 0.0
 
     def init_server(self, env: Env) -> PoolState:
         return PoolState()

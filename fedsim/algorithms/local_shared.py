@@ -27,5 +27,5 @@ class LocalShared(LocalOnly):
     Params = LocalSharedParams
 
     @property
-    def share_fraction(self) -> float:  # type: ignore[override]
+    def share_fraction(self) -> float:
         return self.params.share_fraction

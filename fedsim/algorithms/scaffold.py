@@ -131,7 +131,7 @@ class Scaffold(Algorithm):
         grad_x = self.full_gradient(model, ctx) if self.params.control == "I" else None
         correction = {n: c[n] - c_i[n] for n in names}
 
-        def drift(m: torch.nn.Module) -> torch.Tensor:  # gradient c − c_i
+        def drift(m: torch.nn.Module) -> torch.Tensor | float:  # gradient c − c_i
             return sum((p * correction[n]).sum() for n, p in m.named_parameters() if n in correction)
 
         metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator(), extra_loss=drift,

@@ -17,12 +17,10 @@ from fedsim.algorithms.feddf import DistillFLParams, FedDF
 from fedsim.configtools import knob
 from fedsim.data.single_image import PatchPool, PatchSpec, patch_pool
 from fedsim.limits import MAX_SAMPLES, MAX_SEED
-from fedsim.selection import SelectionConfig
 
 
 @dataclass
 class SingleImageParams(DistillFLParams):
-    selection: SelectionConfig = knob(factory=SelectionConfig)
     image: str = knob("china", doc="the shared image: china (scikit-learn), ihc (scikit-image pathology), noise, "
                       "or a path (the paper used ameyoko_small.jpg / colonpath_sample.jpg, not shipped)")
     pool_size: int = knob(50_000, ge=1, le=MAX_SAMPLES, doc="patches generated from the image (the paper: 50,000)")

@@ -15,7 +15,7 @@ import torch
 from fedsim import rng
 from fedsim.algorithms.base import Env
 from fedsim.checkpoint import register_state, register_state_alias
-from fedsim.models import build_model
+from fedsim.models import Classifier, build_model
 from fedsim.train import evaluate_classifier
 
 State = dict[str, torch.Tensor]
@@ -33,7 +33,7 @@ class GlobalModels:
 register_state_alias("fedsim.algorithms.fedavg:GlobalModels", GlobalModels)  # checkpoints written before the move
 
 
-def new_model(env: Env, arch: str) -> torch.nn.Module:
+def new_model(env: Env, arch: str) -> Classifier:
     """Build an architecture for this run's input shape and class count (weights from torch's global RNG)."""
     shape = env.input_shape
     channels = shape[0] if len(shape) == 3 else 1
@@ -42,7 +42,7 @@ def new_model(env: Env, arch: str) -> torch.nn.Module:
 
 
 def loaded_model(env: Env, arch: str, weights: Mapping[str, torch.Tensor],
-                 device: torch.device | str | None = None) -> torch.nn.Module:
+                 device: torch.device | str | None = None) -> Classifier:
     """A new instance of `arch` holding `weights`, on `device` (default: the env's); torch's RNG is untouched."""
     with torch.random.fork_rng(devices=[]):
         model = new_model(env, arch)
@@ -62,7 +62,7 @@ def init_global_models(env: Env) -> dict[str, State]:
             for arch in env.archs}
 
 
-def seeded_model(env: Env, arch: str, seed: int) -> torch.nn.Module:
+def seeded_model(env: Env, arch: str, seed: int) -> Classifier:
     """A new instance of `arch` whose initial weights are drawn from `seed`, not from torch's global stream."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
