@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from fedsim.errors import ConfigError, FedsimError
 from fedsim.runtime.callbacks import Callback, RunInfo
@@ -18,7 +19,7 @@ from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, 
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pandas as pd
@@ -200,8 +200,12 @@ def paper_cells(t: TableSpec, arm: str, point: dict[str, Any], ours: dict[tuple,
     paper = f"{f.value:g} ({f.source})"
     if f.reference is None:
         return [paper, "reference"]
-    ref_figure = figure_for(t, f.reference, point)
-    paper_ref = f.reference_value if f.reference_value is not None else ref_figure.value
+    if f.reference_value is not None:
+        paper_ref = f.reference_value
+    else:
+        ref_figure = figure_for(t, f.reference, point)
+        assert ref_figure is not None  # load_manifest requires a reference figure or a reference_value
+        paper_ref = ref_figure.value
     mine, ref = ours.get((*point.values(), arm), np.nan), ours.get((*point.values(), f.reference), np.nan)
     if not (np.isfinite(mine) and np.isfinite(ref)):
         return [paper, NO_FIGURE]
@@ -236,6 +240,7 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     from fedsim.config import load_config
     from jobs.sweep import execute, load_sweep, plan, summary
 
+    assert t.sweep is not None  # only tables with a sweep come here
     sw = load_sweep(t.sweep)
     sw.seeds = seeds
     runs = plan(sw, Path(t.sweep))
@@ -397,7 +402,7 @@ def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other user error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

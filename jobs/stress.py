@@ -364,7 +364,7 @@ def _main(args: argparse.Namespace) -> int:
         print(RESULT + json.dumps(measure(cfg, args.workers)), flush=True)
         return 0
     base = load_point(args.config, args.override, max(counts))  # fail early on a bad config
-    ks: list[int | None] = parse_counts(args.participants, "--participants") if args.participants else [None]
+    ks: list[int | None] = list(parse_counts(args.participants, "--participants")) if args.participants else [None]
     skips: list[bool | None] = [None]
     if args.skip_late == "both":
         if not base.stragglers.enabled:
