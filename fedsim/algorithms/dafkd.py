@@ -11,8 +11,8 @@ upload="discriminator" (main text): clients upload classifier, generator and dom
 scores. upload="scores" (App. B): clients regenerate the distillation set from the broadcast generator and
 seed and upload f_k(x_i)·s_k(x_i) and f_k(x_i); the discriminator never leaves the client. With
 distill_from="aggregated" this is a second phase after aggregation; with "start" (the official code) the
-set comes from the start-of-round generator and the scores ride on the train phase. Spec:
-shared/specs/seed003_dafkd.md §7; every ambiguity A1-A10 is a Params key with the paper's reading as default.
+set comes from the start-of-round generator and the scores ride on the train phase. Every ambiguity
+between the paper and its code (A1-A10 in the Params docs) is a Params key with the paper's reading as default.
 """
 
 from __future__ import annotations

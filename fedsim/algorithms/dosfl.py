@@ -8,7 +8,7 @@ arrived and trains θ0 with each step's own lr for E_d passes. Non-IID aids: sof
 (θ ~ N(θ_server, σ²) each iteration) and random masking. `mode: serial` is the paper's serial DOSFL:
 the round has one phase per participant; in phase i only the i-th client (seeded order) distils, against
 the model the server holds after training on the clients before it, which the server sends it (the first
-gets only the seed). Values marked D1–D8 follow shared/specs/seed002_dosfl.md §7.
+gets only the seed). Values marked D1–D8 are readings of what the paper leaves open (see the Params docs).
 """
 
 from __future__ import annotations

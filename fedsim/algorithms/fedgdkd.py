@@ -1,5 +1,5 @@
 """FedGDKD (Banerjee 2022, "FedGDKD: Federated GAN-Based Data-Free Knowledge Distillation for Heterogeneous
-Models", MEng thesis, Imperial College London; spec shared/specs/seed004_fedgdkd.md).
+Models", MEng thesis, Imperial College London).
 
 Every client keeps a private classifier C_k (any architecture with c logits); it never leaves the worker.
 A round has three phases:
