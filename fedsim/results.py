@@ -77,7 +77,8 @@ def read_table(path: Path) -> pd.DataFrame:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
     try:
-        return pd.read_parquet(path)
+        with open(path, "rb") as f:  # one open: a table that a live run replaces meanwhile is still read whole
+            return pd.read_parquet(f)
     except Exception as exc:  # truncated, foreign or corrupt file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable table ({type(exc).__name__}: {_first_line(exc)})") from None
 

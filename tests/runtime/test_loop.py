@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import pytest
 
-from fedsim.results import collect, load, plot
+from fedsim.results import collect, load, plot, read_table
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import assign, owner, run
 from tests.conftest import ROOT
@@ -118,7 +118,7 @@ def test_resume_after_kill_gives_identical_rounds(tmp_path):
     killed_dir = tmp_path / "killed"
     deadline = time.time() + 300
     while time.time() < deadline:
-        if (killed_dir / "rounds.parquet").exists() and len(pd.read_parquet(killed_dir / "rounds.parquet")) >= 2:
+        if (killed_dir / "rounds.parquet").exists() and len(read_table(killed_dir / "rounds.parquet")) >= 2:
             break
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
