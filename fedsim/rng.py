@@ -2,8 +2,8 @@
 
 A stream's name says what it feeds ("client", "init/<arch>", "feddf/selection", ...). Distinct names give
 independent streams, and a stream's numbers depend only on its key, never on worker count, call order or
-process, which is what makes runs reproducible across backends. Seeds are < 2^32, so a seed recorded as a
-float metric is exact.
+process, which is what makes runs reproducible across backends. Seeds are < 2^31: every library takes them
+(FAISS and scikit-learn want a C int), and a seed recorded as a float metric is exact.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def seed(run_seed: int, name: str, round: int = UNSET, client: int = UNSET, phas
     key = [int(run_seed), _name_key(name), int(round) + 1, int(client) + 1, int(phase) + 1]
     if min(key) < 0:
         raise ValueError(f"stream {name!r}: round, client and phase must be >= {UNSET}, got {key[2:]}")
-    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint32)[0])
+    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint32)[0] >> 1)  # 31 bits: fits C ints
 
 
 def torch_generator(run_seed: int, name: str, round: int = UNSET, client: int = UNSET, phase: int = UNSET,

@@ -21,7 +21,8 @@ def test_a_stream_is_its_key_and_every_part_of_the_key_matters() -> None:
               rng.seed(7, "client", 3, 5, 1), rng.seed(7, "client", 3, 4, 2), rng.seed(7, "client", 3, 4),
               rng.seed(7, "client", 3, 4, 0)]
     assert len({base, *others}) == 1 + len(others)
-    assert all(0 <= s < 2**32 for s in (base, *others))  # exact as a float64 metric
+    assert all(0 <= s < 2**31 for s in (base, *others))  # a C int (FAISS, scikit-learn), exact as a float metric
+    assert max(rng.seed(0, "client", r) for r in range(2000)) > 2**30  # the whole 31-bit range is used
     a = rng.torch_generator(7, "x", 1)
     assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=rng.torch_generator(7, "x", 1)))
     assert (rng.numpy_generator(7, "x").random(3) == rng.numpy_generator(7, "x").random(3)).all()
@@ -46,3 +47,15 @@ def test_no_other_module_derives_seeds_by_hand() -> None:
             if pattern.search(line):
                 offenders.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_the_largest_stream_seed_is_a_valid_faiss_and_sklearn_seed() -> None:
+    import numpy as np
+    from sklearn.utils import check_random_state
+
+    from fedsim.selection import kmeans_distances
+
+    x = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
+    ids, _, _ = kmeans_distances(x, 4, 5, 2**31 - 1, device="cpu")  # 2**31 itself overflows FAISS's C int
+    assert len(ids) == 40
+    check_random_state(2**31 - 1)
