@@ -190,12 +190,12 @@ class Algorithm:
       client_step(phase, state, msg: Message, ctx) -> ClientResult     runs inside a worker
       server_step(phase, state, updates, info) -> (state, metrics)
         updates is a SummedUpdate for reduce="sum", else {client_id: ClientResult} sorted by id
+      evaluate(state, x_test, y_test, device) -> list of rows, one per global model ({"model": name, ...})
     The three middle hooks call the handlers a Phase names; a one-phase method may override them instead.
 
     The server and every worker each build their own instance (from the same params and Env): nothing
     set on `self` during a round travels between them; what must travel goes in a Broadcast or a
     ClientResult, and what a client keeps goes in its state.
-      evaluate(state, x_test, y_test, device) -> list of rows, one per global model ({"model": name, ...})
     """
 
     name: ClassVar[str] = ""
