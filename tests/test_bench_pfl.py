@@ -74,7 +74,9 @@ def test_pfl_pieces_reproduce_the_plain_loop(arch, cache):
     for k, v in state.items():
         assert v.dtype == plain.state[k].dtype, k
         if v.is_floating_point():
-            torch.testing.assert_close(v, plain.state[k], rtol=1e-5, atol=1e-6, msg=k)
+            # pfl averages float32 deltas scaled by counts, the plain loop averages the states; two rounds of
+            # training carry that rounding to about 2e-6 on weights of size 0.2 (same accuracy every round)
+            torch.testing.assert_close(v, plain.state[k], rtol=1e-5, atol=1e-5, msg=k)
         else:  # BatchNorm's batch counter: pfl's float32 mean of the differences, truncated, may fall one short
             assert 0 <= int(plain.state[k]) - int(v) <= 1, k
     if arch == "resnet8":  # the buffers moved with the average (without them in the variable map they would not)
