@@ -13,7 +13,7 @@ from fedsim.runtime.worker import ClientWorker
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
-    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.setup import AnyPartition
 
 
 def assigned_device(gpu_fraction: float) -> str:
@@ -28,7 +28,7 @@ def assigned_device(gpu_fraction: float) -> str:
 class ClientWorkerActor(ClientWorker):
     """Hosts many virtual clients; one instance per worker slot."""
 
-    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
                  worker_index: int, spill_dir: str | None = None) -> None:
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
         super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),

@@ -35,7 +35,7 @@ from fedsim.runtime.worker import WorkerReply
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
-    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.setup import AnyPartition
 
 
 def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
@@ -174,7 +174,7 @@ class RayBackend:
     def server(self, server: ServerAPI) -> None:
         self._server = server
 
-    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
               run_dir: Path) -> None:
         rt = cfg.runtime
         if not ray.is_initialized():

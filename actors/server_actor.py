@@ -11,13 +11,14 @@ from fedsim.runtime.server import Server
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
-    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.setup import AnyPartition
 
 
 class ServerActor(Server):
     """fedsim's Server, placed by Ray."""
 
-    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any]) -> None:
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition,
+                 meta: dict[str, Any]) -> None:
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.server_cpus) or 1)
         super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus), threads=threads)
 

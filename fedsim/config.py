@@ -32,11 +32,19 @@ from fedsim.limits import (
 
 @dataclass
 class PartitionConfig:
-    kind: Literal["iid", "dirichlet", "shards"] = knob("dirichlet", doc="how train samples are split over clients")
-    alpha: float = knob(0.5, gt=0, doc="Dirichlet concentration over labels (Hsu et al. 2019); smaller is more skewed")
+    kind: Literal["iid", "dirichlet", "shards", "generated"] = knob(
+        "dirichlet", doc="how train samples are split over clients; generated: each client's shard is drawn when it "
+        "trains (data.name: synthetic; fedsim.data.generated)")
+    alpha: float = knob(0.5, gt=0, doc="Dirichlet concentration over labels (Hsu et al. 2019); smaller is more skewed; "
+                        "generated: each client's class mix is Dirichlet(alpha)")
     min_samples: int = knob(10, ge=1, le=MAX_SAMPLES,
                             doc="every client gets at least this many train samples (dirichlet)")
     shards_per_client: int = knob(2, ge=1, le=MAX_SAMPLES, doc="label-sorted shards per client (shards)")
+    samples_per_client: int = knob(50, ge=1, le=MAX_SAMPLES,
+                                   doc="generated: samples in a client's shard, validation split included (the "
+                                   "median when samples_sigma > 0)")
+    samples_sigma: float = knob(0.0, ge=0, le=10, doc="generated: 0 gives every client samples_per_client; else "
+                                "shard sizes are lognormal with this log-space std, drawn per client")
 
 
 @dataclass
@@ -264,9 +272,11 @@ def validate(cfg: RunConfig) -> None:
     check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
     if cfg.results.run_id is not None:
         check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
+    from fedsim.data.generated import check_generated
     from fedsim.data.registry import check_options
     from fedsim.models.registry import check_model_options
 
+    check_generated(cfg)  # first: with generated shards the options are the synthetic set's
     cfg.data.options = check_options(cfg.data.name, cfg.data.options)
     for arch, key in ([(a, "model.mix") for a in cfg.model.mix] or [(cfg.model.name, "model.name")]):
         cfg.model.options = check_model_options(arch, cfg.model.options, key=key)

@@ -53,8 +53,8 @@ def client_samples(env, client_ids: list[int], per_client: int) -> tuple[torch.T
     """Up to `per_client` training inputs of each client (a fixed seeded subset), on the server's device,
     and the client each row came from; for scoring what a client's model holds about its own data."""
     data, part = env.extras.get("server_data"), env.extras.get("partition")
-    if not enabled(env) or data is None or part is None or not client_ids:
-        return None
+    if not enabled(env) or data is None or not hasattr(part, "train") or not client_ids:
+        return None  # without a partition, or with generated shards (no indices into a training set)
     rows, owner = [], []
     for cid in client_ids:
         idx = np.asarray(part.train[cid])

@@ -8,7 +8,7 @@ are order-independent (fedsim.runtime.reduce), so results do not depend on how c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ def weighted_average(states: Mapping[int, Mapping[str, torch.Tensor]], weights: 
 
 
 def sum_by_arch(states: Mapping[int, Mapping[str, torch.Tensor]], weights: Mapping[int, float],
-                archs: list[str]) -> SummedUpdate:
+                archs: Sequence[str]) -> SummedUpdate:
     """The per-architecture summed update of whole client states (`archs[cid]` is client cid's architecture)."""
     by_arch: dict[str, int] = {}
     total = WeightedSum()

@@ -8,7 +8,7 @@ process boundaries unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from fedsim import rng
+from fedsim.client_archs import ClientArchs
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
@@ -132,7 +133,7 @@ class Env:
     input_shape: tuple[int, ...]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    client_archs: list[str]  # architecture of each client id
+    client_archs: Sequence[str]  # architecture of each client id (fedsim.client_archs.ClientArchs in a run)
     num_samples: np.ndarray  # train samples per client id
     device: torch.device = torch.device("cpu")
     extras: dict[str, Any] = field(default_factory=dict)  # dataset extras (embedding tables, ...)
@@ -140,6 +141,8 @@ class Env:
     @property
     def archs(self) -> list[str]:
         """Distinct architectures, in first-appearance order."""
+        if isinstance(self.client_archs, ClientArchs):
+            return self.client_archs.distinct()  # without visiting every registered client
         return list(dict.fromkeys(self.client_archs))
 
 
@@ -253,6 +256,12 @@ class Algorithm:
     def stateless_clients(cls, cfg: RunConfig) -> bool:
         """Whether clients keep no state between rounds, so any worker may train any client."""
         return False
+
+    @classmethod
+    def pooled_data_key(cls, cfg: RunConfig) -> str | None:
+        """The config key under which the server reads the clients' pooled training data (a validation set, a
+        centralised reference), or None; generated client shards (data.partition.kind: generated) have none."""
+        return None
 
 
 _ALGORITHMS: dict[str, type[Algorithm]] = {}

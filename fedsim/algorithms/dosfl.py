@@ -173,6 +173,10 @@ class DOSFL(Algorithm):
     def stateless_clients(cls, cfg: Any) -> bool:
         return True  # a client keeps nothing between phases: any worker may distil it
 
+    @classmethod
+    def pooled_data_key(cls, cfg: Any) -> str | None:
+        return "algorithm.ceiling" if cfg.algorithm.params.ceiling and cfg.eval.mechanism else None
+
     # --- serial order -------------------------------------------------------------------------------------
     def serial_pick(self, state: GlobalModels, info: RoundInfo) -> int | None:
         """The next client to distil: the first of a seeded order of participants still alive and not done."""

@@ -152,6 +152,10 @@ class FedDF(Algorithm):
         p = self.params
         return proxy_pool(p.proxy, env, p.proxy_dataset, p.proxy_size, p.proxy_seed)
 
+    @classmethod
+    def pooled_data_key(cls, cfg: Any) -> str | None:
+        return "algorithm.validation" if cfg.algorithm.params.validation == "pooled" else None
+
     def is_fedavg_round(self, round: int) -> bool:
         r1 = round + 1
         return r1 <= self.params.fedavg_first or r1 % self.params.fedavg_every == 0

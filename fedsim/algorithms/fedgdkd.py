@@ -141,6 +141,10 @@ class FedGDKD(Algorithm):
         "codistill/mech_personal_acc_after_kd": "the same clients' personal accuracy right after co-distillation",
     }
 
+    @classmethod
+    def pooled_data_key(cls, cfg: Any) -> str | None:
+        return "algorithm.fid_every" if cfg.algorithm.params.fid_every else None  # FeatureFD trains on all of it
+
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
         require_client_test(env, self.name)

@@ -106,7 +106,7 @@ class Scaffold(Algorithm):
         for arch, (weight, total) in sums.items():
             if weight <= 0:
                 continue
-            n_arch = sum(1 for a in self.env.client_archs if a == arch)
+            n_arch = self.env.client_archs.count(arch)
             x, c = state.models[arch], state.controls[arch]
             models[arch] = {k: (v + self.params.server_lr * (total[f"dy/{k}"] / weight).to(v.dtype))
                             if k in c else (total[f"buf/{k}"] / weight).to(v.dtype) for k, v in x.items()}

@@ -17,7 +17,7 @@ from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
-    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.setup import AnyPartition
     from fedsim.runtime.worker import WorkerReply
 
 
@@ -77,7 +77,7 @@ class Backend(Protocol):
     @property
     def server(self) -> ServerAPI: ...
 
-    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
               run_dir: Path) -> None:
         """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
 

@@ -119,13 +119,16 @@ def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
     """Sorted client ids sampled for `round` among the available ones (over-selection included)."""
     n = cfg.data.num_clients
     rng = streams.numpy_generator(cfg.seed, "participation", round)
-    avail = np.flatnonzero(rng.random(n) < profiles.availability) if (profiles.availability < 1).any() \
-        else np.arange(n)
+    # all available: draw from range(n) without building it (the same draw as from np.arange(n))
+    avail: np.ndarray | int = np.flatnonzero(rng.random(n) < profiles.availability) \
+        if (profiles.availability < 1).any() else n
+    size = avail if isinstance(avail, int) else len(avail)
     k = clients_per_round(cfg)
     if cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
         k = math.ceil(k * (1 + cfg.stragglers.over_select))
-    k = min(k, len(avail))
-    return np.sort(rng.choice(avail, size=k, replace=False)) if k < len(avail) else avail
+    if k < size:
+        return np.sort(rng.choice(avail, size=k, replace=False))
+    return np.arange(n) if isinstance(avail, int) else avail
 
 
 def work_samples(cfg: RunConfig, num_samples: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ from fedsim.runtime.worker import ClientWorker, WorkerReply
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
-    from fedsim.runtime.setup import Partition
+    from fedsim.runtime.setup import AnyPartition
 
 
 class LocalBackend:
@@ -36,7 +36,7 @@ class LocalBackend:
     def num_workers(self) -> int:
         return len(self.workers)
 
-    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
               run_dir: Path) -> None:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)

@@ -29,7 +29,7 @@ from fedsim.runtime.backend import Backend, BroadcastReply
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
-from fedsim.runtime.setup import Partition, client_archs, load_data, make_partition
+from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_partition
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.worker import WorkerReply
 
@@ -40,7 +40,7 @@ class Inputs:
     partition, client draws or initial server state (the bench's prepared folder) sets them here."""
 
     data: Callable[[RunConfig], Dataset] = load_data
-    partition: Callable[[RunConfig, Dataset], Partition] = make_partition
+    partition: Callable[[RunConfig, Dataset], AnyPartition] = make_partition
     draw: Callable[[RunConfig, int, Profiles], np.ndarray] = sample_round  # (cfg, round, profiles) -> client ids
     initial_state: Callable[[Any], Any] | None = None  # the algorithm's fresh server state -> the one to start from
 
@@ -104,7 +104,7 @@ class Simulation:
         cfg = self.cfg
         data = self.inputs.data(cfg)
         self.part = self.inputs.partition(cfg, data)
-        self.num_samples = self.part.train.lengths()
+        self.num_samples = self.part.num_samples()
         self.archs = client_archs(cfg)
         self.balance = get_algorithm(cfg.algorithm.name).stateless_clients(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}

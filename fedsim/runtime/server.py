@@ -16,7 +16,7 @@ from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate, Updates
 from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
 from fedsim.runtime.reduce import WeightedSum
-from fedsim.runtime.setup import Partition, as_tensor, build_env
+from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import WorkerReply, pick_device
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class Server:
     """Owns the global state; every method is called by the round loop, in order (fedsim.runtime.backend.ServerAPI)."""
 
-    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
                  device: str | None = None, threads: int | None = None) -> None:
         if threads:
             torch.set_num_threads(threads)

@@ -9,8 +9,10 @@ import torch
 
 from fedsim import rng
 from fedsim.algorithms.base import ClientData, Env
+from fedsim.client_archs import ClientArchs
 from fedsim.config import RunConfig
 from fedsim.data import Dataset, client_test_shards, load_dataset, partition, split_validation
+from fedsim.data.generated import GeneratedShards, make_shards, test_set
 from fedsim.errors import ConfigError
 
 
@@ -47,10 +49,22 @@ class Partition:
     val: Ragged
     test: Ragged | None
 
+    def num_samples(self) -> np.ndarray:
+        """Train samples per client id."""
+        return self.train.lengths()
 
-def make_partition(cfg: RunConfig, data: Dataset) -> Partition:
-    """Split the training set over clients as the config says (streams "data/*" of the run seed)."""
+
+AnyPartition = Partition | GeneratedShards  # index lists into one dataset, or shards drawn on demand
+
+
+def make_partition(cfg: RunConfig, data: Dataset) -> AnyPartition:
+    """Split the training set over clients as the config says (streams "data/*" of the run seed); generated shards
+    hold only each client's sizes."""
     p = cfg.data.partition
+    if p.kind == "generated":
+        sizes = rng.numpy_generator(cfg.seed, "data/shard_sizes") if p.samples_sigma > 0 else None
+        return make_shards(cfg.data.options, cfg.data.num_clients, p.samples_per_client, p.samples_sigma, p.alpha,
+                           cfg.data.val_fraction, cfg.data.client_test, cfg.seed, sizes)
     parts = partition(data.y_train, cfg.data.num_clients, p.kind, rng.seed(cfg.seed, "data/partition"), alpha=p.alpha,
                       min_samples=p.min_samples, shards_per_client=p.shards_per_client)
     train, val = split_validation(parts, cfg.data.val_fraction, rng.seed(cfg.seed, "data/validation"))
@@ -62,36 +76,39 @@ def make_partition(cfg: RunConfig, data: Dataset) -> Partition:
     return Partition(Ragged.from_list(train), Ragged.from_list(val), test)
 
 
-def client_archs(cfg: RunConfig) -> list[str]:
+def client_archs(cfg: RunConfig) -> ClientArchs:
     """The architecture of each client id: `model.mix` in order, else `model.name` for all."""
     if not cfg.model.mix:
-        return [cfg.model.name] * cfg.data.num_clients
-    out: list[str] = []
-    for arch, count in cfg.model.mix.items():
-        out.extend([arch] * count)
-    return out
+        return ClientArchs.uniform(cfg.model.name, cfg.data.num_clients)
+    return ClientArchs(cfg.model.mix.items())
 
 
 def load_data(cfg: RunConfig) -> Dataset:
-    """The config's dataset."""
+    """The config's dataset; with generated shards only its central test set (the shards are drawn per client)."""
+    if cfg.data.partition.kind == "generated":
+        return test_set(cfg.data.options)
     return load_dataset(cfg.data.name, cfg.data.root, cfg.data.download, **cfg.data.options)
 
 
-def build_env(cfg: RunConfig, data: Dataset, part: Partition, device: torch.device | str = "cpu") -> Env:
+def build_env(cfg: RunConfig, data: Dataset, part: AnyPartition, device: torch.device | str = "cpu") -> Env:
     """The Env shared by the server and every worker."""
     from fedsim.models import model_names
 
     archs = client_archs(cfg)
-    unknown = sorted(set(archs) - set(model_names()))
+    unknown = sorted(set(archs.distinct()) - set(model_names()))
     if unknown:
         raise ConfigError(f"model: unknown architecture {unknown[0]!r}; choose one of {model_names()}")
     return Env(config=cfg, params=cfg.algorithm.params, num_classes=data.num_classes,
                input_shape=data.input_shape, mean=tuple(data.mean), std=tuple(data.std), client_archs=archs,
-               num_samples=part.train.lengths(), device=torch.device(device), extras=dict(data.extras))
+               num_samples=part.num_samples(), device=torch.device(device), extras=dict(data.extras))
 
 
-def client_data(data_t: dict[str, torch.Tensor], part: Partition, cid: int) -> ClientData:
-    """A client's tensors, gathered from the worker's one copy of the dataset (`data_t` on its device)."""
+def client_data(data_t: dict[str, torch.Tensor], part: AnyPartition, cid: int) -> ClientData:
+    """A client's tensors, gathered from the worker's one copy of the dataset (`data_t` on its device), or drawn
+    from its generated shard."""
+    if isinstance(part, GeneratedShards):
+        return _generated_data(part, cid, data_t["x_test"].device)
+
     def take(x: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
         return x[torch.from_numpy(idx).to(x.device)]
 
@@ -101,6 +118,15 @@ def client_data(data_t: dict[str, torch.Tensor], part: Partition, cid: int) -> C
     if part.test is not None:
         te = part.test[cid]
         out.x_test, out.y_test = take(data_t["x_test"], te), take(data_t["y_test"], te)
+    return out
+
+
+def _generated_data(shards: GeneratedShards, cid: int, device: torch.device) -> ClientData:
+    """Client `cid`'s generated shard as tensors on `device`."""
+    x, y, x_val, y_val, x_test, y_test = (torch.from_numpy(a).to(device) for a in shards.shard(cid))
+    out = ClientData(x, y, x_val, y_val)
+    if shards.client_test != "none":
+        out.x_test, out.y_test = x_test, y_test
     return out
 
 

@@ -1,10 +1,10 @@
 """Per-worker storage of personal client state: an LRU cache bounded in bytes, spilling to a disk folder.
 
-A client without personal state costs nothing here. States are dicts of tensors (and plain values);
-spilled ones are packed like checkpoints and read back bit for bit with torch.load(weights_only=True), so a
-spill file is data, never code. Every TRIM_EVERY bytes of states stored, freed heap pages go back to the OS:
-long-lived states between a phase's short-lived tensors otherwise fragment glibc's heap, and a worker's RSS
-grew to ~3x its cache.
+A client without personal state costs nothing here, a spilled one a byte of the index (IdSet). States are dicts
+of tensors (and plain values); spilled ones are packed like checkpoints and read back bit for bit with
+torch.load(weights_only=True), so a spill file is data, never code. Every TRIM_EVERY bytes of states stored,
+freed heap pages go back to the OS: long-lived states between a phase's short-lived tensors otherwise fragment
+glibc's heap, and a worker's RSS grew to ~3x its cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedsim.checkpoint import load_packed, pack
@@ -63,6 +64,42 @@ def release_free_heap() -> None:
         trim(0)
 
 
+class IdSet:
+    """A set of client ids as one byte each below the largest id (a bool array, grown by doubling): 1 MB for a
+    million clients, where a Python set of ints costs about 60 bytes an id."""
+
+    def __init__(self) -> None:
+        self._has = np.zeros(0, dtype=bool)
+        self._count = 0
+
+    def add(self, cid: int) -> None:
+        if cid >= len(self._has):
+            grown = np.zeros(max(2 * len(self._has), cid + 1, 1024), dtype=bool)
+            grown[:len(self._has)] = self._has
+            self._has = grown
+        if not self._has[cid]:
+            self._has[cid] = True
+            self._count += 1
+
+    def discard(self, cid: int) -> None:
+        if cid in self:
+            self._has[cid] = False
+            self._count -= 1
+
+    def __contains__(self, cid: object) -> bool:
+        return bool(isinstance(cid, (int, np.integer)) and 0 <= cid < len(self._has) and self._has[cid])
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(np.flatnonzero(self._has).tolist())
+
+    def clear(self) -> None:
+        self._has = np.zeros(0, dtype=bool)
+        self._count = 0
+
+
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
@@ -81,7 +118,7 @@ class ClientStateStore:
         self.spill_dir = Path(spill_dir) if spill_dir else None
         self._mem: OrderedDict[int, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
-        self._spilled: set[int] = set()
+        self._spilled = IdSet()  # ids whose state is on disk
         self.spills = 0
         self.loads = 0
         self._since_trim = 0
@@ -158,7 +195,7 @@ class ClientStateStore:
 
     def items(self) -> Iterator[tuple[int, Any]]:
         """Every (client id, state), spilled ones read from disk without disturbing the cache."""
-        for cid in sorted(set(self._mem) | self._spilled):
+        for cid in sorted(set(self._mem).union(self._spilled)):
             if cid in self._mem:
                 yield cid, self._mem[cid][0]
             else:

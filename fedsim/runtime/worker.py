@@ -19,7 +19,7 @@ from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
 from fedsim.errors import ClientFailedError
 from fedsim.runtime.reduce import WeightedSum
-from fedsim.runtime.setup import Partition, as_tensor, build_env, client_data, client_seed
+from fedsim.runtime.setup import AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def pick_device(gpu_ids: list | None = None) -> torch.device:
 class ClientWorker:
     """Runs the client side of each phase for the clients it owns."""
 
-    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: Partition, meta: dict[str, Any],
+    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
                  worker_index: int, device: str | None = None, threads: int | None = None,
                  spill_dir: str | None = None) -> None:
         if threads:
