@@ -13,6 +13,10 @@ one row of a DataFrame, written as parquet and markdown with a log-log plot of t
 - peak Ray object-store bytes in use; peak GPU memory per worker (nvidia-smi) where there is a GPU;
 - personal-state cache: bytes spilled to disk at the end.
 
+`--repeat N` runs the whole sweep N times, interleaved, so a busy machine slows every point alike; `--save NAME`
+also writes the table as `results/bench/stress_NAME.csv` and `.md`, from which `python -m jobs.stress_readme`
+writes the README's scale tables.
+
 Also `python -m jobs.stress ...`, and as a Ray job: `ray job submit --working-dir . -- python -m jobs.stress ...`.
 """
 
@@ -25,6 +29,7 @@ T_START = time.perf_counter()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -36,7 +41,9 @@ from fedsim.errors import ConfigError, FedsimError  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus  # noqa: E402
 
 RESULT = "STRESS_JSON "
-COLUMNS = ["registered", "participants", "skip_late", "rounds", "s_per_round", "ms_per_participant", "startup_s",
+BENCH = Path(__file__).resolve().parents[1] / "results" / "bench"  # where --save writes
+COLUMNS = ["registered", "participants", "skip_late", "repeat", "rounds", "s_per_round", "ms_per_participant",
+           "startup_s",
            "round0_s", "peak_rss_gb", "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb",
            "object_store_mb", "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "spilled_states",
            "workers", "processes", "total_s", "run_dir", "status"]
@@ -274,7 +281,9 @@ def table(df) -> str:
     """The stress DataFrame as a markdown table (the columns a reader needs)."""
     cols = ["registered", "participants", "skip_late", "s_per_round", "ms_per_participant", "startup_s", "peak_rss_gb",
             "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb", "object_store_mb",
-            "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "status"]
+            "gpu_mb_per_worker", "arrived", "late", "computed", "spilled_mb", "spilled_states", "status"]
+    if "repeat" in df and df["repeat"].nunique() > 1:
+        cols.insert(3, "repeat")
     show = df[[c for c in cols if c in df]].copy()
     head = "| " + " | ".join(show.columns) + " |"
     lines = [head, "|" + "---|" * len(show.columns)]
@@ -332,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-late", choices=["config", "both"], default="config",
                    help="'both' runs every point with stragglers.skip_late false and true")
     p.add_argument("--rounds", type=int, default=4, help="rounds per point (the first is warm-up)")
+    p.add_argument("--repeat", type=int, default=1, help="run the sweep this many times, interleaved")
     p.add_argument("--out", help="output folder (default results/stress/<config>-<time>)")
+    p.add_argument("--save", metavar="NAME", help="also write results/bench/stress_NAME.csv and .md (the files "
+                   "`python -m jobs.stress_readme` puts into README.md)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, help="client workers")
     p.add_argument("--in-process", action="store_true", help="run every point in this process (tests)")
@@ -359,6 +371,10 @@ def _main(args: argparse.Namespace) -> int:
     counts = parse_counts(args.clients, "--clients")
     if args.rounds < 1:
         raise ConfigError("--rounds: must be >= 1")
+    if args.repeat < 1:
+        raise ConfigError("--repeat: must be >= 1")
+    if args.save is not None and not re.fullmatch(r"[a-z0-9_]+", args.save):
+        raise ConfigError(f"--save: {args.save[:60]!r} is not a name of lowercase letters, digits and _")
     if args.point:  # a child process: one point, one line of JSON
         cfg = load_point(args.config, args.override, counts[0])
         print(RESULT + json.dumps(measure(cfg, args.workers)), flush=True)
@@ -373,17 +389,20 @@ def _main(args: argparse.Namespace) -> int:
     out = Path(args.out or Path("results") / "stress" / f"{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for k in ks:
-        for n in counts:
-            for skip in skips:
-                ov = args.override + point_overrides(n, k, skip, args.rounds, out / "runs")
-                print(f"[stress] {n} clients, {min(k, n) if k else 'config'} per round"
-                      + ("" if skip is None else f", skip_late={skip}") + " ...", file=sys.stderr, flush=True)
-                row = run_point(args, ov, n)
-                rows.append(row)
-                print(f"[stress] {row.get('status')}: {row.get('s_per_round', float('nan')):.3f} s/round, start-up "
-                      f"{row.get('startup_s', float('nan')):.1f} s, peak RSS {row.get('peak_rss_gb', float('nan')):.2f}"
-                      " GiB", file=sys.stderr, flush=True)
+    for rep in range(args.repeat):
+        for k in ks:
+            for n in counts:
+                for skip in skips:
+                    ov = args.override + point_overrides(n, k, skip, args.rounds, out / "runs")
+                    print(f"[stress] {n} clients, {min(k, n) if k else 'config'} per round"
+                          + ("" if skip is None else f", skip_late={skip}")
+                          + (f", repeat {rep + 1}/{args.repeat}" if args.repeat > 1 else "") + " ...",
+                          file=sys.stderr, flush=True)
+                    row = {**run_point(args, ov, n), "repeat": rep}
+                    rows.append(row)
+                    print(f"[stress] {row.get('status')}: {row.get('s_per_round', float('nan')):.3f} s/round, "
+                          f"start-up {row.get('startup_s', float('nan')):.1f} s, peak RSS "
+                          f"{row.get('peak_rss_gb', float('nan')):.2f} GiB", file=sys.stderr, flush=True)
     df = pd.DataFrame(rows)
     df = df[[c for c in COLUMNS if c in df] + [c for c in df if c not in COLUMNS]]
     atomic_write(out / "stress.parquet", lambda tmp: df.to_parquet(tmp, index=False))
@@ -391,6 +410,10 @@ def _main(args: argparse.Namespace) -> int:
     text = (f"# Stress: {args.config}\n\nCommand: `{cmd}`  \nMeasured {datetime.now():%Y-%m-%d %H:%M} on "
             f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} at the end.\n\n{table(df)}\n")
     atomic_write_text(out / "stress.md", text)
+    if args.save:
+        saved = BENCH / f"stress_{args.save}"
+        atomic_write_text(saved.with_suffix(".csv"), df.drop(columns=["run_dir"], errors="ignore").to_csv(index=False))
+        atomic_write_text(saved.with_suffix(".md"), text)
     if (df["status"] == "ok").any():
         plot(df, out / "stress.png")
     print(table(df))
@@ -407,12 +430,16 @@ def _argv_text(args: argparse.Namespace) -> list[str]:
     if args.skip_late != "config":
         out += ["--skip-late", args.skip_late]
     out += ["--rounds", str(args.rounds)]
+    if args.repeat > 1:
+        out += ["--repeat", str(args.repeat)]
     if args.out:
         out += ["--out", args.out]
     for o in args.override:
         out += ["-o", o]
     if args.workers:
         out += ["--workers", str(args.workers)]
+    if args.save:
+        out += ["--save", args.save]
     return out
 
 
