@@ -20,6 +20,7 @@ from fedsim.client_archs import ClientArchs
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
+    from fedsim.local_training import LocalTraining
     from fedsim.runtime.worker import ModelPool
 
 Reduce = Literal["each", "sum"]
@@ -191,6 +192,8 @@ class Algorithm:
       phases(round) -> list[Phase]         the exchanges of this round, in order
       broadcast(phase, state, info) -> Broadcast
       client_step(phase, state, msg: Message, ctx) -> ClientResult     runs inside a worker
+      local_training(phase, state, msg, ctx) -> LocalTraining | None   the client step, when it is plain local
+        training, as data (workers may then train many clients together)
       server_step(phase, state, updates, info) -> (state, metrics)
         updates is a SummedUpdate for reduce="sum", else {client_id: ClientResult} sorted by id
       evaluate(state, x_test, y_test, device) -> list of rows, one per global model ({"model": name, ...})
@@ -224,6 +227,13 @@ class Algorithm:
 
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
         return self.handler(phase, "client")(state, msg, ctx)
+
+    def local_training(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
+                       ctx: ClientContext) -> LocalTraining | None:
+        """This phase's client step as plain local training of a classifier (fedsim.local_training), so that a worker
+        may train many clients of one architecture together (`runtime.batch_clients`); None when it is anything
+        else. A method that returns one makes that client step `self.local_training(...).run()`."""
+        return None
 
     def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict[str, Any]]:
         """Fold a phase's `updates` into the state. They are one of `Updates`, as `phase.reduce` says; `Any` here so

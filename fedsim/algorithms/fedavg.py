@@ -31,7 +31,7 @@ from fedsim.algorithms.base import (
 )
 from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models
 from fedsim.configtools import knob
-from fedsim.train import LossTerm, make_optimizer, train_classifier
+from fedsim.local_training import LocalTraining
 
 
 @dataclass
@@ -61,11 +61,19 @@ class FedAvg(Algorithm):
         return Broadcast(common=state.models)
 
     def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
-        model = ctx.models.get(ctx.arch)
-        model.load_state_dict(msg.common[ctx.arch])
-        metrics, new_state = self.local_train(model, ctx, state)
-        return ClientResult(payload=as_summable(ctx.arch, clone_state(model)), weight=self.client_weight(ctx),
-                            metrics=metrics, state=new_state)
+        return self.local_training(phase, state, msg, ctx).run()
+
+    def local_training(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
+        """Local SGD from the broadcast weights, then upload the model (workers may train many clients together)."""
+        keep = ctx.env.config.train.keep_optimizer_state
+
+        def finish(model: torch.nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
+            return ClientResult(payload=as_summable(ctx.arch, clone_state(model)), weight=self.client_weight(ctx),
+                                metrics=metrics, state={"optimizer": optimizer} if keep else None)
+
+        saved = state.get("optimizer") if keep and state else None
+        return LocalTraining.of(ctx, msg.common[ctx.arch], finish, mu=self.proximal_mu(), optimizer_state=saved,
+                                keep_optimizer=keep)
 
     def server_step(self, phase: Phase, state: GlobalModels, updates: SummedUpdate,
                     info: RoundInfo) -> tuple[GlobalModels, dict]:
@@ -87,17 +95,6 @@ class FedAvg(Algorithm):
     def client_weight(self, ctx: ClientContext) -> float:
         return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
 
-    def extra_loss(self, model: torch.nn.Module) -> LossTerm | None:
-        """A term added to the local CE loss, built while `model` holds the global weights (FedProx)."""
-        return None
-
-    def local_train(self, model: torch.nn.Module, ctx: ClientContext,
-                    personal: dict | None) -> tuple[dict[str, float], dict | None]:
-        """Train `model` (holding the global weights) on the client's data; keep the optimizer if asked."""
-        train = ctx.env.config.train
-        opt = make_optimizer(model.parameters(), train)
-        if train.keep_optimizer_state and personal and "optimizer" in personal:
-            opt.load_state_dict(personal["optimizer"])
-        metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator(),
-                                   extra_loss=self.extra_loss(model), optimizer=opt)
-        return metrics, ({"optimizer": opt.state_dict()} if train.keep_optimizer_state else None)
+    def proximal_mu(self) -> float:
+        """The weight mu of a proximal term mu/2·||w - w_global||² in the local loss (FedProx); 0 for none."""
+        return 0.0

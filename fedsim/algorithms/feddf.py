@@ -34,15 +34,15 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.fedprox import proximal_term
 from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models, loaded_model
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.data.proxy import proxy_pool, split_test_halves
-from fedsim.distill import DistillConfig, clip_logits, distill, ensemble_teacher
+from fedsim.distill import DistillConfig, distill, ensemble_teacher
 from fedsim.limits import MAX_ROUNDS, MAX_SAMPLES, MAX_SEED, MAX_STEPS
+from fedsim.local_training import LocalTraining
 from fedsim.selection import SelectionConfig, embed_and_predict, select
-from fedsim.train import evaluate_classifier, make_optimizer, predict_logits, train_classifier
+from fedsim.train import evaluate_classifier, predict_logits
 
 
 @dataclass
@@ -126,17 +126,6 @@ def scheduled_steps(round1: int, steps: int, steps_min: int, interval: int) -> i
     pos = round1 % interval
     pos = pos + 1 if pos else 1
     return int(steps_min + 0.5 * (steps - steps_min) * (1 + math.cos((pos - 1) / (interval - 1) * math.pi)))
-
-
-class ClippedLogits(nn.Module):
-    """Wraps a classifier so local CE sees clipped logits (reference `use_clipping`)."""
-
-    def __init__(self, model: nn.Module, c: float) -> None:
-        super().__init__()
-        self.model, self.c = model, c
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return clip_logits(self.model(x), self.c)
 
 
 @register_algorithm
@@ -378,26 +367,24 @@ class FedDF(Algorithm):
         return rest
 
     # ---- client --------------------------------------------------------------------------------------
-    def local_train(self, model: nn.Module, ctx: ClientContext) -> dict[str, float]:
-        p, c = self.params, self.params.distill.clip_logits
-        net = ClippedLogits(model, c) if p.client_clip and c is not None else model
-        extra = None
-        if p.mu > 0:
-            extra = proximal_term(p.mu, {n: q.detach().clone() for n, q in net.named_parameters()})
-        opt = make_optimizer(model.parameters(), ctx.env.config.train)
-        return train_classifier(net, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator(),
-                                extra_loss=extra, optimizer=opt)
-
-    def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+    def local_training(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
+        """Local SGD from the round's mirror (with FedDF's optional proximal term and clipped logits), then upload the
+        logits on the round's proxy indices and, in FedAvg rounds, the weights."""
         common: FedDFRound = msg.common
         models = msg.own if msg.own is not None else common.models
         assert models is not None  # one architecture: the global model comes with the common part
-        model = ctx.models.get(ctx.arch)
-        model.load_state_dict(models[ctx.arch])
-        metrics = self.local_train(model, ctx)
-        x = self.pool(ctx.env).take(common.indices, ctx.device)
-        payload: dict[str, Any] = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
-        if common.fedavg:
-            payload["weights"] = clone_state(model)
-        weight = float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
-        return ClientResult(payload=payload, weight=weight, metrics=metrics)
+        p = self.params
+
+        def finish(model: nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
+            x = self.pool(ctx.env).take(common.indices, ctx.device)
+            payload: dict[str, Any] = {"logits": predict_logits(model, x, ctx.env.config.eval.batch_size).float().cpu()}
+            if common.fedavg:
+                payload["weights"] = clone_state(model)
+            weight = float(ctx.data.num_samples) if p.weighting == "samples" else 1.0
+            return ClientResult(payload=payload, weight=weight, metrics=metrics)
+
+        return LocalTraining.of(ctx, models[ctx.arch], finish, mu=p.mu,
+                                clip=p.distill.clip_logits if p.client_clip else None)
+
+    def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        return self.local_training(phase, state, msg, ctx).run()

@@ -4,27 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from fedsim.algorithms.base import register_algorithm
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
 from fedsim.configtools import knob
-from fedsim.train import LossTerm
 
 
 @dataclass
 class FedProxParams(FedAvgParams):
     mu: float = knob(0.01, ge=0, doc="proximal weight mu")
-
-
-def proximal_term(mu: float, anchor: dict[str, torch.Tensor]) -> LossTerm:
-    """A loss term mu/2·Σ||w - anchor||² over the model's trainable parameters."""
-
-    def term(model: torch.nn.Module) -> torch.Tensor | float:
-        total = sum(((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
-        return 0.5 * mu * total
-
-    return term
 
 
 @register_algorithm
@@ -34,8 +21,5 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
 
-    def extra_loss(self, model: torch.nn.Module) -> LossTerm | None:
-        if self.params.mu == 0:
-            return None
-        anchor = {n: p.detach().clone() for n, p in model.named_parameters()}  # the round's global weights
-        return proximal_term(self.params.mu, anchor)
+    def proximal_mu(self) -> float:
+        return self.params.mu

@@ -17,7 +17,7 @@ import torch
 
 from fedsim.algorithms._personal import (
     PersonalScores,
-    personal_model,
+    init_seed,
     pool,
     require_client_test,
     score,
@@ -35,9 +35,11 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
+from fedsim.algorithms.toolkit import seeded_model
 from fedsim.checkpoint import register_state
 from fedsim.configtools import knob
 from fedsim.limits import MAX_EPOCHS
+from fedsim.local_training import LocalTraining, Stage
 from fedsim.train import train_classifier
 
 
@@ -138,15 +140,28 @@ class LocalOnly(Algorithm):
     def share_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
         return ClientResult(share_sample(ctx, self.share_fraction), float(ctx.data.num_samples))
 
-    def train_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+    def training(self, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
+        """The train phase's client step: pre-training on a client's first visit, then the round's epochs on the
+        private data (and pool), one generator throughout; then score the personal model and keep it."""
         state = self.receive_pool(state, msg)
-        model = personal_model(ctx, state)
         x, y = self.training_set(state, ctx)
-        gen = ctx.generator()
-        metrics: dict[str, float] = {}
-        if state is None or "model" not in state:
-            metrics.update({f"pretrain_{k}": v for k, v in self.epochs(model, x, y, self.params.pretrain_epochs,
-                                                                        ctx, gen).items()})
-        metrics.update(self.epochs(model, x, y, ctx.env.config.train.epochs, ctx, gen))
-        metrics.update(score(model, ctx))
-        return ClientResult(None, float(ctx.data.num_samples), metrics, with_model(state, model))
+        first = state is None or "model" not in state
+        if state is not None and "model" in state:
+            start = state["model"]
+        else:  # the first visit: the client's own seeded initial weights
+            start = seeded_model(ctx.env, ctx.arch, init_seed(ctx.env.config.seed, ctx.client_id)).state_dict()
+        stages = ((Stage(self.params.pretrain_epochs, prefix="pretrain_"),) if first else ()) + \
+            (Stage(ctx.env.config.train.epochs),)
+
+        def finish(model: torch.nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
+            metrics = {**metrics, **score(model, ctx)}
+            return ClientResult(None, float(ctx.data.num_samples), metrics, with_model(state, model))
+
+        return LocalTraining.of(ctx, start, finish, x=x, y=y, stages=tuple(s for s in stages if s.epochs > 0))
+
+    def train_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        return self.training(state, msg, ctx).run()
+
+    def local_training(self, phase: Phase, state: dict | None, msg: Message,
+                       ctx: ClientContext) -> LocalTraining | None:
+        return self.training(state, msg, ctx) if phase.client == "train_client" else None

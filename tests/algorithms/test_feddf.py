@@ -12,10 +12,11 @@ import torch
 import fedsim.algorithms.feddf as feddf_mod
 from fedsim.algorithms import toolkit
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
-from fedsim.algorithms.feddf import ClippedLogits, scheduled_steps
+from fedsim.algorithms.feddf import scheduled_steps
 from fedsim.algorithms.single_image import SingleImage
 from fedsim.data.proxy import split_test_halves
 from fedsim.errors import ConfigError
+from fedsim.local_training import ClippedLogits
 from fedsim.results import load
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server
