@@ -135,6 +135,10 @@ class RuntimeConfig:
     cache_bytes: int | None = knob(None, ge=0, le=MAX_BYTES,
                                    doc="per-worker cache for personal client state; spills to disk")
     spill_dir: str | None = knob(None, doc="where spilled client state goes; default: inside the run folder")
+    batch_clients: bool | Literal["auto", "on", "off"] = knob(
+        "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
+        "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")
+    batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""ClientWorker: hosts many virtual clients (shard indices + personal state) and runs them one after another.
+"""ClientWorker: hosts many virtual clients (shard indices + personal state) and runs them one after another, or
+same-architecture clients of plain local training together (fedsim.runtime.batching).
 
 A plain class: the Ray layer wraps it in an actor, tests and the local backend call it directly. The
 dataset is held once per worker on its device; one model instance per architecture is reused.
@@ -18,6 +19,7 @@ import torch
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
 from fedsim.errors import ClientFailedError
+from fedsim.runtime.batching import ClientBatcher
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
@@ -105,6 +107,8 @@ class ClientWorker:
         cache = cfg.runtime.cache_bytes
         self.store = ClientStateStore(cache, spill_dir if cache is not None else None)
         self.seed = cfg.seed
+        rt = cfg.runtime
+        self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
 
     def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
@@ -116,34 +120,58 @@ class ClientWorker:
         """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
         start = time.perf_counter()
         late_set = set(late or ())
-        outcomes = []
         summed = WeightedSum() if phase.reduce == "sum" else None
-        for cid in sorted(client_ids):
+        ids = sorted(client_ids)
+
+        def context(cid: int) -> ClientContext:
+            return ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
+                                 data=client_data(self.data_t, self.part, cid), device=self.device,
+                                 seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
+                                 env=self.env, phase_index=phase_index)
+
+        outcomes: dict[int, ClientOutcome] = {}
+        if self.batcher.on:  # clients trained together, settled chunk by chunk
+            for cid, (res, exc, seconds) in self.batcher.run(self.algorithm, phase, ids, self.env.client_archs, (
+                    lambda c: self.algorithm.local_training(phase, self.store.get(c), _merge(common, per_client, c),
+                                                            context(c)))):
+                outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc,
+                                             time.perf_counter() - seconds, summed, round, phase.name)
+        for cid in ids:
+            if cid in outcomes:
+                continue
             t0 = time.perf_counter()
-            ctx = ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
-                                data=client_data(self.data_t, self.part, cid), device=self.device,
-                                seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
-                                env=self.env, phase_index=phase_index)
-            status = "late" if cid in late_set else "ok"
             try:
-                res = self.algorithm.client_step(phase, self.store.get(cid), _merge(common, per_client, cid), ctx)
+                res, exc = self.algorithm.client_step(phase, self.store.get(cid), _merge(common, per_client, cid),
+                                                      context(cid)), None
+            except Exception as err:  # one client's failure must not sink the round
+                res, exc = None, err
+            outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,
+                                         phase.name)
+        return WorkerReply([outcomes[cid] for cid in ids], summed, time.perf_counter() - start,
+                           info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills})
+
+    def _settle(self, cid: int, status: str, res: ClientResult | None, exc: BaseException | None, t0: float,
+                summed: WeightedSum | None, round: int, phase: str) -> ClientOutcome:
+        """A client's outcome from its result (or error): checked, pre-summed and its state committed unless late."""
+        if exc is None:
+            try:
+                assert res is not None
                 _check_weight(res, cid)
                 if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
                     summed.add(res.payload, res.weight, cid)
-            except Exception as exc:  # one client's failure must not sink the round
-                outcomes.append(ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
-                                              error=ClientFailedError.wrap(exc, cid, round, phase.name)))
-                continue
-            up = state_nbytes(res.payload)
-            if status == "ok":
-                if res.state is not None:
-                    self.store.put(cid, res.state)
-                if summed is not None:
-                    res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
-            res.state = None
-            outcomes.append(ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0))
-        return WorkerReply(outcomes, summed, time.perf_counter() - start,
-                           info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills})
+            except Exception as err:
+                exc = err
+        if exc is not None or res is None:
+            return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
+                                 error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
+        up = state_nbytes(res.payload)
+        if status == "ok":
+            if res.state is not None:
+                self.store.put(cid, res.state)
+            if summed is not None:
+                res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
+        res.state = None
+        return ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0)
 
     def export_states(self) -> dict[int, Any]:
         """Personal states of this worker's clients (for checkpoints)."""

@@ -1,0 +1,128 @@
+"""Training a phase's clients together (`runtime.batch_clients`): which phases qualify, the groups, the fallback.
+
+A phase qualifies when its method describes the client step as plain local training
+(`Algorithm.local_training`) and does not override that client step below the description. Its clients are
+grouped by architecture, in chunks of `runtime.batch_clients_max`, trained by fedsim.train_batched and
+finished one by one. Clients that cannot be trained together run one after another, as without batching;
+why is logged once per worker and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fedsim.algorithms.base import Algorithm, ClientResult, Phase
+from fedsim.local_training import LocalTraining
+from fedsim.train_batched import train_together
+
+log = logging.getLogger("fedsim.batching")
+
+Done = tuple[ClientResult | None, BaseException | None, float]
+"""A client's result (or the exception that failed it) and the wall seconds it took."""
+
+
+def batching_on(mode: Any, device: torch.device) -> bool:
+    """Whether `runtime.batch_clients` (true/"on", false/"off" or "auto") trains clients together on `device`:
+    auto means on CUDA only (on CPU one client at a time is faster)."""
+    if mode == "auto":
+        return device.type == "cuda"
+    return mode is True or mode == "on"
+
+
+def _defined_in(cls: type, name: str) -> type | None:
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
+
+
+def phase_reason(algorithm: Algorithm, phase: Phase) -> str | None:
+    """Why the clients of `phase` cannot be trained together, or None when they may be."""
+    cls = type(algorithm)
+    owner = _defined_in(cls, "local_training")
+    if owner is None or owner is Algorithm:
+        return f"method {cls.name!r} does not describe its client step as plain local training"
+    handler = phase.client or "client_step"
+    step_owner = _defined_in(cls, handler)
+    if step_owner is None or not issubclass(owner, step_owner):
+        return (f"{cls.__name__}.{handler} (phase {phase.name!r}) is not the client step that "
+                f"{owner.__name__}.local_training describes")
+    return None
+
+
+class ClientBatcher:
+    """One worker's batching: the setting, and the reasons it has already logged."""
+
+    def __init__(self, mode: Any, max_clients: int, device: torch.device, worker_index: int = 0) -> None:
+        self.on = batching_on(mode, device)
+        self.level = logging.INFO if mode == "auto" else logging.WARNING  # asked for explicitly: worth a warning
+        self.max_clients = max(1, int(max_clients))
+        self.worker_index = worker_index
+        self.said: set[str] = set()
+
+    def note(self, reason: str) -> None:
+        """Log once per reason that some clients run one after another."""
+        if reason not in self.said:
+            self.said.add(reason)
+            log.log(self.level, "worker %d: clients run one after another: %s", self.worker_index, reason)
+
+    def run(self, algorithm: Algorithm, phase: Phase, client_ids: Sequence[int], archs: Sequence[str],
+            plan_for: Callable[[int], LocalTraining | None]) -> Iterator[tuple[int, Done]]:
+        """Run the clients of `phase` that can be trained together, yielding each one's outcome chunk by chunk (so
+        a chunk's results can be settled before the next is trained); the others are not yielded (the worker runs
+        their client step as usual). `plan_for(cid)` builds a client's LocalTraining."""
+        reason = phase_reason(algorithm, phase)
+        if reason is not None:
+            self.note(reason)
+            return
+        for arch in dict.fromkeys(archs[c] for c in client_ids):
+            ids = [c for c in client_ids if archs[c] == arch]
+            for i in range(0, len(ids), self.max_clients):
+                plans: dict[int, LocalTraining] = {}
+                seconds: dict[int, float] = {}
+                for cid in ids[i:i + self.max_clients]:
+                    t0 = time.perf_counter()
+                    try:
+                        plan = plan_for(cid)
+                    except Exception as exc:  # fails this client only, as its client step would
+                        yield cid, (None, exc, time.perf_counter() - t0)
+                        continue
+                    if plan is not None:
+                        plans[cid], seconds[cid] = plan, time.perf_counter() - t0
+                yield from self.train(plans, seconds).items()
+
+    def train(self, plans: dict[int, LocalTraining], seconds: dict[int, float]) -> dict[int, Done]:
+        """Train `plans` together and finish each; one by one when they cannot be trained together."""
+        if not plans:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            trained = train_together(list(plans.values()))
+        except Exception as exc:
+            self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
+            return {cid: _alone(plan, seconds[cid]) for cid, plan in plans.items()}
+        elapsed = time.perf_counter() - t0
+        total = sum(t.samples for t in trained)
+        done: dict[int, Done] = {}
+        for (cid, plan), t in zip(plans.items(), trained):
+            t1 = time.perf_counter()
+            share = elapsed * (t.samples / total if total else 1 / len(trained))
+            try:
+                if t.error is not None:
+                    raise t.error
+                done[cid] = (plan.complete(t.state, t.metrics, t.momentum), None, 0.0)
+            except Exception as exc:
+                done[cid] = (None, exc, 0.0)
+            res, err, _ = done[cid]
+            done[cid] = (res, err, seconds[cid] + share + time.perf_counter() - t1)
+        return done
+
+
+def _alone(plan: LocalTraining, seconds: float) -> Done:
+    t0 = time.perf_counter()
+    try:
+        return plan.run(), None, seconds + time.perf_counter() - t0
+    except Exception as exc:
+        return None, exc, seconds + time.perf_counter() - t0

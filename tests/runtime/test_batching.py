@@ -1,0 +1,121 @@
+"""runtime.batch_clients end to end: whole runs give the same numbers with batching on and off for every method
+whose client step is plain local training; other methods, and a client step overridden below its description,
+run one client after another and say so once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import fedsim.runtime.batching as batching
+from fedsim.algorithms.base import Phase
+from fedsim.algorithms.fedavg import FedAvg
+from fedsim.algorithms.fedmd import FedMD
+from fedsim.algorithms.local_only import LocalOnly
+from fedsim.algorithms.scaffold import Scaffold
+from fedsim.algorithms.single_image import SingleImage
+from fedsim.errors import ConfigError
+from fedsim.results import load
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from fedsim.train_batched import train_together
+
+PERSONAL = ["data.client_test=balanced", "algorithm.pretrain_epochs=1", "train.epochs=2"]
+METHODS = {
+    "fedavg": ["algorithm.name=fedavg", "model.mix={cnn: 5, mlp: 5}", "stragglers.enabled=true"],
+    "fedprox": ["algorithm.name=fedprox", "algorithm.mu=0.1", "model.name=resnet8", "train.steps=3"],
+    "feddf": ["algorithm.name=feddf", "algorithm.proxy=test_half", "algorithm.distill.steps=2", "algorithm.mu=0.05"],
+    "single_image": ["algorithm.name=single_image", "algorithm.pool_size=200", "algorithm.selection.n=20",
+                     "algorithm.selection.k=4", "algorithm.selection.niter=3", "algorithm.distill.steps=2",
+                     "algorithm.distill.eval_every=2"],
+    "local_only": ["algorithm.name=local_only", *PERSONAL],
+    "local_shared": ["algorithm.name=local_shared", *PERSONAL],
+    "centralised": ["algorithm.name=centralised", *PERSONAL],
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def together(monkeypatch) -> list[int]:
+    """Clients per successful call of the batched trainer."""
+    calls: list[int] = []
+
+    def counted(plans):
+        out = train_together(plans)
+        calls.append(len(plans))
+        return out
+
+    monkeypatch.setattr(batching, "train_together", counted)
+    return calls
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_run_gives_the_same_numbers_with_batching_on_and_off(method: str, make_config, together) -> None:
+    results = {}
+    for mode in ("off", "on"):
+        cfg = make_config(*METHODS[method], f"runtime.batch_clients={mode}", rounds=2)
+        results[mode] = load(run(cfg, LocalBackend(num_workers=2)))
+        assert (sum(together) > 0) == (mode == "on")
+    off, on = results["off"], results["on"]
+    assert (on["clients"]["status"] == "ok").sum() > 0
+    for table, keys in (("rounds", ["round", "model"]), ("clients", ["round", "phase", "client"])):
+        a, b = off[table].sort_values(keys).reset_index(drop=True), on[table].sort_values(keys).reset_index(drop=True)
+        exact = [c for c in a.columns if a[c].dtype == object or c in ("status", "steps", "samples", "bytes_up")]
+        pd.testing.assert_frame_equal(a[exact], b[exact])
+        close = [c for c in a.columns if c not in exact and not c.endswith("_s") and a[c].dtype.kind == "f"]
+        assert close, table
+        for c in close:  # weights agree to float rounding; a test prediction near a tie could flip
+            rtol, atol = (0.0, 0.01) if "accuracy" in c else (1e-4, 1e-5)
+            np.testing.assert_allclose(b[c].to_numpy(), a[c].to_numpy(), rtol=rtol, atol=atol, err_msg=f"{table} {c}")
+
+
+def test_which_phases_are_trained_together() -> None:
+    class Overridden(FedAvg):
+        def client_step(self, phase, state, msg, ctx):
+            return super().client_step(phase, state, msg, ctx)
+
+    train = Phase("train", "sum")
+    assert batching.phase_reason(FedAvg(None, None), train) is None
+    assert batching.phase_reason(SingleImage(None, None), Phase("train", "each")) is None
+    assert "Overridden.client_step" in (batching.phase_reason(Overridden(None, None), train) or "")
+    assert "'scaffold'" in (batching.phase_reason(Scaffold.__new__(Scaffold), train) or "")
+    personal = Phase("train", "each", client="train_client")
+    assert batching.phase_reason(LocalOnly.__new__(LocalOnly), personal) is None
+    fedmd = Phase("digest", "each", client="digest_client")
+    assert "FedMD.digest_client" in (batching.phase_reason(FedMD.__new__(FedMD), fedmd) or "")
+
+
+def test_a_method_that_cannot_be_batched_runs_as_before_and_says_so_once(make_config, together, caplog) -> None:
+    caplog.set_level("INFO", logger="fedsim.batching")
+    tables = {}
+    for mode in ("off", "on"):
+        cfg = make_config("algorithm.name=scaffold", f"runtime.batch_clients={mode}", rounds=2)
+        tables[mode] = load(run(cfg, LocalBackend(num_workers=1)))["rounds"]
+    assert together == []
+    said = [r.getMessage() for r in caplog.records if r.name == "fedsim.batching"]
+    assert said == ["worker 0: clients run one after another: method 'scaffold' does not describe its client step "
+                    "as plain local training"]
+    for c in ("accuracy", "loss"):
+        assert tables["on"][c].tolist() == tables["off"][c].tolist()  # the very same path
+
+
+def test_the_setting(make_config) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [batching.batching_on(m, cpu) for m in ("auto", True, "on", False, "off")] == [False, True, True, False,
+                                                                                           False]
+    assert batching.batching_on("auto", cuda) and not batching.batching_on(False, cuda)
+    assert make_config().runtime.batch_clients == "auto" and make_config().runtime.batch_clients_max == 64
+    assert make_config("runtime.batch_clients=on").runtime.batch_clients is True
+    with pytest.raises(ConfigError, match=r"runtime\.batch_clients: expected bool \| 'auto' \| 'on' \| 'off'"):
+        make_config("runtime.batch_clients=sometimes")
+    with pytest.raises(ConfigError, match=r"runtime\.batch_clients_max: must be >= 1"):
+        make_config("runtime.batch_clients_max=0")

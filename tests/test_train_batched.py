@@ -1,0 +1,240 @@
+"""Training a worker's same-architecture clients together (fedsim.train_batched, runtime.batch_clients=on) gives
+every client the weights, buffers and metrics that training them one after another gives, to float rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fedsim.runtime.batching as batching
+from fedsim.algorithms.base import ClientResult, RoundInfo
+from fedsim.config import TrainConfig, load_config
+from fedsim.local_training import LocalTraining, Stage
+from fedsim.runtime.server import Server
+from fedsim.runtime.setup import Partition, Ragged
+from fedsim.runtime.worker import ClientOutcome, ClientWorker
+from fedsim.train_batched import train_together, unbatchable_reason
+
+SIZES = (7, 13, 40, 21)  # with batch 8: 1, 2, 5 and 3 steps an epoch, three of them ending in a partial batch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def together(monkeypatch) -> list[int]:
+    """How many clients each successful call of the batched trainer trained (so a test knows batching really ran)."""
+    calls: list[int] = []
+
+    def counted(plans):
+        out = train_together(plans)
+        calls.append(len(plans))
+        return out
+
+    monkeypatch.setattr(batching, "train_together", counted)
+    return calls
+
+
+def make_worker(mode: str, *overrides: str, sizes: tuple[int, ...] = SIZES, bad_client: int | None = None,
+                bad_value: float = float("nan")) -> tuple[Server, ClientWorker]:
+    """A server and one worker over random 1×8×8 inputs of 3 classes, client k holding sizes[k] samples."""
+    n = sum(sizes)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 1, 8, 8)).astype(np.float32)
+    y = (np.arange(n) % 3).astype(np.int64)
+    bounds = np.cumsum([0, *sizes])
+    if bad_client is not None:
+        x[bounds[bad_client]] = bad_value
+    arrays = {"x_train": x, "y_train": y, "x_test": x, "y_test": y}
+    part = Partition(Ragged.from_list([np.arange(bounds[i], bounds[i + 1]) for i in range(len(sizes))]),
+                     Ragged.from_list([np.array([], int)] * len(sizes)), None)
+    meta = {"num_classes": 3, "mean": (0.0,), "std": (1.0,)}
+    cfg = load_config(None, [f"data.num_clients={len(sizes)}", "seed=3", "train.batch_size=8", "train.lr=0.05",
+                             f"runtime.batch_clients={mode}", *overrides])
+    return Server(cfg, arrays, part, meta, device="cpu"), ClientWorker(cfg, arrays, part, meta, 0, device="cpu")
+
+
+def one_round(server: Server, worker: ClientWorker, round: int = 0, late: bool = True) -> list[ClientOutcome]:
+    """Every client's outcome of one round. As late clients (run, not committed) they keep their uploads."""
+    phase = server.phases(round)[0]
+    ids = list(range(len(worker.part.train)))
+    bc = server.broadcast(phase, RoundInfo(round, phase.name, ids, ids, {i: 1 for i in ids})).broadcast
+    return worker.run_phase(round, 0, phase, bc.common, bc.per_client or {}, ids, late=ids if late else None).outcomes
+
+
+def assert_same_outcomes(one_by_one: list[ClientOutcome], batched: list[ClientOutcome], atol: float = 2e-5) -> None:
+    assert [o.status for o in batched] == [o.status for o in one_by_one]
+    for a, b in zip(one_by_one, batched):
+        if a.result is None or b.result is None:
+            assert a.result is b.result is None
+            continue
+        assert a.result.metrics.keys() == b.result.metrics.keys()
+        for k, v in a.result.metrics.items():
+            assert b.result.metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (a.client_id, k)
+        pa, pb = a.result.payload, b.result.payload
+        assert pa.keys() == pb.keys()
+        for k in pa:
+            assert pa[k].dtype == pb[k].dtype and pa[k].shape == pb[k].shape
+            if pa[k].is_floating_point():
+                torch.testing.assert_close(pb[k], pa[k], atol=atol, rtol=1e-5, msg=f"client {a.client_id} {k}")
+            else:
+                assert torch.equal(pa[k], pb[k]), (a.client_id, k)
+
+
+CASES = {
+    "mlp, momentum and weight decay, 2 epochs": ("mlp", "{hidden: 16, layers: 2}",
+                                                 ["train.momentum=0.9", "train.weight_decay=0.01", "train.epochs=2"]),
+    "cnn, plain SGD": ("cnn", "{}", ["train.momentum=0"]),
+    "lenet, FedProx": ("lenet", "{}", ["algorithm.name=fedprox", "algorithm.mu=0.5"]),
+    "resnet8 (BatchNorm), 2 epochs, weight decay": ("resnet8", "{}", ["train.epochs=2", "train.weight_decay=0.001"]),
+    "resnet8, fixed steps, FedProx": ("resnet8", "{}", ["train.steps=7", "algorithm.name=fedprox",
+                                                        "algorithm.mu=0.1"]),
+    "mlp, 3 clients per batch": ("mlp", "{hidden: 8, layers: 1}", ["train.steps=3",
+                                                                    "runtime.batch_clients_max=3"]),
+    "two architectures": (None, None, ["model.mix={mlp: 2, cnn: 2}"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_clients_weights_match_one_after_another(case: str, together: list[int]) -> None:
+    name, options, extra = CASES[case]
+    model = [f"model.name={name}", f"model.options={options}"] if name else []
+    outcomes = {mode: one_round(*make_worker(mode, *model, *extra)) for mode in ("off", "on")}
+    assert_same_outcomes(outcomes["off"], outcomes["on"])
+    assert sum(together) == len(SIZES)  # every client was trained together with others
+    if "3 clients" in case:
+        assert together == [3, 1]
+    if "two" in case:
+        assert together == [2, 2]  # one group per architecture
+    if name == "resnet8":  # the running buffers are per client: each tracked its own batches
+        tracked = [int(o.result.payload["resnet8/stem.1.num_batches_tracked"]) for o in outcomes["on"]]
+        steps = [int(o.result.metrics["steps"]) for o in outcomes["on"]]
+        assert tracked == steps and steps == ([7] * 4 if "fixed" in case else [2, 4, 10, 6])
+
+
+def test_kept_optimizer_state_matches_and_carries_into_the_next_round(together: list[int]) -> None:
+    extra = ["train.keep_optimizer_state=true", "train.momentum=0.9", "model.name=mlp",
+             "model.options={hidden: 8, layers: 1}"]
+    states, rounds = {}, {}
+    for mode in ("off", "on"):
+        server, worker = make_worker(mode, *extra)
+        one_round(server, worker, 0, late=False)  # committed: the momentum buffers are kept
+        states[mode] = worker.export_states()
+        rounds[mode] = one_round(server, worker, 0)  # same broadcast again, starting from the kept momentum
+    assert states["off"].keys() == states["on"].keys() == set(range(len(SIZES)))
+    for cid, st in states["off"].items():
+        got = states["on"][cid]["optimizer"]
+        assert got["param_groups"] == st["optimizer"]["param_groups"]
+        assert got["state"].keys() == st["optimizer"]["state"].keys() and len(got["state"]) == 4
+        for i, s in st["optimizer"]["state"].items():
+            torch.testing.assert_close(got["state"][i]["momentum_buffer"], s["momentum_buffer"], atol=1e-5, rtol=1e-5)
+    assert_same_outcomes(rounds["off"], rounds["on"])
+    assert sum(together) == 2 * len(SIZES)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_diverging_client_fails_alone(bad: float, together: list[int]) -> None:
+    outcomes = {mode: one_round(*make_worker(mode, "model.name=resnet8", bad_client=2, bad_value=bad))
+                for mode in ("off", "on")}
+    for mode, out in outcomes.items():
+        assert [o.status for o in out] == ["late", "late", "failed", "late"], mode
+        err = out[2].error
+        assert err is not None and err.error_type == "FloatingPointError" and "diverged" in err.error_message
+    assert_same_outcomes(outcomes["off"], outcomes["on"])
+    assert sum(together) == len(SIZES)
+
+
+class DropNet(nn.Module):
+    def __init__(self, p: float, channel: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), (nn.Dropout1d if channel else nn.Dropout)(p),
+                                  nn.Linear(16, 3))
+        nn.init.uniform_(self.body[0].weight, -0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def plan(model: nn.Module, n: int, seed: int, dropout_seed: int = 0) -> LocalTraining:
+    """A client of `n` random samples whose batches come from `seed`, finishing with its trained weights."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        start = DropNet(0.0).state_dict()
+    return LocalTraining(model, start, x, y, TrainConfig(lr=0.1, momentum=0.9, batch_size=4, epochs=2),
+                         torch.Generator().manual_seed(seed), finish, (Stage(2),), dropout_seed=dropout_seed)
+
+
+def finish(model: nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
+    return ClientResult(payload={k: v.detach().clone() for k, v in model.state_dict().items()}, metrics=metrics)
+
+
+def weights(plans: list[LocalTraining]) -> list[dict[str, torch.Tensor]]:
+    return [p.complete(t.state, t.metrics, t.momentum).payload for p, t in zip(plans, train_together(plans))]
+
+
+def test_dropout_masks_come_from_each_clients_own_seed() -> None:
+    net = DropNet(0.5)
+    alone = weights([plan(net, 10, 1, dropout_seed=11)])[0]
+    grouped = weights([plan(net, 23, 2, dropout_seed=12), plan(net, 10, 1, dropout_seed=11),
+                       plan(net, 6, 3, dropout_seed=13)])[1]
+    for k in alone:  # the same masks whoever the client trains with
+        torch.testing.assert_close(grouped[k], alone[k], atol=1e-6, rtol=1e-6)
+    other_seed = weights([plan(net, 10, 1, dropout_seed=99)])[0]
+    no_dropout = weights([plan(DropNet(0.0), 10, 1, dropout_seed=11)])[0]
+    for other in (other_seed, no_dropout):
+        assert not torch.allclose(other["body.3.weight"], alone["body.3.weight"], atol=1e-4)
+    sequential = plan(DropNet(0.0), 10, 1).run().payload  # without dropout both paths agree
+    for k in sequential:
+        torch.testing.assert_close(no_dropout[k], sequential[k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_model_that_cannot_be_batched_runs_one_by_one_and_is_logged_once(caplog) -> None:
+    net = DropNet(0.5, channel=True)
+    assert "Dropout1d" in (unbatchable_reason(net) or "")
+    assert unbatchable_reason(DropNet(0.5)) is None and "recurrent" in (unbatchable_reason(nn.LSTM(2, 2)) or "")
+    batcher = batching.ClientBatcher("on", 8, torch.device("cpu"), worker_index=5)
+    caplog.set_level("INFO", logger="fedsim.batching")
+    for _ in range(2):
+        with torch.random.fork_rng():
+            torch.manual_seed(7)  # the clients' channel dropout draws from torch's global stream, one by one
+            done = batcher.train({0: plan(net, 10, 1), 1: plan(net, 7, 2)}, {0: 0.0, 1: 0.0})
+            torch.manual_seed(7)
+            alone = [plan(net, 10, 1).run(), plan(net, 7, 2).run()]
+        assert all(err is None and res is not None and seconds >= 0 for res, err, seconds in done.values())
+        for cid, expect in enumerate(alone):
+            res = done[cid][0]
+            assert res is not None and res.metrics == expect.metrics and res.metrics["steps"] == [6.0, 4.0][cid]
+            for k, v in expect.payload.items():
+                assert torch.equal(res.payload[k], v)
+    records = [r.getMessage() for r in caplog.records if r.name == "fedsim.batching"]
+    assert len(records) == 1 and "worker 5" in records[0] and "Dropout1d" in records[0]
+
+
+def test_stages_restart_momentum_and_report_each_stage_as_one_after_another() -> None:
+    """Two stages (the personal baselines' pre-training, then the round's epochs), each with a fresh optimizer, a
+    proximal term and clipped logits (FedDF's local training): the same weights and per-stage metrics."""
+    def staged(n: int, seed: int) -> LocalTraining:
+        p = plan(net, n, seed)
+        p.stages, p.mu, p.clip = (Stage(1, prefix="pretrain_"), Stage(2), Stage(0, steps=3, prefix="extra_")), 0.3, 0.5
+        return p
+
+    net = DropNet(0.0)
+    batched = weights([staged(9, 4), staged(17, 5), staged(3, 6)])
+    for got, (n, seed) in zip(batched, [(9, 4), (17, 5), (3, 6)]):
+        expect = staged(n, seed).run().payload
+        for k in expect:
+            torch.testing.assert_close(got[k], expect[k], atol=1e-6, rtol=1e-5)
+    metrics = plan(net, 9, 4)
+    metrics.stages = (Stage(1, prefix="pretrain_"), Stage(2))
+    trained = train_together([metrics])[0].metrics
+    assert trained.keys() == {"pretrain_train_loss", "pretrain_steps", "train_loss", "steps"}
+    assert (trained["pretrain_steps"], trained["steps"]) == (3.0, 6.0)
