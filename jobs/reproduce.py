@@ -28,6 +28,7 @@ import pandas as pd
 
 from fedsim.configtools import from_dict, knob
 from fedsim.errors import ConfigError, FedsimError
+from jobs.readme_blocks import paste_blocks, read_blocks
 
 MANIFEST = Path("configs") / "reproduce.yaml"
 README = Path("README.md")
@@ -373,31 +374,18 @@ def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | Non
     return dest
 
 
-BLOCK = re.compile(r"<!-- reproduce:(?P<id>[a-z0-9_-]+) -->\n(?P<body>.*?)<!-- /reproduce:(?P=id) -->", re.S)
-
-
 def readme_blocks(text: str) -> dict[str, str]:
     """The README's reproduce blocks: id -> the text between its markers."""
-    return {m["id"]: m["body"] for m in BLOCK.finditer(text)}
+    return read_blocks(text, "reproduce")
 
 
 def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
     """Put <root>/<id>.md between README's markers for each id whose file exists; returns the ids pasted."""
-    from fedsim.io import atomic_write_text
-
-    text = readme.read_text(encoding="utf-8")
-    missing = [i for i in ids if i not in readme_blocks(text)]
+    missing = [i for i in ids if i not in readme_blocks(readme.read_text(encoding="utf-8"))]
     if missing:
         raise ConfigError(f"{readme}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
     pasted = [i for i in ids if (root / f"{i}.md").is_file()]
-    tables = {i: (root / f"{i}.md").read_text(encoding="utf-8") for i in pasted}
-
-    def fill(m: re.Match) -> str:
-        if m["id"] not in tables:
-            return m[0]
-        return f"<!-- reproduce:{m['id']} -->\n{tables[m['id']]}<!-- /reproduce:{m['id']} -->"
-
-    atomic_write_text(readme, BLOCK.sub(fill, text))
+    paste_blocks(readme, "reproduce", {i: (root / f"{i}.md").read_text(encoding="utf-8") for i in pasted})
     return pasted
 
 

@@ -9,18 +9,17 @@ says which blocks differ from their files (exit 1), as the test suite does.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 import pandas as pd
 
 from fedsim.errors import ConfigError, FedsimError
+from jobs.readme_blocks import paste_blocks, read_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCH = ROOT / "results" / "bench"
-BLOCK = re.compile(r"<!-- stress:(?P<name>[a-z0-9_]+) -->\n(?P<body>.*?)<!-- /stress:(?P=name) -->", re.S)
 KEY = ["participants", "skip_late", "registered"]
 
 
@@ -83,18 +82,14 @@ def block(name: str, bench: Path = BENCH) -> str:
 
 def stale(readme: Path = README, bench: Path = BENCH) -> list[str]:
     """The names of README's stress blocks that differ from their result files."""
-    text = readme.read_text(encoding="utf-8")
-    return [m["name"] for m in BLOCK.finditer(text) if m["body"] != block(m["name"], bench)]
+    blocks = read_blocks(readme.read_text(encoding="utf-8"), "stress")
+    return [name for name, body in blocks.items() if body != block(name, bench)]
 
 
 def paste(readme: Path = README, bench: Path = BENCH) -> list[str]:
     """Rewrite every stress block of `readme` from its files; returns the names written."""
-    from fedsim.io import atomic_write_text
-
-    text = readme.read_text(encoding="utf-8")
-    names = [m["name"] for m in BLOCK.finditer(text)]
-    atomic_write_text(readme, BLOCK.sub(lambda m: f"<!-- stress:{m['name']} -->\n{block(m['name'], bench)}"
-                                                  f"<!-- /stress:{m['name']} -->", text))
+    names = list(read_blocks(readme.read_text(encoding="utf-8"), "stress"))
+    paste_blocks(readme, "stress", {name: block(name, bench) for name in names})
     return names
 
 
