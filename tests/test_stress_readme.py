@@ -8,12 +8,13 @@ import pandas as pd
 import jobs.stress
 from jobs import stress_readme
 from jobs.cli import main as cli
+from jobs.readme_blocks import read_blocks
 from tests.conftest import ROOT
 
 
 def test_every_stress_table_in_the_readme_is_the_one_its_result_files_give():
     text = stress_readme.README.read_text(encoding="utf-8")
-    names = [m["name"] for m in stress_readme.BLOCK.finditer(text)]
+    names = list(read_blocks(text, "stress"))
     assert {"fedavg", "million", "million_personal"} <= set(names)
     assert stress_readme.stale() == [], "regenerate them with `python -m jobs.stress_readme`"
 
