@@ -89,6 +89,14 @@ def initial_state(w: Workload) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _same_seeds(folder: Path, seeds: np.ndarray) -> bool:
+    """Whether a prepared folder's client seeds are the ones this fedsim derives."""
+    try:
+        return bool(np.array_equal(np.load(folder / "seeds.npy", allow_pickle=False), seeds))
+    except (OSError, ValueError):
+        return False
+
+
 def _publish(build: Callable[[Path], None], final: Path) -> None:
     """Write into a private temporary folder, then rename it into place: a reader sees all the files or none."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -119,15 +127,19 @@ def prepare(w: Workload, cache: str | Path = DEFAULT_CACHE, log: Callable[[str],
         arrays = dict(zip(("x_train", "y_train", "x_test", "y_test"),
                           make_synthetic(w.n_train, w.n_test, seed=w.data_seed, amp=w.amp), strict=True))
         _publish(lambda d: [np.save(d / f"{k}.npy", np.ascontiguousarray(v)) for k, v in arrays.items()], data_dir)
+    draws, seeds = draws_and_seeds(w)
     if (folder / "workload.json").is_file():
-        return folder
+        if _same_seeds(folder, seeds):
+            return folder
+        if log:  # prepared by a fedsim whose workers derive other seeds: the programs would refuse it
+            log(f"{folder} was prepared with other client seeds: preparing it again")
+        shutil.rmtree(folder)
     if log:
         log(f"preparing {folder}")
     y_train = np.load(data_dir / "y_train.npy", allow_pickle=False)
     parts = partition(y_train, w.num_clients, "dirichlet", w.seed, alpha=w.alpha, min_samples=MIN_SAMPLES)
     offsets = np.zeros(w.num_clients + 1, np.int64)
     np.cumsum([len(p) for p in parts], out=offsets[1:])
-    draws, seeds = draws_and_seeds(w)
     state = initial_state(w)
 
     def write(d: Path) -> None:

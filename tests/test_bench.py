@@ -55,6 +55,18 @@ def test_prepared_files_are_fedsims_pieces_and_deterministic(cache, tmp_path):
     assert prepare(w.with_(seed=1), cache) != p.folder  # every knob names its own folder
 
 
+def test_a_folder_prepared_with_other_client_seeds_is_prepared_again(tmp_path):
+    w = TINY["mlp"]
+    folder = prepare(w, tmp_path)
+    good = np.load(folder / "seeds.npy")
+    np.save(folder / "seeds.npy", good + 1)  # as an older fedsim, deriving other seeds, would have left it
+    messages: list[str] = []
+    assert prepare(w, tmp_path, messages.append) == folder
+    assert np.array_equal(np.load(folder / "seeds.npy"), good)
+    assert any("other client seeds" in m for m in messages)
+    assert prepare(w, tmp_path, messages.append) == folder and len(messages) == 2  # current: reused as is
+
+
 @pytest.mark.parametrize("arch", ["mlp", "resnet8"])
 def test_bench_models_are_fedsims(arch):
     """Same parameter and buffer names, shapes and dtypes; the same state dict gives the same outputs."""
