@@ -30,8 +30,8 @@ test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload
-	$(BIN)/python -m bench.fedavg_bench
-	$(BIN)/python -m bench.report results/bench/fedavg.json
+	$(BIN)/python -m bench.fedavg_bench --repeat 3
+	$(BIN)/python -m bench.report results/bench/fedavg.json --readme
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
 	$(BIN)/python -m bench.scale_bench

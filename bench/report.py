@@ -35,7 +35,7 @@ OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
 SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_1w", "flower", "flower_2c", "pfl",
-           "pfl_multiprocess")
+           "pfl_multiprocess", "ray_floor")
 
 
 def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
@@ -60,6 +60,8 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
         return [str(pfl_python()), "-m", "bench.pfl_fedavg", *work, "--processes", "1", "--threads", "2"]
     if system == "pfl_multiprocess":  # two torchrun workers, one thread each
         return [str(pfl_python()), "-m", "bench.pfl_fedavg", *work, "--processes", "2", "--threads", "1"]
+    if system == "ray_floor":  # Ray's own start and stop with two torch actors, no fedsim (the workload is unused)
+        return [sys.executable, "-m", "bench.ray_floor", "--workers", "2"]
     raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
 
 
@@ -184,7 +186,10 @@ def summary(df: pd.DataFrame, workloads: dict[str, Workload], argv: list[str], v
             entry[system].update(runs=len(runs), failed=int((runs["status"] != "ok").sum()),
                                  load_before=[float(x) for x in runs["load_before"]])
         configs[name] = entry
+    floor = df[(df["system"] == "ray_floor") & (df["status"] == "ok")] if "system" in df else df.iloc[:0]
     return {"date": datetime.now().isoformat(timespec="seconds"), "command": "python -m " + " ".join(argv),
+            "ray_floor_startup_s": _median(floor.get("startup_seconds")) if len(floor) else None,
+            "ray_floor_shutdown_s": _median(floor.get("shutdown_seconds")) if len(floor) else None,
             "machine": {"host": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
                         "processor": platform.processor() or platform.machine()},
             "versions": versions, "configs": configs}
@@ -214,6 +219,9 @@ def read_summary(path: str | Path) -> dict:
         raise BenchError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
         raise BenchError(f"{path}: not a bench summary (no 'configs' mapping)")
+    for key in ("ray_floor_startup_s", "ray_floor_shutdown_s"):
+        if data.get(key) is not None and not isinstance(data[key], (int, float)):
+            raise BenchError(f"{path}: {key} must be a number")
     for name, entry in data["configs"].items():
         if not isinstance(entry, dict):
             raise BenchError(f"{path}: configs.{name} must be a mapping")
@@ -246,12 +254,90 @@ def render_table(data: dict) -> list[str]:
     return out
 
 
+def _plain(entry: dict, key: str) -> float | None:
+    """The plain loop's figure: the faster of its 2-thread and 1-thread runs (the compute floor on this machine)."""
+    values = [entry.get(s, {}).get(key) for s in ("plain", "plain_t1")]
+    values = [v for v in values if v]
+    return min(values) if values else None
+
+
+# (config ids, label, numerator system, denominator system or "plain", field, target ratio)
+TARGETS = [
+    ("ABC", "fedsim local / pfl, s/round", "fedsim_local", "pfl", "s_per_round", 1.0),
+    ("ABC", "fedsim local / pfl, total", "fedsim_local", "pfl", "total_s", 1.0),
+    ("ABC", "fedsim local / pfl, peak RSS", "fedsim_local", "pfl", "peak_rss_mb", 1.0),
+    ("ABC", "fedsim Ray / pfl 2 processes, s/round", "fedsim_ray", "pfl_multiprocess", "s_per_round", 1.0),
+    ("AB", "fedsim Ray / pfl 2 processes, total", "fedsim_ray", "pfl_multiprocess", "total_s", 1.0),
+    ("ABC", "fedsim Ray / pfl 2 processes, peak RSS", "fedsim_ray", "pfl_multiprocess", "peak_rss_mb", 1.0),
+    ("AB", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.05),
+    ("AB", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.05),
+    ("C", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.5),
+    ("C", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.5),
+    ("BC", "fedsim local / Flower, total", "fedsim_local", "flower", "total_s", 0.4),
+    ("BC", "fedsim Ray / Flower, total", "fedsim_ray", "flower", "total_s", 0.4),
+]
+
+
+def render_targets(data: dict) -> list[str]:
+    """The speed targets as ratios of one invocation's medians, each marked met or not (n/a: a system missing)."""
+    configs = data["configs"]
+    names = [c for c in configs]
+    out = ["| ratio (target) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for ids, label, num, den, key, goal in TARGETS:
+        cells = []
+        for name in names:
+            entry = configs[name]
+            a = (entry.get(num) or {}).get(key)
+            b = _plain(entry, key) if den == "plain" else (entry.get(den) or {}).get(key)
+            if name not in ids:
+                cells.append("")
+            elif not a or not b:
+                cells.append("n/a")
+            else:
+                r = a / b
+                cells.append(f"{r:.2f}x {'met' if r <= goal else '**not met**'}")
+        out.append(f"| {label} (≤ {goal:g}x) | " + " | ".join(cells) + " |")
+    floors = (("start-up", "startup_s", data.get("ray_floor_startup_s"), 1.0),
+              ("shutdown", "shutdown_s", data.get("ray_floor_shutdown_s"), 0.2))
+    for label, key, floor, slack in floors:
+        if floor is None:
+            continue
+        cells = []
+        for name in names:
+            value = (configs[name].get("fedsim_ray") or {}).get(key)
+            over = None if value is None else value - floor
+            cells.append("n/a" if over is None else f"{over:+.2f} s {'met' if over <= slack else '**not met**'}")
+        out.append(f"| fedsim Ray {label} over Ray's own, {floor:.2f} s (≤ +{slack:g} s) | " + " | ".join(cells) + " |")
+    return out
+
+
+def readme_block(data: dict, source: str) -> str:
+    """README.md's speed block: where it comes from, the table of every system, then the targets."""
+    return "\n".join([f"<!-- generated by `python -m bench.report {source} --readme` from that file; do not edit -->",
+                      *render_table(data), "", *render_targets(data)]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description="print the speed table of a summary")
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
+    ap.add_argument("--readme", nargs="?", const=str(REPO / "README.md"), default=None, metavar="FILE",
+                    help="write the table into FILE's <!-- bench:fedavg --> block (default README.md)")
     args = ap.parse_args(argv)
     try:
-        print("\n".join(render_table(read_summary(args.summary))))
+        data = read_summary(args.summary)
+        if args.readme:
+            from fedsim.errors import FedsimError
+            from jobs.readme_blocks import paste_blocks
+
+            path = Path(args.summary).resolve()
+            source = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else args.summary
+            try:
+                paste_blocks(Path(args.readme), "bench", {"fedavg": readme_block(data, source)})
+            except FedsimError as exc:
+                raise BenchError(str(exc)) from None
+            print(f"wrote the speed table into {args.readme}")
+        else:
+            print("\n".join(render_table(data) + [""] + render_targets(data)))
     except BenchError as exc:
         print(f"bench.report: error: {exc}", file=sys.stderr)
         return 2
