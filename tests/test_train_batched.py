@@ -238,3 +238,15 @@ def test_stages_restart_momentum_and_report_each_stage_as_one_after_another() ->
     trained = train_together([metrics])[0].metrics
     assert trained.keys() == {"pretrain_train_loss", "pretrain_steps", "train_loss", "steps"}
     assert (trained["pretrain_steps"], trained["steps"]) == (3.0, 6.0)
+
+
+def test_check_finite_flags_nan_and_inf_but_not_large_finite_weights():
+    from fedsim.local_training import check_finite
+
+    huge = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows
+    check_finite({"train_loss": 1.0}, {"w": huge, "n": torch.tensor(3)})
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(FloatingPointError, match="weight 'w' is not finite"):
+            check_finite({"train_loss": 1.0}, {"w": torch.tensor([1.0, bad, 2.0])})
+    with pytest.raises(FloatingPointError, match="train_loss is nan"):
+        check_finite({"train_loss": float("nan")}, {"w": huge})

@@ -14,10 +14,18 @@ from fedsim.errors import AggregationError
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-def _two_sum(a: torch.Tensor, b: torch.Tensor) -> Pair:
-    s = a + b
-    bp = s - a
-    return s, (a - (s - bp)) + (b - bp)
+def _two_sum_into(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """Knuth's TwoSum without allocating: returns (s, error) with s = fl(a + b) and s + error = a + b exactly.
+    `s` and `tmp` are scratch buffers; `b` is overwritten and `a` ends holding the error. The sum is
+    memory-bound and runs over every weight of the model for every client, so allocations are what it costs."""
+    torch.add(a, b, out=s)      # s = a + b
+    torch.sub(s, a, out=tmp)    # bp = s - a
+    b.sub_(tmp)                 # b - bp
+    torch.sub(s, tmp, out=tmp)  # s - bp
+    a.sub_(tmp)                 # a - (s - bp)
+    a.add_(b)                   # (a - (s - bp)) + (b - bp)
+    return s, a
 
 
 class WeightedSum:
@@ -26,6 +34,7 @@ class WeightedSum:
     def __init__(self) -> None:
         self.hi: dict[str, torch.Tensor] = {}
         self.lo: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per key, two buffers for TwoSum
         self.weight = 0.0
         self.count = 0
 
@@ -40,12 +49,11 @@ class WeightedSum:
                 raise AggregationError(f"aggregate: client {client} sent {k!r} with shape {tuple(v.shape)}, "
                                        f"the others {tuple(self.hi[k].shape)}")
         for k, v in payload.items():
-            term = v.detach().to("cpu", torch.float64) * weight
+            term = v.detach().to("cpu", torch.float64, copy=True).mul_(weight)
             if k not in self.hi:
                 self.hi[k], self.lo[k] = term, torch.zeros_like(term)
             else:
-                self.hi[k], err = _two_sum(self.hi[k], term)
-                self.lo[k] += err
+                self.lo[k] += self._two_sum(k, term)
         self.weight += weight
         self.count += 1
 
@@ -58,10 +66,20 @@ class WeightedSum:
             if k not in self.hi:
                 self.hi[k], self.lo[k] = v.clone(), other.lo[k].clone()
             else:
-                self.hi[k], err = _two_sum(self.hi[k], v)
-                self.lo[k] += err + other.lo[k]
+                self.lo[k] += self._two_sum(k, v.clone()).add_(other.lo[k])
         self.weight += other.weight
         self.count += other.count
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_scratch": {}}  # a partial sum travels to the driver without its scratch
+
+    def _two_sum(self, k: str, term: torch.Tensor) -> torch.Tensor:
+        """hi[k] += term, returning the rounding error (in a buffer that is scratch from the next call on)."""
+        hi = self.hi[k]
+        s, tmp = self._scratch.get(k) or (torch.empty_like(hi), torch.empty_like(hi))
+        self.hi[k], err = _two_sum_into(hi, term, s, tmp)
+        self._scratch[k] = (err, tmp)  # the old hi buffer, free once the caller has added the error
+        return err
 
     def totals(self) -> dict[str, torch.Tensor]:
         """The sums as float64 tensors."""

@@ -37,6 +37,26 @@ def test_weighted_sum_does_not_depend_on_grouping():
     np.testing.assert_allclose(ref.numpy(), expect, rtol=1e-6)
 
 
+def test_weighted_sum_is_exact_in_place_and_travels_without_its_scratch():
+    """Payloads are not modified, the partial sum pickles at the size of its hi/lo accumulators, and hi + lo is the
+    exact sum of terms that cancel catastrophically in plain float64."""
+    import pickle
+
+    big, small = torch.tensor([2.0 ** 60, 1.0]), torch.tensor([1.0, 2.0 ** -40])
+    kept = (big.clone(), small.clone())
+    s = WeightedSum()
+    for p in (big, small, -big):
+        s.add({"w": p}, 1.0)
+    assert torch.equal(big, kept[0]) and torch.equal(small, kept[1])
+    assert torch.equal(s.totals()["w"], torch.tensor([1.0, 2.0 ** -40], dtype=torch.float64))
+    assert torch.equal(big.double() + small.double() - big.double(), torch.tensor([0.0, 2.0 ** -40],
+                                                                                   dtype=torch.float64))
+    copy = pickle.loads(pickle.dumps(s))
+    assert copy._scratch == {} and len(pickle.dumps(s)) < 2 * 2 * 8 * 2 + 2000
+    copy.add({"w": torch.tensor([3.0, 0.0])}, 2.0)
+    assert torch.equal(copy.totals()["w"], torch.tensor([7.0, 2.0 ** -40], dtype=torch.float64))
+
+
 def test_store_spills_and_reloads_bit_for_bit(tmp_path):
     one = {"w": torch.randn(256, 256), "opt": {"step": 3, "m": torch.randn(256)}}
     size = state_nbytes(one)
