@@ -42,3 +42,31 @@ def small_config(tmp_path, *overrides: str, rounds: int = 3):
 @pytest.fixture
 def make_config(tmp_path):
     return lambda *o, rounds=3: small_config(tmp_path, *o, rounds=rounds)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (batched and one-by-one training compared at the same thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def together(monkeypatch) -> list[int]:
+    """How many clients each successful call of the batched trainer trained (so a test knows batching really ran)."""
+    import fedsim.runtime.batching as batching
+    from fedsim.train_batched import train_together
+
+    calls: list[int] = []
+
+    def counted(plans):
+        out = train_together(plans)
+        calls.append(len(plans))
+        return out
+
+    monkeypatch.setattr(batching, "train_together", counted)
+    return calls

@@ -20,26 +20,7 @@ from fedsim.train_batched import train_together, unbatchable_reason
 SIZES = (7, 13, 40, 21)  # with batch 8: 1, 2, 5 and 3 steps an epoch, three of them ending in a partial batch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def together(monkeypatch) -> list[int]:
-    """How many clients each successful call of the batched trainer trained (so a test knows batching really ran)."""
-    calls: list[int] = []
-
-    def counted(plans):
-        out = train_together(plans)
-        calls.append(len(plans))
-        return out
-
-    monkeypatch.setattr(batching, "train_together", counted)
-    return calls
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures one_thread and together: tests/conftest.py
 
 
 def make_worker(mode: str, *overrides: str, sizes: tuple[int, ...] = SIZES, bad_client: int | None = None,

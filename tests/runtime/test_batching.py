@@ -20,7 +20,6 @@ from fedsim.errors import ConfigError
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
-from fedsim.train_batched import train_together
 
 PERSONAL = ["data.client_test=balanced", "algorithm.pretrain_epochs=1", "train.epochs=2"]
 METHODS = {
@@ -36,26 +35,7 @@ METHODS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def together(monkeypatch) -> list[int]:
-    """Clients per successful call of the batched trainer."""
-    calls: list[int] = []
-
-    def counted(plans):
-        out = train_together(plans)
-        calls.append(len(plans))
-        return out
-
-    monkeypatch.setattr(batching, "train_together", counted)
-    return calls
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixtures one_thread and together: tests/conftest.py
 
 
 @pytest.mark.parametrize("method", list(METHODS))
