@@ -179,7 +179,7 @@ def test_bench_cli_refuses_bad_knobs_before_running_anything(tmp_path, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["bench.fedavg_bench: error: --rounds: must be >= 1, got 0",
                    "bench.fedavg_bench: error: --systems: unknown system 'nope'; choose from plain, plain_t1, fedsim, "
-                   "fedsim_ray, fedsim_local, fedsim_1w, flower, flower_2c, pfl, pfl_multiprocess"]
+                   "fedsim_ray, fedsim_local, fedsim_1w, flower, flower_2c, pfl, pfl_multiprocess, ray_floor"]
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # nothing prepared, nothing run
 
 
