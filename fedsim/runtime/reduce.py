@@ -3,15 +3,36 @@
 Each term w·x (integer-ish weight, float32 value) is exact in float64; accumulating with Knuth's TwoSum
 keeps the error near 2^-106 relative, so the float32 result does not depend on how clients were
 grouped into workers or in which order partial sums arrive.
+
+While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
+accumulators are one flat float64 buffer each, so a client costs a handful of whole-buffer operations instead of
+a handful per tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 
 from fedsim.errors import AggregationError
 
 Pair = tuple[torch.Tensor, torch.Tensor]
+Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
+
+# values of these dtypes have at most 24 significant bits, so times a weight of at most 29 they are exact in float64
+NARROW_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
+                           torch.int16})
+
+
+def exact_product(weight: float) -> bool:
+    """Whether w·x is exact in float64 for every x of a narrow dtype: at most 29 significant bits, and an exponent
+    far from float64's overflow and underflow."""
+    if not math.isfinite(weight) or weight == 0:
+        return False
+    mantissa, exponent = math.frexp(weight)
+    return abs(exponent) < 500 and (mantissa * 2.0 ** 29).is_integer()
 
 
 def _two_sum_into(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor,
@@ -28,15 +49,128 @@ def _two_sum_into(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, tmp: torch.
     return s, a
 
 
+def _layout(payload: dict[str, torch.Tensor]) -> Layout:
+    return tuple((k, v.shape, v.dtype) for k, v in payload.items())
+
+
+class _Flat:
+    """The hi/lo accumulators of one payload layout as one float64 buffer each, with three scratch buffers (the
+    term and TwoSum's two) and the term's per-key views."""
+
+    def __init__(self, layout: Layout, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        self.layout, self.hi, self.lo = layout, hi, lo
+        self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
+        self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+
+    @classmethod
+    def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
+        """The accumulators holding w·payload (hi) and zeros (lo)."""
+        hi = torch.empty(sum(v.numel() for v in payload.values()), dtype=torch.float64)
+        flat = cls(_layout(payload), hi, torch.zeros_like(hi))
+        flat.load(hi, payload)
+        hi.mul_(weight)
+        return flat
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """`buffer` cut into this layout's tensors (views)."""
+        out, start = [], 0
+        for _, shape, _ in self.layout:
+            n = math.prod(shape)
+            out.append(buffer[start:start + n].view(shape))
+            start += n
+        return out
+
+    def load(self, buffer: torch.Tensor, payload: dict[str, torch.Tensor], views: list[torch.Tensor] | None = None
+             ) -> None:
+        """Copy a payload of this layout into `buffer` as float64 (exact for float32 values)."""
+        for dst, v in zip(views if views is not None else self.views(buffer), payload.values()):
+            dst.copy_(v.detach())
+
+    def fits(self, payload: dict[str, torch.Tensor]) -> bool:
+        return len(payload) == len(self.layout) and all(
+            k == key and v.shape == shape and v.dtype == dtype
+            for (k, v), (key, shape, dtype) in zip(payload.items(), self.layout))
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        if self._scratch is None:
+            term = torch.empty_like(self.hi)
+            self._scratch = (torch.empty_like(self.hi), torch.empty_like(self.hi), term, self.views(term))
+        return self._scratch
+
+    def add(self, payload: dict[str, torch.Tensor], weight: float) -> None:
+        """hi + lo += weight·payload, as the per-key TwoSum does it, on the whole buffer at once."""
+        s, tmp, term, views = self._buffers()
+        self.load(term, payload, views)
+        a = self.hi
+        if self.narrow and exact_product(weight):  # w·x is exact: a + w·x and bp - w·x round as a + b and bp - b
+            torch.add(a, term, alpha=weight, out=s)     # s = a + b
+            torch.sub(s, a, out=tmp)                    # bp = s - a
+            torch.sub(tmp, term, alpha=weight, out=term)  # bp - b
+        else:
+            term.mul_(weight)                           # b
+            torch.add(a, term, out=s)
+            torch.sub(s, a, out=tmp)
+            torch.sub(tmp, term, out=term)
+        self._finish(a, s, tmp, term, None)
+
+    def merge(self, other: _Flat) -> None:
+        """Fold in another partial sum of the same layout, as the per-key merge does."""
+        s, tmp, term, _ = self._buffers()
+        term.copy_(other.hi)
+        a = self.hi
+        torch.add(a, term, out=s)
+        torch.sub(s, a, out=tmp)
+        torch.sub(tmp, term, out=term)
+        self._finish(a, s, tmp, term, other.lo)
+
+    def _finish(self, a: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor, neg_db: torch.Tensor,
+                other_lo: torch.Tensor | None) -> None:
+        """TwoSum's error (a - (s - bp)) + (b - bp) from s, bp (in `tmp`) and bp - b, then lo += it; s becomes hi.
+        (a - ap) - (bp - b) rounds as (a - ap) + (b - bp); only the sign of an exact zero error may differ, which
+        lo, starting at +0, never shows."""
+        torch.sub(s, tmp, out=tmp)  # ap = s - bp
+        a.sub_(tmp)                 # a - ap
+        a.sub_(neg_db)              # the error
+        if other_lo is not None:
+            a.add_(other_lo)
+        self.lo.add_(a)
+        assert self._scratch is not None
+        self.hi = s
+        self._scratch = (a, tmp, neg_db, self._scratch[3])
+
+    def unflatten(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The accumulators per key (views of the flat buffers)."""
+        keys = [k for k, _, _ in self.layout]
+        return dict(zip(keys, self.views(self.hi))), dict(zip(keys, self.views(self.lo)))
+
+
 class WeightedSum:
-    """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key."""
+    """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key (flat while the layout holds)."""
 
     def __init__(self) -> None:
-        self.hi: dict[str, torch.Tensor] = {}
-        self.lo: dict[str, torch.Tensor] = {}
+        self._hi: dict[str, torch.Tensor] = {}
+        self._lo: dict[str, torch.Tensor] = {}
+        self._flat: _Flat | None = None
         self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per key, two buffers for TwoSum
         self.weight = 0.0
         self.count = 0
+
+    @property
+    def hi(self) -> dict[str, torch.Tensor]:
+        return self._flat.unflatten()[0] if self._flat is not None else self._hi
+
+    @property
+    def lo(self) -> dict[str, torch.Tensor]:
+        return self._flat.unflatten()[1] if self._flat is not None else self._lo
+
+    def _empty(self) -> bool:
+        return self._flat is None and not self._hi
+
+    def _by_key(self) -> None:
+        """Leave the flat layout (a payload of another layout arrived): per-key views of the same numbers."""
+        if self._flat is not None:
+            self._hi, self._lo = self._flat.unflatten()
+            self._flat = None
 
     def add(self, payload: object, weight: float, client: int | str = "?") -> None:
         """Add one client's payload (a dict of tensors) with its weight. Any other payload, or a tensor whose
@@ -44,43 +178,67 @@ class WeightedSum:
         if not isinstance(payload, dict) or not all(isinstance(v, torch.Tensor) for v in payload.values()):
             raise AggregationError(f"aggregate: client {client} sent a {type(payload).__name__}, not a dict of "
                                    "tensors, in a reduce='sum' phase")
-        for k, v in payload.items():
-            if k in self.hi and self.hi[k].shape != v.shape:
-                raise AggregationError(f"aggregate: client {client} sent {k!r} with shape {tuple(v.shape)}, "
-                                       f"the others {tuple(self.hi[k].shape)}")
-        for k, v in payload.items():
-            term = v.detach().to("cpu", torch.float64, copy=True).mul_(weight)
-            if k not in self.hi:
-                self.hi[k], self.lo[k] = term, torch.zeros_like(term)
-            else:
-                self.lo[k] += self._two_sum(k, term)
+        if self._flat is not None and self._flat.fits(payload):
+            self._flat.add(payload, weight)
+        elif self._empty():
+            self._flat = _Flat.of(payload, weight)
+        else:
+            self._add_by_key(payload, weight, client)
         self.weight += weight
         self.count += 1
 
+    def _add_by_key(self, payload: dict[str, torch.Tensor], weight: float, client: int | str) -> None:
+        hi = self.hi
+        for k, v in payload.items():
+            if k in hi and hi[k].shape != v.shape:
+                raise AggregationError(f"aggregate: client {client} sent {k!r} with shape {tuple(v.shape)}, "
+                                       f"the others {tuple(hi[k].shape)}")
+        self._by_key()
+        for k, v in payload.items():
+            term = v.detach().to("cpu", torch.float64, copy=True).mul_(weight)
+            if k not in self._hi:
+                self._hi[k], self._lo[k] = term, torch.zeros_like(term)
+            else:
+                self._lo[k] += self._two_sum(k, term)
+
     def merge(self, other: WeightedSum) -> None:
         """Fold in another partial sum (from another worker)."""
-        for k, v in other.hi.items():
-            if k in self.hi and self.hi[k].shape != v.shape:
-                raise AggregationError(f"aggregate: partial sums disagree on the shape of {k!r}: "
-                                       f"{tuple(v.shape)} vs {tuple(self.hi[k].shape)}")
-            if k not in self.hi:
-                self.hi[k], self.lo[k] = v.clone(), other.lo[k].clone()
+        if other._flat is not None and (self._empty() or (self._flat is not None
+                                                          and self._flat.layout == other._flat.layout)):
+            if self._flat is None:
+                self._flat = _Flat(other._flat.layout, other._flat.hi.clone(), other._flat.lo.clone())
             else:
-                self.lo[k] += self._two_sum(k, v.clone()).add_(other.lo[k])
+                self._flat.merge(other._flat)
+        else:
+            hi, other_hi, other_lo = self.hi, other.hi, other.lo
+            for k, v in other_hi.items():
+                if k in hi and hi[k].shape != v.shape:
+                    raise AggregationError(f"aggregate: partial sums disagree on the shape of {k!r}: "
+                                           f"{tuple(v.shape)} vs {tuple(hi[k].shape)}")
+            self._by_key()
+            for k, v in other_hi.items():
+                if k not in self._hi:
+                    self._hi[k], self._lo[k] = v.clone(), other_lo[k].clone()
+                else:
+                    self._lo[k] += self._two_sum(k, v.clone()).add_(other_lo[k])
         self.weight += other.weight
         self.count += other.count
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_scratch": {}}  # a partial sum travels to the driver without its scratch
+        state: dict[str, Any] = {**self.__dict__, "_scratch": {}}  # a partial sum travels without its scratch
+        if self._flat is not None:
+            state["_flat"] = _Flat(self._flat.layout, self._flat.hi, self._flat.lo)
+        return state
 
     def _two_sum(self, k: str, term: torch.Tensor) -> torch.Tensor:
         """hi[k] += term, returning the rounding error (in a buffer that is scratch from the next call on)."""
-        hi = self.hi[k]
+        hi = self._hi[k]
         s, tmp = self._scratch.get(k) or (torch.empty_like(hi), torch.empty_like(hi))
-        self.hi[k], err = _two_sum_into(hi, term, s, tmp)
+        self._hi[k], err = _two_sum_into(hi, term, s, tmp)
         self._scratch[k] = (err, tmp)  # the old hi buffer, free once the caller has added the error
         return err
 
     def totals(self) -> dict[str, torch.Tensor]:
         """The sums as float64 tensors."""
-        return {k: self.hi[k] + self.lo[k] for k in self.hi}
+        hi, lo = self.hi, self.lo
+        return {k: hi[k] + lo[k] for k in hi}

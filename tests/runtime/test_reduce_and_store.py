@@ -57,6 +57,45 @@ def test_weighted_sum_is_exact_in_place_and_travels_without_its_scratch():
     assert torch.equal(copy.totals()["w"], torch.tensor([7.0, 2.0 ** -40], dtype=torch.float64))
 
 
+def _bits(sums: WeightedSum) -> dict[str, tuple[bytes, bytes]]:
+    return {k: (v.numpy().tobytes(), sums.lo[k].numpy().tobytes()) for k, v in sums.hi.items()}
+
+
+def test_one_buffer_per_layout_adds_as_the_per_key_sum():
+    """Payloads of one layout are summed in one flat buffer; a payload of another layout (here the same tensors in
+    another key order) switches the sum to per-key accumulators. Both give the same hi and lo, bit for bit, for
+    weights whose product with a float32 is exact and for others, for float64 entries, and through merges."""
+    g = torch.Generator().manual_seed(3)
+
+    def payload() -> dict[str, torch.Tensor]:
+        w = torch.randn(40, 7, generator=g) * 10.0 ** torch.randint(-7, 7, (40, 7), generator=g)
+        w[torch.rand(40, 7, generator=g) < 0.1] = -0.0
+        return {"m/w": w, "m/b": torch.randn(7, generator=g).double() * 1e-3, "m/__weight__": torch.ones(())}
+
+    items = [(payload(), w) for w in (3.0, 17.0, 0.1, 2.0 ** 40, 1.0, 1e-3, 4095.0, 5.0)]
+    flat, by_key = WeightedSum(), WeightedSum()
+    for i, (p, w) in enumerate(items):
+        flat.add(p, w)
+        by_key.add(dict(reversed(p.items())) if i == 0 else p, w)
+    assert by_key._flat is None and flat._flat is not None
+    assert _bits(flat) == _bits(by_key) and flat.weight == by_key.weight and flat.count == by_key.count == 8
+    halves = []
+    for part in (items[:5], items[5:]):
+        s = WeightedSum()
+        for p, w in part:
+            s.add(p, w)
+        halves.append(s)
+    merged_flat, merged_by_key = WeightedSum(), WeightedSum()
+    merged_flat.merge(flat)
+    merged_by_key.merge(by_key)
+    for s in halves:
+        merged_flat.merge(s)
+        merged_by_key.merge(s)
+    assert merged_flat._flat is not None and merged_by_key._flat is None
+    assert _bits(merged_flat) == _bits(merged_by_key)
+    assert {k: v.shape for k, v in merged_flat.totals().items()} == {"m/w": (40, 7), "m/b": (7,), "m/__weight__": ()}
+
+
 def test_store_spills_and_reloads_bit_for_bit(tmp_path):
     one = {"w": torch.randn(256, 256), "opt": {"step": 3, "m": torch.randn(256)}}
     size = state_nbytes(one)
