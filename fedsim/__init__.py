@@ -9,15 +9,16 @@ __version__ = "0.1.0"
 from fedsim.config import RunConfig, load_config  # noqa: E402
 from fedsim.errors import ConfigError, DataError, FedsimError  # noqa: E402
 
-_LAZY = {"collect", "load"}  # results readers need pandas, which client workers never import
+_LAZY = {"collect": "results", "load": "results", "run": "api"}  # they need pandas, which client workers never import
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from fedsim import results
+        import importlib
 
-        return getattr(results, name)
+        return getattr(importlib.import_module(f"fedsim.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'fedsim' has no attribute {name!r}")
 
 
-__all__ = ["RunConfig", "load_config", "load", "collect", "FedsimError", "ConfigError", "DataError", "__version__"]
+__all__ = ["RunConfig", "load_config", "run", "load", "collect", "FedsimError", "ConfigError", "DataError",
+           "__version__"]

@@ -159,6 +159,30 @@ class ResultsConfig:
 
 
 @dataclass
+class MlflowConfig:
+    enabled: bool = knob(False, doc="log every round's metrics and the config to MLflow (needs the mlflow extra)")
+    tracking_uri: str | None = knob(None, doc="MLflow tracking URI; default: MLflow's own (MLFLOW_TRACKING_URI or "
+                                    "./mlruns)")
+    experiment: str = knob("fedsim", doc="MLflow experiment the run is logged under")
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = knob(False, doc="log every round's metrics and the config to Weights & Biases (needs the wandb "
+                         "extra)")
+    project: str = knob("fedsim", doc="W&B project")
+    entity: str | None = knob(None, doc="W&B team or user; default: your W&B default")
+    mode: Literal["online", "offline"] | None = knob(None, doc="W&B mode; default: W&B's own (WANDB_MODE)")
+
+
+@dataclass
+class TrackingConfig:
+    tensorboard: bool = knob(False, doc="write every round's metrics as TensorBoard events to <run folder>/tensorboard")
+    mlflow: MlflowConfig = knob(factory=MlflowConfig)
+    wandb: WandbConfig = knob(factory=WandbConfig)
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = knob("fedavg", doc="the method: fedavg, fedprox, feddf, single_image, dafkd, fedgdkd, dosfl, ...")
     params: Any = None  # the algorithm's own Params dataclass, filled by load_config
@@ -179,6 +203,7 @@ class RunConfig:
     runtime: RuntimeConfig = knob(factory=RuntimeConfig)
     eval: EvalConfig = knob(factory=EvalConfig)
     results: ResultsConfig = knob(factory=ResultsConfig)
+    tracking: TrackingConfig = knob(factory=TrackingConfig)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

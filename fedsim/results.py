@@ -22,8 +22,17 @@ from fedsim.io import atomic_write, atomic_write_text
 
 ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers", "failures",
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
+ROUND_LEVEL = frozenset({"round", "model", "participants", "arrived", "stragglers", "over_selected", "failures",
+                         "bytes_up", "bytes_down", "virtual_round", "virtual_time", "deadline", "wall_round_s",
+                         "wall_clients_s", "wall_server_s", "wall_eval_s"})
 CLIENT_COLUMNS = ["round", "phase", "client", "worker", "arch", "samples", "status", "virtual_duration",
                   "bytes_up", "bytes_down", "wall_s", "error", "error_type", "error_message", "error_traceback"]
+
+
+def model_metric(column: str) -> bool:
+    """Whether a rounds.parquet column is one global model's (accuracy, loss, ...) rather than the round's own
+    (participants, bytes, clocks, and the method's `<phase>/<metric>` server metrics)."""
+    return column not in ROUND_LEVEL and "/" not in column
 
 
 def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[str, str]:
@@ -189,12 +198,31 @@ def find_runs(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], lis
     return list(dict.fromkeys(runs)), skipped
 
 
-def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds") -> pd.DataFrame:
+def unfinished(res: RunTables) -> str | None:
+    """Why a run's tables are not a finished run's (None when they are): meta.json records how the run ended
+    (completed, or stopped by a callback, count as finished); without that record, a run is finished when its
+    table reaches the configured rounds (a run still going, or killed, has not)."""
+    status = res["meta"].get("status")
+    if status in ("completed", "stopped"):
+        return None
+    rounds = res["rounds"]
+    done = int(rounds["round"].max()) + 1 if "round" in rounds and len(rounds) else 0
+    planned = res["config"].get("rounds")
+    if status is None:
+        if isinstance(planned, int) and done >= planned:
+            return None
+        return f"incomplete ({done} of {planned} rounds; running, or killed)"
+    return f"incomplete ({status} after {done} of {planned} rounds)"
+
+
+def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds",
+            incomplete: bool = False) -> pd.DataFrame:
     """Concatenate one table of many runs, with a `run` column and every config key as `config.<key>`.
 
     `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a
-    run started in but that hold no rounds.parquet, and runs whose files are unreadable, are skipped with
-    a warning; the skipped ones are listed in `df.attrs["skipped"]`."""
+    run started in but that hold no rounds.parquet, runs whose files are unreadable and, unless `incomplete`,
+    runs that did not finish (see `unfinished`) are skipped with a warning naming each; the skipped ones are
+    listed in `df.attrs["skipped"]` as "folder: reason"."""
     import warnings
 
     runs, skipped = find_runs(paths)
@@ -204,6 +232,10 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
             res = load(path)
         except CheckpointError as exc:
             skipped.append(str(exc))
+            continue
+        reason = None if incomplete else unfinished(res)
+        if reason is not None:
+            skipped.append(f"{path}: {reason}")
             continue
         df = res[table].copy()
         df.insert(0, "run", path.name)
@@ -225,26 +257,8 @@ def summary(rounds: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot(path: str | Path, out: str | Path | None = None) -> Path:
-    """Accuracy vs round, one line per global model; written as PNG next to the tables by default."""
-    import matplotlib
+    """Accuracy vs round of one run, one line per global model, as PNG next to the tables by default
+    (fedsim.plots.plot_runs draws many runs, any metric)."""
+    from fedsim.plots import plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    p = run_folder(path)
-    rounds = load(p)["rounds"]
-    df = rounds.dropna(subset=["accuracy"]) if "accuracy" in rounds else None
-    if df is None or df.empty:
-        raise CheckpointError(f"{p}: no evaluated rounds to plot")
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for model, g in df.groupby("model", sort=False):
-        ax.plot(g["round"] + 1, g["accuracy"] * 100, marker=".", label=str(model))
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title(p.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    out = Path(out) if out else p / "accuracy.png"
-    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
-    plt.close(fig)
-    return out
+    return plot_runs([path], out=out)

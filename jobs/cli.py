@@ -147,9 +147,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from fedsim.results import plot
+    import warnings
 
-    print(plot(args.run, args.out))
+    from fedsim.plots import plot_runs
+
+    with warnings.catch_warnings(record=True) as skipped:  # folders without a readable table: one line each
+        warnings.simplefilter("always")
+        out = plot_runs(args.runs, x=args.x, y=args.y, out=args.out)
+    for w in skipped:
+        print(f"fedsim: {w.message}", file=sys.stderr)
+    print(out)
     return 0
 
 
@@ -215,9 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
     show.add_argument("--rows", type=_count(0), default=60, help="at most this many rows")
     show.set_defaults(fn=cmd_show)
-    pl = sub.add_parser("plot", help="accuracy vs round as PNG")
-    pl.add_argument("run")
-    pl.add_argument("--out", help="PNG path (default: RUN/accuracy.png)")
+    pl = sub.add_parser("plot", help="a metric of one or many runs as PNG, mean ± std over seeds")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders, folders of runs, or glob patterns")
+    pl.add_argument("--x", default="round", help="column of rounds.parquet on the x axis (default: round)")
+    pl.add_argument("--y", default="accuracy", help="column of rounds.parquet on the y axis (default: accuracy)")
+    pl.add_argument("--out", help="PNG path (default: RUN/<y>.png, or <y>.png in the runs' common folder)")
     pl.set_defaults(fn=cmd_plot)
     sw = sub.add_parser("sweep", help="run arms × seeds and write a markdown table")
     sw.add_argument("sweep")

@@ -122,12 +122,23 @@ class Callbacks:
 
 
 class MetaWriter(Callback):
-    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up)."""
+    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up); at
+    the end, how the run ended (`status`), so readers tell a finished run from a running or killed one."""
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.results import write_meta
 
         write_meta(run.run_dir, run.backend)
+
+    def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
+        import json
+
+        from fedsim.io import atomic_write_text
+
+        path = run.run_dir / "meta.json"
+        if path.is_file():
+            meta = json.loads(path.read_text())
+            atomic_write_text(path, json.dumps({**meta, "status": status}, indent=2, default=str))
 
 
 class ResultsWriter(Callback):

@@ -31,6 +31,7 @@ from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, s
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
 from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_partition
 from fedsim.runtime.signals import shielded
+from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 
 
@@ -264,7 +265,8 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     A new run's folder is created once data, partition and backend are ready, and removed again if the run
     stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
     its saved config (see fedsim.runtime.rundir). `callbacks` run after the default ones (meta.json, tables and
-    checkpoints); any of them may stop the run after a round (fedsim.runtime.callbacks).
+    checkpoints, then the trackers `cfg.tracking` turns on); any of them may stop the run after a round
+    (fedsim.runtime.callbacks).
     """
     from fedsim.runtime.local import LocalBackend
 
@@ -280,11 +282,13 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         run_dir = planned_run_dir(cfg)
     backend = backend or LocalBackend()
     sim = Simulation(cfg, backend, run_dir, inputs)
-    hooks = Callbacks([*default_callbacks(backend), *callbacks])
+    hooks = Callbacks([])
     created: NewRunDir | None = None
     info: RunInfo | None = None
     status: RunStatus = "failed"
     try:
+        # first: a tracking library that is not installed fails the run before anything starts
+        hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
         if resume is None:
             created = NewRunDir(run_dir, cfg)

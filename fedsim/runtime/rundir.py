@@ -6,8 +6,8 @@ run), and `checkpoints/config.yaml`, the copy fedsim never rewrites. On `--resum
 key by key: keys that change what the saved state means (data, partition, model, algorithm, training,
 participation, stragglers, seed) must be unchanged, or the checkpoint's states would be loaded into a
 different experiment; keys in RESUME_SAFE may change (more `rounds`, another backend or worker count,
-evaluation cadence, where the results and datasets live). Runs saved before the copy existed are not
-checked; their first resume writes it.
+evaluation cadence, where the results and datasets live, where metrics are tracked). Runs saved before the
+copy existed are not checked; their first resume writes it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from fedsim.config import RunConfig, config_to_dict, load_config, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 
-RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "data.root", "data.download")
+RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
 
@@ -62,7 +62,7 @@ class NewRunDir:
         if not self._existed:
             shutil.rmtree(self._top, ignore_errors=True)
             return
-        for name in ("config.yaml", "meta.json", "checkpoints", "spill"):
+        for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb"):
             target = self.path / name
             if target.is_dir():
                 shutil.rmtree(target, ignore_errors=True)

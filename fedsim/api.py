@@ -1,0 +1,67 @@
+"""`fedsim.run`: one call that runs (or resumes) a simulation from Python, as `fedsim run` does from a shell."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedsim.config import RunConfig, apply_overrides, build_config, config_to_dict, load_config
+from fedsim.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsim.runtime.backend import Backend
+    from fedsim.runtime.callbacks import Callback
+
+
+def resolve_config(config: str | Path | RunConfig | Mapping[str, Any] | None,
+                   overrides: Sequence[str] = ()) -> RunConfig:
+    """A RunConfig from a YAML path, a RunConfig (copied, never changed) or a dict shaped like the YAML, with
+    `-o`-style overrides ("train.lr=0.01") applied; None gives the defaults."""
+    if isinstance(config, RunConfig):
+        return build_config(apply_overrides(config_to_dict(config), list(overrides))) if overrides \
+            else copy.deepcopy(config)
+    if isinstance(config, Mapping):
+        return build_config(apply_overrides(dict(config), list(overrides)))
+    if config is None or isinstance(config, (str, Path)):
+        return load_config(config, list(overrides))
+    raise ConfigError(f"fedsim.run: config must be a YAML path, a RunConfig or a dict, got {type(config).__name__}")
+
+
+def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
+        backend: str | Backend | None = None, workers: int | None = None, callbacks: Sequence[Callback] = (),
+        resume: str | Path | None = None, progress: bool = False) -> Path:
+    """Run a simulation and return its run folder (tables, config, meta.json, checkpoints).
+
+    config: a YAML path, a RunConfig or a dict shaped like the YAML; overrides: "key=value" strings as `-o` takes.
+    backend: "local" or "ray" (overrides runtime.backend), or a Backend you built; Ray is imported only for "ray".
+    workers: client workers (default: as many as fit). callbacks: yours (fedsim.runtime.callbacks.Callback), called
+    after the tables are written and the trackers of `tracking:` ran; `on_round_end(round, rows)` gets every global
+    model's row in `rows.rounds`. resume: a run folder to continue instead (it keeps its saved config, so `config`
+    and `overrides` must be left out). progress: a progress bar on stderr.
+    Bad input raises a fedsim.FedsimError with a one-line message.
+    """
+    from fedsim.runtime.callbacks import ProgressBar
+    from fedsim.runtime.loop import run as run_loop
+    from fedsim.runtime.rundir import resume_config
+
+    if resume is not None:
+        if config is not None or overrides:
+            raise ConfigError(f"fedsim.run: resume={str(resume)!r} keeps the run's saved config; leave config and "
+                              "overrides out")
+        cfg = resume_config(Path(resume))
+    else:
+        cfg = resolve_config(config, overrides)
+    if isinstance(backend, str):
+        if backend not in ("local", "ray"):
+            raise ConfigError(f"fedsim.run: backend must be 'local', 'ray' or a Backend, got {backend!r}")
+        cfg.runtime.backend = backend  # type: ignore[assignment]  # checked just above
+    if backend is None or isinstance(backend, str):
+        from jobs.cli import make_backend  # builds a Ray backend lazily; fedsim itself never imports Ray
+
+        engine: Backend = make_backend(cfg, workers)
+    else:
+        engine = backend
+    hooks = [*callbacks, *([ProgressBar()] if progress else [])]
+    return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks)
