@@ -9,6 +9,7 @@ import numpy as np
 import ray
 import torch
 
+from fedsim.plugins import import_in_worker
 from fedsim.runtime.worker import ClientWorker
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class ClientWorkerActor(ClientWorker):
 
     def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
                  worker_index: int, spill_dir: str | None = None) -> None:
+        import_in_worker(cfg.plugins)  # the run's own modules register their methods before anything is built
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
         super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),
                          threads=threads, spill_dir=spill_dir)

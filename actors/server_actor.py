@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actors.client_worker import assigned_device
+from fedsim.plugins import import_in_worker
 from fedsim.runtime.server import Server
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ class ServerActor(Server):
 
     def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition,
                  meta: dict[str, Any]) -> None:
+        import_in_worker(cfg.plugins)  # the run's own modules register their methods before anything is built
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.server_cpus) or 1)
         super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus), threads=threads)
 

@@ -103,7 +103,8 @@ def _rebuild(obj: dict) -> Any:
     tag = obj[_CLS]
     cls = _STATES.get(tag) if isinstance(tag, str) else None
     if cls is None:
-        raise CheckpointError(f"names {_short(tag)}, which is not a registered fedsim state class")
+        raise CheckpointError(f"names {_short(tag)}, which is not a registered fedsim state class (a plugin's "
+                              "class loads when the run's config lists the plugin under plugins)")
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(_short(k) for k in obj if k != _CLS and k not in names)
     if unknown:

@@ -194,6 +194,9 @@ class RunConfig:
     seed: int = knob(0, ge=0, le=MAX_SEED,
                      doc="run seed: sampling, partition, init and every client draw derive from it")
     rounds: int = knob(30, ge=1, le=MAX_ROUNDS, doc="communication rounds")
+    plugins: list[str] = knob([], doc="your own modules, imported first so the config can name what they register: "
+                              "module names or .py files/package folders relative to the config; shipped to Ray "
+                              "workers (docs/writing-a-method.md)")
     algorithm: AlgorithmConfig = knob(factory=AlgorithmConfig)
     data: DataConfig = knob(factory=DataConfig)
     model: ModelConfig = knob(factory=ModelConfig)
@@ -263,8 +266,10 @@ def read_yaml(path: str | Path) -> dict:
 def build_config(raw: dict) -> RunConfig:
     """Validate a raw dict into a RunConfig, including the algorithm's own params."""
     from fedsim.algorithms import get_algorithm  # registers the built-in algorithms
+    from fedsim.plugins import load_plugins
 
     raw = copy.deepcopy(raw)
+    load_plugins(raw.get("plugins"))  # before anything looks a name up in a registry
     algo_raw = raw.pop("algorithm", {}) or {}
     if not isinstance(algo_raw, dict):
         raise ConfigError("algorithm: expected a mapping with a name and the method's parameters")
@@ -281,8 +286,19 @@ def build_config(raw: dict) -> RunConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or the defaults), apply overrides, validate."""
-    raw = read_yaml(path) if path is not None else {}
-    return build_config(apply_overrides(raw, overrides or []))
+    raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides or [])
+    if raw.get("plugins") is not None:
+        from fedsim.plugins import resolve
+
+        raw["plugins"] = resolve(raw["plugins"], _config_folder(path))
+    return build_config(raw)
+
+
+def _config_folder(path: str | Path | None) -> Path:
+    """The folder a config's relative plugin paths start from: the file's own, else the working directory."""
+    if path is None or "://" in str(path):
+        return Path.cwd()
+    return Path(path).resolve().parent
 
 
 def validate(cfg: RunConfig) -> None:

@@ -1,0 +1,218 @@
+"""User plugins: a config's `plugins` import the user's own module on the driver and on Ray workers, its state
+checkpoints and resumes through its own registration, and bad plugin input is one line naming the entry."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedsim import plugins
+from fedsim.checkpoint import load_run_checkpoint
+from fedsim.config import load_config
+from fedsim.errors import ConfigError
+from fedsim.results import load
+from jobs.cli import main
+from tests.conftest import ROOT
+from tests.runtime.test_loop import deterministic
+
+EXAMPLE = Path(ROOT) / "examples" / "my_method.yaml"
+FAST = ["rounds=2", "data.num_clients=8", "participation.clients_per_round=4"]
+
+
+@pytest.fixture
+def isolated():
+    """Registries and plugin modules as they were before the test, so a plugin never leaks into other tests."""
+    import fedsim.algorithms  # noqa: F401
+    import fedsim.data.datasets  # noqa: F401
+    import fedsim.models  # noqa: F401
+
+    before, modules = plugins._registries(), set(sys.modules)
+    yield
+    plugins._restore(before)
+    for name in set(sys.modules) - modules:
+        file = getattr(sys.modules[name], "__file__", None) or ""
+        if file.startswith((str(Path(ROOT) / "examples"), tempfile.gettempdir())) or name == "my_method":
+            del sys.modules[name]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`fedsim ...` in a fresh process whose working directory is `cwd`, with nothing but fedsim on the path."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _run_args(results: Path, *overrides: str) -> list[str]:
+    return [str(EXAMPLE), "--quiet", *(a for o in [*FAST, f"results.root={results}", *overrides] for a in ("-o", o))]
+
+
+def test_example_plugin_runs_on_the_local_backend(isolated, tmp_path, capsys):
+    assert "my_method" not in sys.modules
+    assert main(["run", *_run_args(tmp_path, "results.run_id=local"), "--backend", "local"]) == 0
+    res = load(tmp_path / "local")
+    rounds = res["rounds"]
+    assert list(rounds["round"]) == [0, 1] and rounds["accuracy"].notna().all()
+    assert (rounds["train/velocity_norm"] > 0).all()  # the plugin's own server step ran
+    saved = yaml.safe_load((tmp_path / "local" / "config.yaml").read_text())
+    assert saved["plugins"] == [str(EXAMPLE.with_suffix(".py"))] and saved["algorithm"]["name"] == "fedavgm"
+
+
+PROBE = """
+import sys
+from pathlib import Path
+from fedsim.checkpoint import load_run_checkpoint
+try:
+    load_run_checkpoint(Path(sys.argv[1]))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+print("imported" if "my_method" in sys.modules else "")
+"""
+
+
+def test_resume_rebuilds_plugin_state_through_its_registration(tmp_path):
+    run_dir = tmp_path / "res" / "resumed"
+    first = _cli("run", *_run_args(tmp_path / "res", "results.run_id=resumed", "runtime.backend=local"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoint = run_dir / "checkpoints" / "last.pt"
+    # Loading the checkpoint where the plugin is not registered imports nothing: the class is refused by name.
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint)], cwd=tmp_path, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": ROOT}, text=True, timeout=300)
+    assert "CheckpointError" in probe.stdout and "my_method:MomentumState" in probe.stdout, probe.stdout + probe.stderr
+    assert "plugins" in probe.stdout and "imported" not in probe.stdout
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("rounds: 2", "rounds: 3"))
+    resumed = _cli("run", "--resume", str(run_dir), "--quiet", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rounds = load(run_dir)["rounds"]
+    assert list(rounds["round"]) == [0, 1, 2]
+    fresh = _cli("run", *_run_args(tmp_path / "res", "results.run_id=straight", "runtime.backend=local",
+                                   "rounds=3"), cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    pd_equal(deterministic(rounds), deterministic(load(tmp_path / "res" / "straight")["rounds"]))
+
+
+def pd_equal(a, b) -> None:
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_checkpointed_plugin_state_names_its_class(isolated, tmp_path):
+    """The checkpoint of a plugin's run holds its registered dataclass, and loads where the plugin is registered."""
+    cfg = load_config(EXAMPLE, [*FAST, "runtime.backend=local", f"results.root={tmp_path}", "results.run_id=c"])
+    from fedsim.runtime.local import LocalBackend
+    from fedsim.runtime.loop import run
+
+    run(cfg, LocalBackend())
+    state = load_run_checkpoint(tmp_path / "c" / "checkpoints" / "last.pt")["server_state"]
+    assert type(state).__module__ == "my_method" and type(state).__name__ == "MomentumState"
+    assert set(state.velocity) == {"cnn"}
+
+
+def _write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+PLAIN = "rounds: 1\nalgorithm: {name: fedavg}\n"
+REGISTERS = ("from fedsim.models.registry import register_model\n"
+             "register_model('{name}')(lambda **kw: None)\n")
+
+
+@pytest.mark.parametrize("entry, files, message", [
+    ("nope", {}, "plugins: no module 'nope': not beside the config"),
+    ("gone.py", {}, "plugins: 'gone.py': no such .py file or package folder"),
+    ("broken", {"broken.py": "x = 1\ny = 1 / 0\n"},
+     "plugins: '{d}/broken.py' failed to import: broken.py line 2: ZeroDivisionError: division by zero"),
+    ("typo.py", {"typo.py": "def f(:\n"}, "plugins: '{d}/typo.py' failed to import: typo.py line 1: SyntaxError"),
+    ("quiet", {"quiet.py": "X = 1\n"}, "plugins: '{d}/quiet.py' registers nothing; decorate"),
+    ("clash", {"clash.py": "from fedsim.algorithms import register_algorithm\n"
+                           "from fedsim.algorithms.fedavg import FedAvg\n"
+                           "@register_algorithm\nclass Mine(FedAvg):\n    name = 'fedavg'\n"},
+     "plugins: '{d}/clash.py' registers algorithm 'fedavg', which fedsim already has"),
+    ("json.py", {"json.py": REGISTERS.format(name="j")}, "module name 'json' is already taken by"),
+    ("bad-name.py", {"bad-name.py": REGISTERS.format(name="b")}, "'bad-name' is not a valid Python module name"),
+])
+def test_bad_plugins_are_one_line_naming_the_entry(isolated, tmp_path, capsys, entry, files, message):
+    for name, text in files.items():
+        _write(tmp_path, name, text)
+    config = _write(tmp_path, "c.yaml", PLAIN + f"plugins: [{entry}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert message.format(d=tmp_path) in str(err.value) and "\n" not in str(err.value)
+    assert main(["run", str(config), "--backend", "local"]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and err_lines[0].startswith("fedsim: error: plugins:")
+    from fedsim.algorithms import get_algorithm
+
+    assert get_algorithm("fedavg").__module__ == "fedsim.algorithms.fedavg"  # a failed plugin leaves no trace
+
+
+def test_plugins_key_shapes(isolated, tmp_path):
+    with pytest.raises(ConfigError, match="plugins: expected a list"):
+        load_config(_write(tmp_path, "c.yaml", PLAIN + "plugins: my_method\n"))
+    package = tmp_path / "pkg_plugin"
+    package.mkdir()
+    _write(package, "__init__.py", REGISTERS.format(name="pkg_model"))
+    cfg = load_config(_write(tmp_path, "p.yaml", PLAIN + "plugins: [pkg_plugin]\nmodel: {name: cnn}\n"))
+    assert cfg.plugins == [str(package)] and "model pkg_model" in plugins.registered_by("pkg_plugin")
+    assert plugins.shipped_paths(cfg.plugins) == [str(package)]
+    again = load_config(_write(tmp_path, "q.yaml", PLAIN + f"plugins: [{package}]\n"))  # loaded once, kept
+    assert again.plugins == [str(package)]
+
+
+def test_an_installed_module_is_a_plugin_by_name(isolated, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    site.mkdir()
+    _write(site, "installed_plugin.py", REGISTERS.format(name="installed_model"))
+    monkeypatch.syspath_prepend(str(site))
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    cfg = load_config(_write(configs, "c.yaml", PLAIN + "plugins: [installed_plugin]\n"))
+    assert cfg.plugins == ["installed_plugin"] and plugins.shipped_paths(cfg.plugins) == []
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path):
+    """A driver joins a Ray head with 2 CPUs from a folder where nothing makes the plugin importable: the workers
+    get it through the job's py_modules, and the numbers equal the local backend's."""
+    from tests.test_ray import _free_port
+
+    ray_bin = Path(sys.executable).parent / "ray"
+    temp = tempfile.mkdtemp(prefix="fsplug", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": ROOT}
+    gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (_free_port() for _ in range(7))
+    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
+                             "--include-dashboard=false", f"--temp-dir={temp}",
+                             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+                             f"--ray-client-server-port={client_port}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        joined = subprocess.run([sys.executable, "-m", "jobs.cli", "run",
+                                 *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
+                                            f"runtime.ray_address=127.0.0.1:{gcs}", "runtime.startup_timeout_s=300")],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert joined.returncode == 0, (joined.stdout + joined.stderr)[-3000:]
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+    on_ray = load(tmp_path / "ray")
+    assert on_ray["meta"]["backend"] == "RayBackend" and len(on_ray["meta"]["placement"]) == 2
+    assert len({p["pid"] for p in on_ray["meta"]["placement"]}) == 2
+    assert main(["run", *_run_args(tmp_path, "results.run_id=local"), "--backend", "local"]) == 0
+    pd_equal(deterministic(on_ray["rounds"]), deterministic(load(tmp_path / "local")["rounds"]))
