@@ -136,3 +136,24 @@ def test_fedsim_run_takes_a_yaml_path_a_dict_or_a_run_config(tmp_path):
     with pytest.raises(ConfigError, match="backend must be 'local', 'ray' or a Backend"):
         fedsim.run(as_dict, backend="cluster")
     assert "run" in fedsim.__all__
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_fedsim_run_builds_a_ray_backend_and_its_callbacks_and_trackers_run_in_the_driver(ray_local, tmp_path):
+    from tests.runtime.test_tracking import read_scalars
+
+    rounds: list[int] = []
+
+    class Seen(Callback):
+        def on_round_end(self, round: int, rows: RoundRows) -> None:
+            rounds.append(round)
+
+    cfg = small_config(tmp_path, "tracking.tensorboard=true", "runtime.client_cpus=0.5", rounds=2)
+    run_dir = fedsim.run(cfg, backend="ray", workers=2, callbacks=[Seen()])
+    res = fedsim.load(run_dir)
+    assert res["meta"]["backend"] == "RayBackend" and res["meta"]["num_workers"] == 2 and res["meta"]["status"] == \
+        "completed"
+    assert rounds == list(res["rounds"]["round"]) == [0, 1]
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [scalars["accuracy/cnn"][r] for r in rounds] == pytest.approx(list(res["rounds"]["accuracy"]), rel=1e-6)
