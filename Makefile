@@ -14,7 +14,7 @@ help:  ## list the targets
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[all,dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)  ## create .venv and install fedsim with its dependencies

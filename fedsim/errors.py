@@ -13,6 +13,10 @@ class ConfigError(FedsimError):
     """A config file, key or value is wrong; the message names the key or file."""
 
 
+class MissingExtraError(FedsimError):
+    """An optional dependency a method or dataset needs is not installed; the message names the extra to install."""
+
+
 class DataError(FedsimError):
     """A dataset or data file is missing or malformed; the message names the file and the fix."""
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from fedsim.configtools import knob
+from fedsim.extras import require
 from fedsim.limits import MAX_SAMPLES
 
 if TYPE_CHECKING:
@@ -77,17 +78,20 @@ def easy_hard(heuristic: str, mixed: str = "50-50") -> tuple[int, int]:
     return a, b
 
 
-def faiss_gpu_available() -> bool:
-    import faiss
+def _faiss() -> Any:
+    """The faiss module, or one error naming the extra that installs it."""
+    return require("faiss", "faiss", "KMeans selection (algorithm.selection.kmeans)")
 
+
+def faiss_gpu_available() -> bool:
+    faiss = _faiss()
     return hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0
 
 
 def kmeans_distances(x: np.ndarray, k: int, niter: int, seed: int, device: str = "auto"
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FAISS KMeans on rows of x: (cluster id, Euclidean distance to its centroid, centroids)."""
-    import faiss
-
+    faiss = _faiss()
     x = np.ascontiguousarray(x, dtype=np.float32)
     k = max(1, min(k, len(x)))
     gpu = device == "gpu" or (device == "auto" and faiss_gpu_available())

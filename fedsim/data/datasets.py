@@ -34,6 +34,7 @@ from fedsim.data.registry import Dataset, register_dataset
 from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
+from fedsim.extras import require
 from fedsim.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
 
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
@@ -286,7 +287,7 @@ def _medmnist_info() -> dict:
 
 
 def _load_medmnist(flag: str, root: Path, download: bool, size: int, as_rgb: bool, merge_val: bool) -> Dataset:
-    import medmnist
+    medmnist = require("medmnist", "medmnist", f"data.name: {flag}")
     from medmnist.dataset import MedMNIST2D
 
     info = medmnist.INFO[flag]
@@ -323,8 +324,26 @@ def _medmnist_loader(flag: str) -> Callable[..., Dataset]:
     return load
 
 
+# The single-label 2D MedMNIST sets, known by name without medmnist installed, so that a config naming one is told
+# which extra to install; with medmnist installed, its own INFO decides.
+MEDMNIST_2D = ("pathmnist", "dermamnist", "octmnist", "pneumoniamnist", "retinamnist", "breastmnist", "bloodmnist",
+               "tissuemnist", "organamnist", "organcmnist", "organsmnist")
+
+
+def _needs_medmnist(flag: str) -> Callable[[dict], None]:
+    """A config check for `flag` that fails, naming the extra, when medmnist is not installed."""
+    def check(options: dict) -> None:
+        require("medmnist", "medmnist", f"data.name: {flag}")
+
+    return check
+
+
 def _register_medmnist() -> list[str]:
     """Register every single-label 2D MedMNIST flag (ChestMNIST is multi-label and is left out)."""
+    if importlib.util.find_spec("medmnist") is None:
+        for flag in MEDMNIST_2D:
+            register_dataset(flag, check=_needs_medmnist(flag))(_medmnist_loader(flag))
+        return list(MEDMNIST_2D)
     flags = []
     for flag, info in _medmnist_info().items():
         if info["python_class"].endswith("3D") or info["task"].startswith("multi-label"):
