@@ -244,8 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     with catch_sigterm():
-        args = build_parser().parse_args(argv)
+        if argv[:1] == ["stress"]:  # its own parser (jobs.stress) reads everything after the word, --help included
+            args = argparse.Namespace(fn=cmd_stress, rest=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
         try:
             return args.fn(args)
         except FedsimError as exc:
