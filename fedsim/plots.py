@@ -135,7 +135,7 @@ def figure(data: pd.DataFrame, x: str, y: str, title: str) -> Figure:
         parts = [p for p in (str(setting), str(model)) if p]
         runs = int(g["runs"].max())
         label = " · ".join(parts) or y
-        label += f" ({runs} seeds)" if runs > 1 else ""
+        label += f" ({runs} runs)" if runs > 1 else ""
         line, = ax.plot(g["x"], g["y"], marker=".", label=label)
         if runs > 1:
             ax.fill_between(g["x"], g["y"] - g["y_std"], g["y"] + g["y_std"], color=line.get_color(), alpha=0.2,
