@@ -35,6 +35,28 @@ def test_bad_keys_are_refused() -> None:
         rng.seed(1, "client", -2)
 
 
+def test_a_round_of_clients_derived_together_matches_one_at_a_time() -> None:
+    """`seeds` (SeedSequence's arithmetic over a whole array of clients) gives `seed`'s values, whatever the word
+    lengths of the key's parts, and a prefetched row answers `seed` with the same values."""
+    import numpy as np
+
+    gen = np.random.default_rng(5)
+    cases = [(0, "client", 0, 0), (7, "local/dropout", 3, 1), (2**32 - 1, "x", -1, -1), (2**32, "init/mlp", 2**32, 5),
+             (2**64 + 5, "y", 2**32 - 1, 2**32)]
+    for run_seed, name, round, phase in cases:
+        ids = np.concatenate([[-1, 0, 1, 2**32 - 2, 2**32 - 1, 2**40], gen.integers(0, 10**7, 40)])
+        alone = [rng.seed(run_seed, name, round, int(c), phase) for c in ids]
+        assert rng.seeds(run_seed, name, round, ids, phase).tolist() == alone
+        assert rng.seeds(run_seed, name, round, ids[6:], phase).tolist() == alone[6:]  # the array path only
+        rng.prefetch(run_seed, name, round, ids[6:], phase)
+        assert [rng.seed(run_seed, name, round, int(c), phase) for c in ids] == alone
+    assert rng.seeds(1, "client", 0, [], 0).shape == (0,)
+    with pytest.raises(ValueError, match="must be >= -1"):
+        rng.seeds(1, "client", 0, [3, -2])
+    with pytest.raises(ValueError, match="needs a name"):
+        rng.seeds(1, "", 0, [3])
+
+
 def test_no_other_module_derives_seeds_by_hand() -> None:
     """Methods, the runtime and the mechanism toolkit take every draw from fedsim.rng: no salts, no arithmetic
     on the run seed, no SeedSequence of their own."""
