@@ -1,0 +1,49 @@
+"""Loading a client's start weights (fedsim.local_training.load_weights): the same result as load_state_dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedsim.local_training import load_weights
+from fedsim.models import build_model
+
+
+def _models(name: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    target, reference = build_model(name, 3, 10, 32), build_model(name, 3, 10, 32)
+    reference.load_state_dict(target.state_dict())
+    torch.manual_seed(1)
+    start = {k: (v.double() if v.is_floating_point() else v + 3) for k, v in build_model(name, 3, 10, 32)
+             .state_dict().items()}  # other values, some of another dtype, as load_state_dict accepts
+    return target, reference, start
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet8"])
+def test_load_weights_copies_into_the_models_own_tensors_as_load_state_dict_does(name: str) -> None:
+    target, reference, start = _models(name)
+    storage = {k: v.data_ptr() for k, v in target.state_dict().items()}
+    views = load_weights(target, start)
+    reference.load_state_dict(start)
+    got, want = target.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() == views.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    assert {k: v.data_ptr() for k, v in got.items()} == storage  # the model's tensors, not new ones
+    first = next(iter(target.parameters()))
+    with torch.no_grad():
+        first.add_(1.0)
+    assert torch.equal(views[next(iter(views))], first)  # the returned state dict sees later training
+
+
+def test_load_weights_leaves_anything_but_a_plain_copy_to_load_state_dict() -> None:
+    target, _, start = _models("mlp")
+    missing = dict(list(start.items())[1:])
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_weights(target, missing)
+    wrong = {**start, "fc.bias": torch.zeros(11)}
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_weights(target, wrong)
+    seen: list[str] = []
+    target.fc.register_load_state_dict_pre_hook(lambda module, state, prefix, *rest: seen.append(prefix))
+    load_weights(target, start)
+    assert seen == ["fc."] and torch.equal(target.fc.bias, start["fc.bias"].float())
