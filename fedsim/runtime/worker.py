@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import numpy as np
 import torch
 
+from fedsim import rng
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
 from fedsim.errors import ClientFailedError
+from fedsim.local_training import DROPOUT_STREAM
 from fedsim.runtime.batching import ClientBatcher
 from fedsim.runtime.reduce import WeightedSum
-from fedsim.runtime.setup import AnyPartition, as_tensor, build_env, client_data, client_seed
+from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 if TYPE_CHECKING:
@@ -122,6 +124,8 @@ class ClientWorker:
         late_set = set(late or ())
         summed = WeightedSum() if phase.reduce == "sum" else None
         ids = sorted(client_ids)
+        for stream in (CLIENT_STREAM, DROPOUT_STREAM):  # each client's seeds of the phase, derived all at once
+            rng.prefetch(self.seed, stream, round, ids, phase_index)
 
         def context(cid: int) -> ClientContext:
             return ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
