@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,12 +29,14 @@ from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
+from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
     from fedsim.runtime.setup import AnyPartition
+    from fedsim.storage import Location
 
 
 def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
@@ -175,7 +176,7 @@ class RayBackend:
         self._server = server
 
     def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
-              run_dir: Path) -> None:
+              run_dir: Location) -> None:
         rt = cfg.runtime
         if not ray.is_initialized():
             self._started_ray = True  # before init: a start interrupted half-way is still shut down
@@ -188,7 +189,7 @@ class RayBackend:
         self.cfg = cfg
         self._refs = (ray.put(arrays), ray.put(part), meta)
         arrays.clear()  # the object store has the data now: the driver's copy goes (the server maps the store's)
-        self._spill = str(Path(rt.spill_dir or Path(run_dir).resolve() / "spill"))
+        self._spill = str(spill_folder(cfg, run_dir))
         self.workers = [self._create(i) for i in range(n)]  # they boot while the server is built
         if rt.server_gpus > 0 or rt.server_cpus > 0:
             self.server = RemoteServer(ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus, max_restarts=0)(

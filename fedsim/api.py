@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedsim.config import RunConfig, apply_overrides, build_config, config_to_dict, load_config
 from fedsim.errors import ConfigError
+from fedsim.storage import Location, location
 
 if TYPE_CHECKING:
     from fedsim.runtime.backend import Backend
@@ -31,8 +32,9 @@ def resolve_config(config: str | Path | RunConfig | Mapping[str, Any] | None,
 
 def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
         backend: str | Backend | None = None, workers: int | None = None, callbacks: Sequence[Callback] = (),
-        resume: str | Path | None = None, progress: bool = False) -> Path:
-    """Run a simulation and return its run folder (tables, config, meta.json, checkpoints).
+        resume: str | Path | None = None, progress: bool = False) -> Location:
+    """Run a simulation and return its run folder (tables, config, meta.json, checkpoints): a Path, or a
+    fedsim.storage.StorePath when results.root (or `resume`) is a URI such as s3://bucket/prefix.
 
     config: a YAML path, a RunConfig or a dict shaped like the YAML; overrides: "key=value" strings as `-o` takes.
     backend: "local" or "ray" (overrides runtime.backend), or a Backend you built; Ray is imported only for "ray".
@@ -50,7 +52,7 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         if config is not None or overrides:
             raise ConfigError(f"fedsim.run: resume={str(resume)!r} keeps the run's saved config; leave config and "
                               "overrides out")
-        cfg = resume_config(Path(resume))
+        cfg = resume_config(location(resume, "resume"))
     else:
         cfg = resolve_config(config, overrides)
     if isinstance(backend, str):

@@ -7,7 +7,7 @@ registered with `register_state`, from their own fields, so a crafted file canno
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+import io
 from typing import Any, TypeVar
 
 import numpy as np
@@ -15,6 +15,7 @@ import torch
 
 from fedsim.errors import CheckpointError
 from fedsim.io import atomic_torch_save
+from fedsim.storage import Location, StorePath
 
 _CLS, _ND = "__dataclass__", "__ndarray__"
 _STATES: dict[str, type] = {}
@@ -120,11 +121,12 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def load_packed(path: Path, what: str) -> Any:
+def load_packed(path: Location, what: str) -> Any:
     """Read a file written from `pack(...)`: torch.load(weights_only=True), then unpack; any failure is one
-    CheckpointError line naming `path` and `what` it was meant to be."""
+    CheckpointError line naming `path` and `what` it was meant to be. A file in a store is read into memory first."""
     try:
-        raw = torch.load(path, weights_only=True, map_location="cpu")
+        source = io.BytesIO(path.read_bytes()) if isinstance(path, StorePath) else path
+        raw = torch.load(source, weights_only=True, map_location="cpu")
     except Exception as exc:  # corrupt or foreign file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable {what} ({type(exc).__name__}: {_first_line(exc)})") from None
     try:
@@ -135,12 +137,12 @@ def load_packed(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path}: malformed {what} ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
-def save_checkpoint(path: Path, payload: dict) -> None:
+def save_checkpoint(path: Location, payload: dict) -> None:
     """Write a checkpoint atomically."""
     atomic_torch_save(pack(payload), path)
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Location) -> dict:
     """Read a checkpoint, with a one-line error when it is missing, corrupt or names a class it may not."""
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}")
@@ -161,7 +163,7 @@ def _is(value: Any, kind: type) -> bool:
     return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
-def load_run_checkpoint(path: Path) -> dict:
+def load_run_checkpoint(path: Location) -> dict:
     """A run's checkpoint (`round`, `virtual_time`, `server_state`, `client_states` by client id), checked for
     those keys and types, so a foreign or truncated payload is one line instead of a KeyError later."""
     payload = load_checkpoint(path)

@@ -28,6 +28,7 @@ from fedsim.limits import (
     MAX_THREADS,
     MAX_WORKERS,
 )
+from fedsim.storage import StorePath, location
 
 
 @dataclass
@@ -153,7 +154,8 @@ class EvalConfig:
 
 @dataclass
 class ResultsConfig:
-    root: str = knob("results", doc="parent folder of run folders")
+    root: str = knob("results", doc="parent folder of run folders: a path (on a shared file system for a cluster) or a "
+                     "URI: s3://bucket/prefix (extra [s3]), gs://bucket/prefix (extra [gcs]), file://, memory://")
     run_id: str | None = knob(None, doc="run folder name; default: <name>-<timestamp>")
     checkpoint_every: int = knob(1, ge=0, le=MAX_ROUNDS, doc="checkpoint every this many rounds (0: never)")
 
@@ -239,9 +241,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return out
 
 
-def read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path | StorePath) -> dict:
     """Read a config file's mapping, with one-line errors for missing, malformed, empty or non-mapping files."""
-    p = Path(path)
+    p = location(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
@@ -350,11 +352,11 @@ def config_to_dict(cfg: RunConfig) -> dict:
     return out
 
 
-def save_config(cfg: RunConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML, atomically."""
+def save_config(cfg: RunConfig, path: str | Path | StorePath) -> None:
+    """Write the resolved config as YAML, atomically (in a run folder, local or in a store)."""
     from fedsim.io import atomic_write_text
 
-    atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    atomic_write_text(location(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def clients_per_round(cfg: RunConfig) -> int:

@@ -1,6 +1,7 @@
 """Atomic file writes: a killed run never leaves a half-written table, config or checkpoint.
 
 Files get the mode a plain open() would give them (0o666 less the umask), so a team can share a results folder.
+A file in a store (fedsim.storage.StorePath) is written to a local temporary file, then uploaded in one put.
 """
 
 from __future__ import annotations
@@ -11,9 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedsim.storage import Location, StorePath
 
-def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
+
+def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
     """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so the rename is atomic)."""
+    if isinstance(path, StorePath):
+        _upload(path, write)
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _create_temporary(path)
@@ -28,6 +34,19 @@ def atomic_write(path: Path, write: Callable[[str], Any]) -> None:
         raise
 
 
+def _upload(path: StorePath, write: Callable[[str], Any]) -> None:
+    """Write a local temporary file, then put it at `path` in one transfer (a store shows it whole or not at all)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        path.upload(tmp)
+    finally:
+        os.unlink(tmp)
+
+
 def _create_temporary(path: Path) -> str:
     """A new empty file next to `path`, created as open() would create it (the umask applies)."""
     while True:
@@ -39,12 +58,12 @@ def _create_temporary(path: Path) -> str:
             continue
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Location, text: str) -> None:
     """Write text atomically."""
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
+def atomic_torch_save(obj: Any, path: Location) -> None:
     """torch.save atomically."""
     import torch
 

@@ -1,9 +1,9 @@
 """Run folders and their tables: writing them atomically, and loading them back as DataFrames.
 
-results/<run_id>/ holds config.yaml (resolved), meta.json (versions, git sha, hardware), rounds.parquet
-(one row per round and global model), clients.parquet (one row per client, phase and round) and
-checkpoints/. Timing columns measured on the wall clock end in `_s`; `virtual_*` columns are the
-deterministic virtual clock (seconds).
+<results.root>/<run_id>/ (a local folder, or one in a store: fedsim.storage) holds config.yaml (resolved),
+meta.json (versions, git sha, hardware), rounds.parquet (one row per round and global model), clients.parquet
+(one row per client, phase and round) and checkpoints/. Timing columns measured on the wall clock end in `_s`;
+`virtual_*` columns are the deterministic virtual clock (seconds).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pandas as pd
 
 from fedsim.errors import CheckpointError
 from fedsim.io import atomic_write, atomic_write_text
+from fedsim.storage import Location, StorePath, glob_folders, location
 
 ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers", "failures",
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
@@ -44,7 +45,7 @@ def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[
             "error_traceback": traceback}
 
 
-def write_table(rows: list[dict], path: Path, columns: list[str]) -> None:
+def write_table(rows: list[dict], path: Location, columns: list[str]) -> None:
     """Write rows as parquet atomically, with the known columns first."""
     df = pd.DataFrame(rows)
     if not df.empty:
@@ -77,16 +78,16 @@ def run_meta() -> dict:
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
 
 
-def write_meta(run_dir: Path, extra: dict) -> None:
+def write_meta(run_dir: Location, extra: dict) -> None:
     atomic_write_text(run_dir / "meta.json", json.dumps({**run_meta(), **extra}, indent=2, default=str))
 
 
-def read_table(path: Path) -> pd.DataFrame:
+def read_table(path: Location) -> pd.DataFrame:
     """A parquet table of a run, with a one-line CheckpointError naming the file if it is missing or corrupt."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
     try:
-        with open(path, "rb") as f:  # one open: a table that a live run replaces meanwhile is still read whole
+        with path.open("rb") as f:  # one open: a table that a live run replaces meanwhile is still read whole
             return pd.read_parquet(f)
     except Exception as exc:  # truncated, foreign or corrupt file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable table ({type(exc).__name__}: {_first_line(exc)})") from None
@@ -96,7 +97,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-def _read_text(path: Path, parse) -> dict:
+def _read_text(path: Location, parse) -> dict:
     """A run's config.yaml or meta.json as a dict ({} when absent), naming the file when it is corrupt."""
     if not path.is_file():
         return {}
@@ -109,10 +110,10 @@ def _read_text(path: Path, parse) -> dict:
     return data
 
 
-def run_folder(path: str | Path) -> Path:
-    """The run folder `path` names (also as a bare run id under ./results); it must hold rounds.parquet."""
-    p = Path(path)
-    if not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
+def run_folder(path: str | Path | StorePath) -> Location:
+    """The run folder `path` names (also as a bare run id under ./results, or as a URI); it must hold rounds.parquet."""
+    p = location(path, "run folder")
+    if isinstance(p, Path) and not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
         p = Path("results") / p
     if not p.is_dir():
         raise CheckpointError(f"{p}: not a fedsim run folder (no such folder)")
@@ -130,7 +131,7 @@ class RunTables(TypedDict):
     meta: dict[str, Any]
 
 
-def load(path: str | Path) -> RunTables:
+def load(path: str | Path | StorePath) -> RunTables:
     """A run's tables: {"rounds": DataFrame, "clients": DataFrame, "config": dict, "meta": dict}.
 
     A missing clients.parquet gives an empty table; a corrupt file of any kind is a CheckpointError naming it."""
@@ -155,42 +156,44 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _is_run(p: Path) -> bool:
+def _is_run(p: Location) -> bool:
     return (p / "rounds.parquet").exists()
 
 
-def _looks_like_run(p: Path) -> bool:
+def _looks_like_run(p: Location) -> bool:
     """A folder a run started in (it has its config or meta) whether or not it finished a round."""
     return _is_run(p) or (p / "config.yaml").exists() or (p / "meta.json").exists()
 
 
-def find_runs(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[str]]:
+def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) -> tuple[list[Location], list[str]]:
     """Run folders named by `paths` and the incomplete ones skipped (as "path: reason").
 
-    `paths` is one path or glob pattern (a str or Path is one item, never its letters) or an iterable of
+    `paths` is one path, URI or glob pattern (a str or Path is one item, never its letters) or an iterable of
     them; a folder that is not itself a run but holds run folders (a results root) stands for its runs."""
     import glob
 
-    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    runs: list[Path] = []
+    items = [paths] if isinstance(paths, (str, Path, StorePath)) else list(paths)
+    runs: list[Location] = []
     skipped: list[str] = []
     for item in items:
         text = str(item)
-        if glob.has_magic(text):
-            matches = [Path(m) for m in sorted(glob.glob(text)) if Path(m).is_dir()]
+        matches: list[Location]
+        if not isinstance(item, StorePath) and glob.has_magic(text):
+            matches = glob_folders(text)
             if not matches:
                 raise CheckpointError(f"{text}: matches no folder")
         else:
-            if not Path(text).is_dir():
+            folder = location(item, "run folder")
+            if not folder.is_dir():
                 raise CheckpointError(f"{text}: no such run folder")
-            matches = [Path(text)]
+            matches = [folder]
         for p in matches:
             if _is_run(p):
                 runs.append(p)
             elif _looks_like_run(p):
                 skipped.append(f"{p}: incomplete (no rounds.parquet)")
             else:
-                children = sorted(c for c in p.iterdir() if c.is_dir() and _looks_like_run(c))
+                children = sorted((c for c in p.iterdir() if c.is_dir() and _looks_like_run(c)), key=str)
                 if not children and len(matches) == 1 and not glob.has_magic(text):
                     raise CheckpointError(f"{p}: neither a run folder nor a folder of runs")
                 for c in children:

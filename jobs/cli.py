@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import NoReturn
 
 from fedsim.errors import ConfigError, FedsimError
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
+from fedsim.storage import Location, location
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +49,7 @@ def make_backend(cfg, workers: int | None = None):
     return RayBackend(num_workers=workers)
 
 
-def print_summary(run_dir: Path) -> None:
+def print_summary(run_dir: Location) -> None:
     """The run's evaluated rounds as a table, then the best accuracy per model."""
     from fedsim.results import load, summary
 
@@ -74,10 +74,10 @@ def _resume_conflicts(args: argparse.Namespace) -> None:
     if args.override:
         shown = " ".join(f"-o {o}" for o in args.override)
         raise ConfigError(f"--resume {args.resume} cannot take overrides ({shown}): a resumed run keeps its saved "
-                          f"config; to extend it, edit rounds in {Path(args.resume) / 'config.yaml'}")
+                          f"config; to extend it, edit rounds in {location(args.resume, '--resume') / 'config.yaml'}")
 
 
-def _after_last_round(rounds_table: Path) -> str:
+def _after_last_round(rounds_table: Location) -> str:
     """' after round R' for the last round the stopped run's table kept (the signal may land between writing
     the table and the progress callback), or '' if the table cannot be read."""
     from fedsim.results import read_table
@@ -92,7 +92,7 @@ def _after_last_round(rounds_table: Path) -> str:
 class _Started(Callback):
     """Remembers the run folder, for the line that says how to resume an interrupted run."""
 
-    run_dir: Path | None = None
+    run_dir: Location | None = None
 
     def on_setup_end(self, run: RunInfo) -> None:
         self.run_dir = run.run_dir
@@ -107,7 +107,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.resume:
         _resume_conflicts(args)
-        cfg = resume_config(Path(args.resume))
+        cfg = resume_config(location(args.resume, "--resume"))
     else:
         if not args.config:
             raise FedsimError("fedsim run: give a CONFIG file, or --resume RUN")
@@ -122,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
                                                                                       INTERRUPTED_EXIT_CODE)
         where = started.run_dir or args.resume
-        saved = where and Path(where) / "rounds.parquet"
+        saved = where and location(where) / "rounds.parquet"
         if saved and saved.exists():
             print(f"fedsim: {word}{_after_last_round(saved)}; resume with `fedsim run --resume {saved.parent}`",
                   file=sys.stderr)

@@ -202,7 +202,9 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
     steady = times[1:] if len(times) > 1 else times
     first_phase = {c["phase"] for c in clients[:1]}
     computed = [c for c in clients if c["phase"] in first_phase and c["wall_s"] and c["wall_s"] > 0]
-    spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
+    from fedsim.runtime.rundir import spill_folder
+
+    spill = spill_folder(cfg, run_dir)
     spilled_bytes, spilled_files = dir_stats(spill)
     gb = 2 ** 30
     R = len(rows)

@@ -30,6 +30,7 @@ import pandas as pd
 
 from fedsim.configtools import from_dict, knob
 from fedsim.errors import ConfigError, FedsimError
+from fedsim.storage import Location
 
 
 @dataclass
@@ -187,7 +188,7 @@ def hardware(cfg: Any) -> str:
             f"{platform.platform()}")
 
 
-def run_cached(cfg: Any, fresh: bool = False) -> Path:
+def run_cached(cfg: Any, fresh: bool = False) -> Location:
     """Run `cfg` in results.root/<name>-<algorithm>-s<seed>-<hash>/, or return that folder if a run finished there.
 
     A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source

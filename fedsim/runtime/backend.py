@@ -8,7 +8,6 @@ dataclass with named fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -19,6 +18,7 @@ if TYPE_CHECKING:
     from fedsim.config import RunConfig
     from fedsim.runtime.setup import AnyPartition
     from fedsim.runtime.worker import WorkerReply
+    from fedsim.storage import Location
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class Backend(Protocol):
     def server(self) -> ServerAPI: ...
 
     def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
-              run_dir: Path) -> None:
+              run_dir: Location) -> None:
         """Start workers and server. A backend that copies the data elsewhere may empty `arrays`."""
 
     def describe(self) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedsim.errors import CallbackError, FedsimError
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
 
     from fedsim.config import RunConfig
     from fedsim.runtime.backend import Backend
+    from fedsim.storage import Location
 
 RunStatus = Literal["completed", "stopped", "interrupted", "failed"]
 """completed: every round ran (or the method finished); stopped: a callback asked to stop; interrupted: Ctrl-C or
@@ -35,12 +35,12 @@ class RunInfo:
     """A run that is about to start its rounds: its config, folder, backend and the first round it runs."""
 
     cfg: RunConfig
-    run_dir: Path
+    run_dir: Location  # a local folder, or a folder in a store (fedsim.storage)
     backend: dict[str, Any]  # as in meta.json: backend class, num_workers, startup_s, placement, server
     first_round: int = 0  # > 0 when a resumed run continues
 
     @property
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Location:
         return self.run_dir / "checkpoints" / "last.pt"
 
 

@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import os
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedsim.algorithms.base import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
+from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import ClientWorker, WorkerReply
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
     from fedsim.runtime.setup import AnyPartition
+    from fedsim.storage import Location
 
 
 class LocalBackend:
@@ -37,10 +38,10 @@ class LocalBackend:
         return len(self.workers)
 
     def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
-              run_dir: Path) -> None:
+              run_dir: Location) -> None:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)
-        self._spill = Path(cfg.runtime.spill_dir or run_dir / "spill")
+        self._spill = spill_folder(cfg, run_dir)
         self._server = Server(cfg, arrays, part, meta, device=self.device, threads=cfg.runtime.threads)
         self.workers = [self._make(i) for i in range(n)]
 

@@ -33,6 +33,7 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
+from fedsim.storage import Location, StorePath, location
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class RunState:
 class Simulation:
     """One run of a config on a backend: setup, restore, and the rounds; `run()` below drives it."""
 
-    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Path, inputs: Inputs | None = None) -> None:
+    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None) -> None:
         self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
         self.inputs = inputs or Inputs()
         self.ckpt_path = run_dir / "checkpoints" / "last.pt"
@@ -253,14 +254,14 @@ class Simulation:
                                       if owner(c, self.backend.num_workers) == w}, workers=[w])
 
 
-def resume_tables(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The tables a checkpointed run wrote; a missing or corrupt one fails now, before anything starts."""
     return read_table(run_dir / "rounds.parquet"), read_table(run_dir / "clients.parquet")
 
 
-def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | None = None,
-        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Path:
-    """Run (or resume) a simulation; returns the run folder.
+def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | StorePath | None = None,
+        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Location:
+    """Run (or resume) a simulation; returns the run folder (a Path, or a StorePath for a run kept in a store).
 
     A new run's folder is created once data, partition and backend are ready, and removed again if the run
     stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
@@ -272,7 +273,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
 
     tables = None
     if resume is not None:
-        run_dir = Path(resume)
+        run_dir = location(resume, "--resume")
         cfg = resume_config(run_dir)
         if (run_dir / "checkpoints" / "last.pt").exists():
             tables = resume_tables(run_dir)

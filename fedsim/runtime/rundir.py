@@ -13,22 +13,27 @@ copy existed are not checked; their first resume writes it.
 from __future__ import annotations
 
 import math
-import shutil
+import os
+import tempfile
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from fedsim.config import RunConfig, config_to_dict, load_config, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
+from fedsim.storage import Location, check_reachable, location, remove_tree
 
 RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
 
-def planned_run_dir(cfg: RunConfig) -> Path:
-    """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run."""
+def planned_run_dir(cfg: RunConfig) -> Location:
+    """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run,
+    and a results.root in a store that cannot be reached (fedsim.storage)."""
     run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
-    path = Path(cfg.results.root) / run_id
+    root = location(cfg.results.root, "results.root")
+    check_reachable(root, "results.root")
+    path = root / run_id
     if (path / "rounds.parquet").exists():
         raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
                           "or choose another run_id")
@@ -40,12 +45,14 @@ def planned_run_dir(cfg: RunConfig) -> Path:
 class NewRunDir:
     """A run folder this process created, removable as a whole until the run's first round is written."""
 
-    def __init__(self, path: Path, cfg: RunConfig) -> None:
+    def __init__(self, path: Location, cfg: RunConfig) -> None:
         self.path = path
         self._existed = path.exists()
-        self._top = path  # the outermost folder this run creates (results.root itself may be new)
-        while not self._top.parent.exists() and self._top.parent != self._top:
-            self._top = self._top.parent
+        self._created: list[Location] = []  # the parents this run creates, innermost first (results.root may be new)
+        parent = path.parent
+        while not parent.exists() and parent.parent != parent:
+            self._created.append(parent)
+            parent = parent.parent
         try:
             path.mkdir(parents=True, exist_ok=True)
             save_config(cfg, path / "config.yaml")
@@ -60,12 +67,17 @@ class NewRunDir:
     def remove(self) -> None:
         """Delete what this run wrote; a folder that existed before (empty, or the user's) is kept itself."""
         if not self._existed:
-            shutil.rmtree(self._top, ignore_errors=True)
+            remove_tree(self.path)
+            for folder in self._created:  # only while empty: another run may have started beside this one
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
             return
         for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb"):
             target = self.path / name
             if target.is_dir():
-                shutil.rmtree(target, ignore_errors=True)
+                remove_tree(target)
             elif target.exists():
                 target.unlink(missing_ok=True)
 
@@ -104,19 +116,34 @@ def unsafe_changes(started: RunConfig, now: RunConfig) -> list[tuple[str, Any, A
     return [d for d in _differences(config_to_dict(started), config_to_dict(now)) if not resume_safe(d[0])]
 
 
-def resume_config(run_dir: Path) -> RunConfig:
+def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
+    """Where workers spill client states: runtime.spill_dir, else the run folder's spill/, or for a run kept in a
+    store a local temporary folder (a spilled state is a cache, read back within the run, never a result)."""
+    if cfg.runtime.spill_dir:
+        return Path(cfg.runtime.spill_dir)
+    if isinstance(run_dir, Path):
+        return run_dir.resolve() / "spill"
+    return Path(tempfile.gettempdir()) / f"fedsim-spill-{run_dir.name}-{os.getpid()}"
+
+
+def _named(path: Location) -> str | Path:
+    """A path as load_config takes it: a local one as it is, one in a store as its URI."""
+    return path if isinstance(path, Path) else str(path)
+
+
+def resume_config(run_dir: Location) -> RunConfig:
     """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
-    cfg = load_config(path)
+    cfg = load_config(_named(path))
     started_path = run_dir / STARTED_CONFIG
     if not started_path.is_file():
         if started_path.parent.is_dir():
             save_config(cfg, started_path)
         return cfg
     try:
-        started = load_config(started_path)
+        started = load_config(_named(started_path))
     except FedsimError as exc:
         raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
     diff = unsafe_changes(started, cfg)

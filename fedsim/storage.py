@@ -1,0 +1,186 @@
+"""Where runs are kept: a local folder, or a URI on any filesystem fsspec knows (s3://, gs://, memory://, ...).
+
+`location(text)` turns results.root, a `--resume` argument or a run named to `fedsim.load` into a `Path` (plain
+paths, shared file systems and file:// URIs) or a `StorePath` (any other URI). Both offer the part of pathlib that
+fedsim's tables, configs and checkpoints use, so the code that writes and reads a run does not care where it is.
+Writes stay atomic (fedsim.io): a local file is written under a temporary name and renamed; a store's file is
+written locally, then uploaded in one put, which an object store shows whole or not at all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from fedsim.errors import ConfigError, MissingExtraError
+from fedsim.extras import install_hint
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+"""URI scheme -> (the package fsspec needs for it, the fedsim extra that installs it)."""
+
+
+class StorePath:
+    """A file or folder on an fsspec filesystem, with the pathlib methods fedsim uses; str() gives its URI."""
+
+    def __init__(self, fs: Any, path: str, scheme: str) -> None:
+        self.fs, self.scheme = fs, scheme
+        self.path = path.rstrip("/") or fs.root_marker
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether paths start with a bucket (object stores): folders there exist only through their files."""
+        return self.fs.root_marker == ""
+
+    def __truediv__(self, name: str | Path) -> StorePath:
+        return StorePath(self.fs, f"{self.path.rstrip('/')}/{name}", self.scheme)
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rpartition("/")[2]
+
+    @property
+    def parent(self) -> StorePath:
+        """The enclosing folder; a bucket, or the store's root, is its own parent."""
+        head = self.path.rstrip("/").rpartition("/")[0]
+        return StorePath(self.fs, head or self.fs.root_marker or self.path, self.scheme)
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.path.lstrip('/')}"
+
+    def __repr__(self) -> str:
+        return f"StorePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StorePath) and (self.fs, self.path) == (other.fs, other.path)
+
+    def __hash__(self) -> int:
+        return hash((type(self.fs).__name__, self.path))
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    def is_file(self) -> bool:
+        return bool(self.fs.isfile(self.path))
+
+    def is_dir(self) -> bool:
+        return bool(self.fs.isdir(self.path))
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Create the folder (and its parents); nothing to do on an object store, and never a new bucket."""
+        if not self.bucketed:
+            self.fs.makedirs(self.path, exist_ok=True)
+
+    def iterdir(self) -> Iterator[StorePath]:
+        for child in self.fs.ls(self.path, detail=False):
+            if child.rstrip("/") != self.path:
+                yield StorePath(self.fs, child, self.scheme)
+
+    def open(self, mode: str = "rb") -> IO[Any]:
+        return self.fs.open(self.path, mode)
+
+    def read_bytes(self) -> bytes:
+        return bytes(self.fs.cat_file(self.path))
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.read_bytes().decode(encoding)
+
+    def upload(self, local_file: str) -> None:
+        """Put a local file here in one transfer."""
+        self.fs.put_file(local_file, self.path)
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        if missing_ok and not self.exists():
+            return
+        self.fs.rm_file(self.path)
+
+    def rmdir(self) -> None:
+        """Remove an empty folder (OSError if it holds anything); folders of an object store need no removal."""
+        if not self.bucketed:
+            self.fs.rmdir(self.path)
+
+    def rmtree(self) -> None:
+        if self.exists():
+            self.fs.rm(self.path, recursive=True)
+
+
+Location = Path | StorePath
+
+
+def is_uri(text: str | Path | StorePath) -> bool:
+    return isinstance(text, str) and _SCHEME.match(text) is not None
+
+
+def location(text: str | Path | StorePath, key: str = "path") -> Location:
+    """The folder or file `text` names: a Path for plain paths and file:// URIs, a StorePath for other URIs.
+
+    An unknown scheme, or one whose package is not installed, is a ConfigError naming `key` and the URI."""
+    if isinstance(text, (Path, StorePath)):
+        return text
+    match = _SCHEME.match(text)
+    if match is None:
+        return Path(text)
+    scheme = match.group(1).lower()
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        fs, path = url_to_fs(text)
+    except ImportError as exc:
+        package, extra = EXTRAS.get(scheme, (None, None))
+        if extra is None:
+            raise MissingExtraError(f"{key}: {text}: {scheme}:// needs a package that is not installed "
+                                    f"({_first_line(exc)})") from None
+        raise MissingExtraError(f"{key}: {text}: {scheme}:// needs {package}, which is not installed: "
+                                f"{install_hint(extra)}") from None
+    except ValueError as exc:
+        if "not known" not in str(exc):
+            raise ConfigError(f"{key}: {text}: {_first_line(exc)}") from None
+        raise ConfigError(f"{key}: {text}: unknown URI scheme {scheme}:// (a folder, or s3://, gs://, file://, "
+                          "memory://, or another scheme fsspec knows)") from None
+    except Exception as exc:  # a filesystem that refuses its URI: say so in one line
+        raise ConfigError(f"{key}: {text}: {type(exc).__name__}: {_first_line(exc)}") from None
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    fs.invalidate_cache()  # listings cached earlier in this process miss what other machines wrote since
+    return StorePath(fs, path, scheme)
+
+
+def check_reachable(root: Location, key: str) -> None:
+    """Refuse a store root whose bucket is missing or out of reach, before a run writes anything there."""
+    if not isinstance(root, StorePath) or not root.bucketed:
+        return
+    bucket = root.path.lstrip("/").partition("/")[0]
+    try:
+        found = root.fs.exists(bucket)
+    except Exception as exc:  # credentials, network, endpoint: one line naming the key
+        raise ConfigError(f"{key}: {root}: cannot reach the store ({type(exc).__name__}: {_first_line(exc)})") \
+            from None
+    if not found:
+        raise ConfigError(f"{key}: {root}: no bucket {bucket!r} (or no access to it); create it first")
+
+
+def remove_tree(path: Location) -> None:
+    """Delete a folder and everything in it, wherever it is; a missing one is fine."""
+    import shutil
+
+    if isinstance(path, StorePath):
+        path.rmtree()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def glob_folders(pattern: str) -> list[Location]:
+    """The folders a glob pattern matches, locally or in a store, sorted."""
+    import glob
+
+    loc = location(pattern)
+    if isinstance(loc, Path):
+        return [Path(m) for m in sorted(glob.glob(str(loc))) if Path(m).is_dir()]
+    return [StorePath(loc.fs, m, loc.scheme) for m in sorted(loc.fs.glob(loc.path)) if loc.fs.isdir(m)]
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

@@ -1,0 +1,202 @@
+"""Runs kept in a store: results.root as a URI (file://, memory://, s3:// on a local S3 server). Each store gets a
+2-round run through the CLI, a resume to 3 rounds, and fedsim.collect; the rounds must equal a plain local
+3-round run, every file must land in the store and nowhere else, and a bad URI is one line, exit 2."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import uuid
+
+import fsspec
+import pandas as pd
+import pytest
+
+import fedsim
+from fedsim.config import save_config
+from fedsim.errors import CallbackError
+from fedsim.runtime.callbacks import Callback
+from fedsim.runtime.loop import run
+from fedsim.storage import StorePath, location
+from jobs.cli import main
+from tests.conftest import small_config
+
+RUN_FILES = ["config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
+             "checkpoints/last.pt"]
+COMPARED = ["round", "model", "accuracy", "loss", "participants", "arrived", "bytes_up", "bytes_down",
+            "virtual_time"]
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory):
+    """A tiny digits config (2 rounds, local backend), as a file the CLI runs."""
+    folder = tmp_path_factory.mktemp("config")
+    path = folder / "tiny.yaml"
+    save_config(small_config(folder, rounds=2), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(config_file, tmp_path_factory):
+    """The same config run for 3 rounds without a break, in a plain local folder."""
+    root = tmp_path_factory.mktemp("reference")
+    assert main(["run", str(config_file), "--quiet", "-o", "rounds=3", "-o", f"results.root={root}",
+                 "-o", "results.run_id=ref"]) == 0
+    return fedsim.load(root / "ref")["rounds"]
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """An empty working directory: a run kept in a store must write nothing here."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def _run_resume_collect(config_file, root: str, reference: pd.DataFrame, capsys) -> None:
+    """2 rounds into `root`, rounds raised to 3 in the stored config.yaml, resumed from the URI, collected."""
+    assert main(["run", str(config_file), "--quiet", "-o", f"results.root={root}", "-o", "results.run_id=r"]) == 0
+    assert f"results: {location(root) / 'r'}" in capsys.readouterr().out
+    run_dir = location(root) / "r"
+    for name in RUN_FILES:
+        assert (run_dir / name).is_file(), name
+    assert len(fedsim.load(str(run_dir))["rounds"]) == 2
+    config = run_dir / "config.yaml"
+    text = config.read_text()
+    assert "\nrounds: 2\n" in text
+    with config.open("wb") as f:
+        f.write(text.replace("\nrounds: 2\n", "\nrounds: 3\n").encode())
+
+    assert main(["run", "--resume", str(run_dir), "--quiet"]) == 0
+    df = fedsim.collect([root])
+    assert df["run"].unique().tolist() == ["r"] and df.attrs["skipped"] == []
+    assert (df["config.rounds"] == 3).all()
+    pd.testing.assert_frame_equal(df[COMPARED].reset_index(drop=True), reference[COMPARED].reset_index(drop=True))
+    pd.testing.assert_frame_equal(fedsim.load(str(run_dir))["rounds"], df.drop(
+        columns=[c for c in df.columns if c == "run" or c.startswith("config.")]))
+    names = [str(p) for p in _walk(run_dir)]
+    assert not [n for n in names if n.endswith(".tmp")], names  # every write was one complete file
+
+
+def _walk(folder):
+    for child in folder.iterdir():
+        yield child
+        if child.is_dir():
+            yield from _walk(child)
+
+
+def test_file_uri_run_resumes_and_collects(config_file, reference, tmp_path, elsewhere, capsys):
+    root = f"file://{tmp_path}/shared/runs"
+    _run_resume_collect(config_file, root, reference, capsys)
+    assert (tmp_path / "shared" / "runs" / "r" / "rounds.parquet").is_file()
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.fixture
+def memory_root():
+    """A fresh folder in fsspec's in-memory filesystem, removed afterwards."""
+    root = f"memory://fedsim-{uuid.uuid4().hex[:8]}/runs"
+    yield root
+    fs, top = fsspec.filesystem("memory"), root.replace("memory://", "/").rsplit("/", 1)[0]
+    if fs.exists(top):
+        fs.rm(top, recursive=True)
+
+
+def test_memory_store_run_resumes_and_collects(config_file, reference, memory_root, elsewhere, capsys):
+    _run_resume_collect(config_file, memory_root, reference, capsys)
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_checkpoint_in_a_store_is_data_not_code(config_file, memory_root, elsewhere, capsys):
+    """A crafted pickle put where the checkpoint was is refused in one line; the code it names never runs."""
+    assert main(["run", str(config_file), "--quiet", "-o", f"results.root={memory_root}",
+                 "-o", "results.run_id=r"]) == 0
+    marker = elsewhere / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    checkpoint = location(memory_root) / "r" / "checkpoints" / "last.pt"
+    with checkpoint.open("wb") as f:
+        f.write(pickle.dumps(Payload(), protocol=2))
+    capsys.readouterr()
+    assert main(["run", "--resume", f"{memory_root}/r", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint"), err
+    assert not marker.exists()
+
+
+def test_run_that_fails_before_its_first_round_leaves_nothing_in_the_store(memory_root, tmp_path):
+    class Refuse(Callback):
+        def on_setup_end(self, run):
+            raise RuntimeError("no")
+
+    cfg = small_config(tmp_path, f"results.root={memory_root}", "results.run_id=r", rounds=2)
+    with pytest.raises(CallbackError):
+        run(cfg, callbacks=[Refuse()])
+    assert not location(memory_root).exists()
+    assert not location(memory_root).parent.exists()
+
+
+@pytest.mark.parametrize("root, message", [
+    ("nope://bucket/runs", "results.root: nope://bucket/runs: unknown URI scheme nope://"),
+    ("gs://bucket/runs", 'results.root: gs://bucket/runs: gs:// needs gcsfs, which is not installed: '
+                         'pip install "fedsim-ray[gcs]"'),
+])
+def test_bad_uri_is_one_line_and_exit_2(root, message, config_file, elsewhere, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "gcsfs", None)  # as if the gcs extra were not installed
+    assert main(["run", str(config_file), "--quiet", "-o", f"results.root={root}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedsim: error: {message}"), err
+    assert list(elsewhere.iterdir()) == []
+    assert main(["run", "--resume", f"{root}/r", "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith(f"fedsim: error: --resume: {root}/r: ")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A local S3-compatible server (moto) with one bucket; s3fs reaches it through AWS_ENDPOINT_URL."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is in the s3 and dev extras")
+    port = _free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir("fedsim-bucket")
+        yield "s3://fedsim-bucket"
+        s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
+def test_s3_store_run_resumes_and_collects(s3_server, config_file, reference, elsewhere, capsys):
+    root = f"{s3_server}/team/runs"
+    _run_resume_collect(config_file, root, reference, capsys)
+    assert isinstance(location(root), StorePath)
+    assert list(elsewhere.iterdir()) == []
+    # a run another machine writes meanwhile (its own S3 client) shows up in the next collect
+    import s3fs
+
+    other = s3fs.S3FileSystem(skip_instance_cache=True)
+    other.copy(f"{root}/r", f"{root}/r2", recursive=True)
+    assert sorted(fedsim.collect(root)["run"].unique()) == ["r", "r2"]
+
+
+def test_s3_missing_bucket_is_one_line_and_exit_2(s3_server, config_file, elsewhere, capsys):
+    assert main(["run", str(config_file), "--quiet", "-o", "results.root=s3://no-such-bucket/runs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fedsim: error: results.root: s3://no-such-bucket/runs: no bucket 'no-such-bucket' "
+                   "(or no access to it); create it first"], err
+    assert list(elsewhere.iterdir()) == []
