@@ -23,8 +23,8 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
-from actors.reaper import watch
 from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
@@ -66,30 +66,6 @@ def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
 def cluster_nodes() -> list[dict[str, float]]:
     """Schedulable resources of each alive node."""
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-
-
-def init_ray(address: str | None) -> None:
-    """ray.init, keeping the CLI's SIGTERM handler: Ray's own exits the driver mid-round with a crash dump,
-    while the CLI's unwinds like Ctrl-C (tables kept, Ray shut down). A local Ray that this call starts is
-    watched by actors/reaper.py, so not even a kill -9 of the driver leaves its daemons running."""
-    import signal
-
-    from fedsim.runtime.signals import is_sigterm_handler
-
-    previous = signal.getsignal(signal.SIGTERM)
-    ours = is_sigterm_handler(previous)
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
-    except SystemExit as exc:  # Ray's handler caught a SIGTERM during start-up
-        if ours and callable(previous) and exc.code == signal.SIGTERM:
-            previous(signal.SIGTERM, None)
-        raise
-    finally:
-        if ours:
-            signal.signal(signal.SIGTERM, previous)
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and getattr(node, "head", False):  # a local Ray of our own, not a cluster joined
-        watch(node.get_session_dir_path())
 
 
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
@@ -153,13 +129,14 @@ class RayBackend:
     worker_cls: Any = ClientWorkerActor
     server_cls: Any = ServerActor
 
-    def __init__(self, num_workers: int | None = None) -> None:
+    def __init__(self, num_workers: int | None = None, boot: RayBoot | None = None) -> None:
         self._requested = num_workers
+        self._boot = boot  # a start of Ray already under way (jobs.cli.make_backend begins it before torch loads)
+        self._startup_limit = 60.0
         self.workers: list[Any] = []
         self.placement: list[dict] = []
         self._server: ServerAPI | None = None
         self.server_placement: dict = {}
-        self._started_ray = False
 
     @property
     def num_workers(self) -> int:
@@ -178,9 +155,10 @@ class RayBackend:
     def start(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
               run_dir: Location) -> None:
         rt = cfg.runtime
-        if not ray.is_initialized():
-            self._started_ray = True  # before init: a start interrupted half-way is still shut down
-            init_ray(rt.ray_address)
+        self._startup_limit = rt.startup_timeout_s
+        if self._boot is None:
+            self._boot = RayBoot(rt.ray_address)
+        self._boot.wait(rt.startup_timeout_s)
         fits = size_pool(cfg, cluster_nodes())
         n = self._requested or rt.num_workers or fits
         if n > fits:
@@ -294,8 +272,8 @@ class RayBackend:
             except Exception:  # already gone
                 continue
         self.workers, self._server = [], None
-        if self._started_ray:
-            ray.shutdown()
+        if self._boot is not None:
+            self._boot.stop(self._startup_limit)
 
 
 def compact(obj: Any) -> Any:

@@ -8,6 +8,8 @@ this one, as Flower's does; peak RSS is summed over this process and all its des
 workers included).
 """
 
+from __future__ import annotations
+
 import time
 
 T_START = time.perf_counter()
@@ -18,16 +20,12 @@ import sys  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from bench.common import (  # noqa: E402
-    BenchError,
-    TreeMemSampler,
-    Workload,
-    emit_result,
-    load_prepared,
-    pss_interval_from_env,
-    round_summary,
-)
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo  # noqa: E402
+
+if TYPE_CHECKING:
+    from bench.common import TreeMemSampler, Workload
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -46,14 +44,24 @@ def main(argv: list[str] | None = None) -> int:
     from fedsim.errors import FedsimError
 
     args = parse(argv)
+    boot = None
+    if args.backend == "ray":  # as `fedsim run` does: Ray starts while torch imports and the workload loads
+        from actors.boot import RayBoot
+
+        boot = RayBoot(None)
+    from bench.common import BenchError, TreeMemSampler, load_prepared, pss_interval_from_env
+
     try:
         sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
         sampler.start()
         w = load_prepared(args.workload).workload
-        return _run(args, w, sampler)
+        return _run(args, w, sampler, boot)
     except (BenchError, FedsimError) as exc:
         print(f"fedsim_fedavg: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if boot is not None:
+            boot.stop(60.0)  # the run has shut Ray down already, unless it failed before it began
 
 
 class BenchClock(Callback):
@@ -80,8 +88,9 @@ class BenchClock(Callback):
               f"acc={row.get('accuracy', float('nan')):.4f}", flush=True)
 
 
-def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler) -> int:
+def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, boot: Any) -> int:
     """Run the prepared workload through fedsim's driver, every round, and print RESULT_JSON."""
+    from bench.common import emit_result, load_prepared, round_summary
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
@@ -95,7 +104,8 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler) -> int:
     sizes, draws = p.shard_sizes(), p.draws
     del p
     clock = BenchClock()
-    run_dir = run(cfg, make_backend(cfg, args.workers), callbacks=[clock], inputs=prepared_inputs(cfg, args.workload))
+    run_dir = run(cfg, make_backend(cfg, args.workers, boot), callbacks=[clock],
+                  inputs=prepared_inputs(cfg, args.workload))
     t_done = time.perf_counter()
     sampler.stop()
     marks, rows, t_loop = clock.marks, clock.rows, clock.t_loop

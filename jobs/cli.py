@@ -38,15 +38,22 @@ def _count(minimum: int):
     return parse
 
 
-def make_backend(cfg, workers: int | None = None):
-    """The backend the config asks for."""
+def make_backend(cfg, workers: int | None = None, boot=None):
+    """The backend the config asks for; a Ray one starts Ray at once, in the background (or takes over `boot`,
+    an actors.boot.RayBoot already under way)."""
     if cfg.runtime.backend == "local":
         from fedsim.runtime.local import LocalBackend
 
         return LocalBackend(num_workers=workers)
-    from actors import RayBackend
+    from actors.boot import RayBoot
 
-    return RayBackend(num_workers=workers)
+    boot = boot or RayBoot(cfg.runtime.ray_address)  # Ray starts while torch and the rest of the backend import
+    try:
+        from actors.pool import RayBackend
+    except BaseException:
+        boot.stop(cfg.runtime.startup_timeout_s)
+        raise
+    return RayBackend(num_workers=workers, boot=boot)
 
 
 def print_summary(run_dir: Location) -> None:
@@ -100,8 +107,6 @@ class _Started(Callback):
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.config import load_config
-    from fedsim.runtime.callbacks import ProgressBar
-    from fedsim.runtime.loop import run
     from fedsim.runtime.rundir import resume_config
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -115,9 +120,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.backend:
         cfg.runtime.backend = args.backend
     started = _Started()
+    backend = make_backend(cfg, args.workers)  # before the heavy imports: a Ray backend starts Ray meanwhile
     try:
-        run_dir = run(cfg if not args.resume else None, backend=make_backend(cfg, args.workers),
-                      resume=args.resume, callbacks=[started] + ([] if args.quiet else [ProgressBar()]))
+        from fedsim.runtime.callbacks import ProgressBar
+        from fedsim.runtime.loop import run
+
+        run_dir = run(cfg if not args.resume else None, backend=backend, resume=args.resume,
+                      callbacks=[started] + ([] if args.quiet else [ProgressBar()]))
     except KeyboardInterrupt:
         word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
                                                                                       INTERRUPTED_EXIT_CODE)
@@ -129,6 +138,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             print(f"fedsim: {word} before the first round finished; nothing was written", file=sys.stderr)
         return code
+    finally:
+        backend.shutdown()  # run() has shut it down already, unless it failed before it began
     print_summary(run_dir)
     return 0
 

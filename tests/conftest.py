@@ -22,7 +22,7 @@ def ray_local():
     """One local Ray instance for the session: 2 CPUs and 2 logical GPUs (for placement tests)."""
     import ray
     if not ray.is_initialized():
-        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
+        ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield ray
     ray.shutdown()

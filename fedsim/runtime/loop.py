@@ -272,15 +272,20 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     from fedsim.runtime.local import LocalBackend
 
     tables = None
-    if resume is not None:
-        run_dir = location(resume, "--resume")
-        cfg = resume_config(run_dir)
-        if (run_dir / "checkpoints" / "last.pt").exists():
-            tables = resume_tables(run_dir)
-    else:
-        if cfg is None:
-            raise ValueError("run() needs a config or a run folder to resume")
-        run_dir = planned_run_dir(cfg)
+    try:
+        if resume is not None:
+            run_dir = location(resume, "--resume")
+            cfg = resume_config(run_dir)
+            if (run_dir / "checkpoints" / "last.pt").exists():
+                tables = resume_tables(run_dir)
+        else:
+            if cfg is None:
+                raise ValueError("run() needs a config or a run folder to resume")
+            run_dir = planned_run_dir(cfg)
+    except BaseException:
+        if backend is not None:  # one the caller made, perhaps already starting Ray
+            backend.shutdown()
+        raise
     backend = backend or LocalBackend()
     sim = Simulation(cfg, backend, run_dir, inputs)
     hooks = Callbacks([])
