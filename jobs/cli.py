@@ -172,10 +172,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from jobs.sweep import main as sweep_main
+    from jobs.sweep import from_args
 
-    return sweep_main([args.sweep] + (["--out", args.out] if args.out else []) + (["--dry-run"] if args.dry_run
-                                                                                   else []))
+    return from_args(args)
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
@@ -239,10 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--y", default="accuracy", help="column of rounds.parquet on the y axis (default: accuracy)")
     pl.add_argument("--out", help="PNG path (default: RUN/<y>.png, or <y>.png in the runs' common folder)")
     pl.set_defaults(fn=cmd_plot)
-    sw = sub.add_parser("sweep", help="run arms × seeds and write a markdown table")
-    sw.add_argument("sweep")
-    sw.add_argument("--out", help="markdown output path")
-    sw.add_argument("--dry-run", action="store_true", help="list the runs without running them")
+    sw = sub.add_parser("sweep", help="run a sweep's runs as Ray Tune trials and write one table of mean ± std")
+    sw.add_argument("sweep", help="sweep file (YAML)")
+    sw.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field in every run, e.g. -o rounds=5")
+    sw.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend in every run")
+    sw.add_argument("--output-dir", metavar="DIR", help="the sweep's folder: its runs, Tune's state, table.md and "
+                                                        "table.parquet (default results/sweeps/<title>)")
+    sw.add_argument("--resume", action="store_true", help="continue the sweep in DIR after its driver stopped")
+    sw.add_argument("--parallel", type=_count(1), metavar="N", help="at most N trials at once (default: all that fit)")
+    sw.add_argument("--out", help="markdown output path (default DIR/table.md)")
+    sw.add_argument("--dry-run", action="store_true", help="list the runs and their shares without running them")
+    sw.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     sw.set_defaults(fn=cmd_sweep)
     st = sub.add_parser("stress", help="scale the client count and measure time and memory", add_help=False)
     st.add_argument("rest", nargs=argparse.REMAINDER)

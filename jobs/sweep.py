@@ -1,11 +1,16 @@
-"""Run arms × grid × seeds of a base config in one job and write a paper-style markdown table.
+"""Run arms × grid × sampled settings × seeds of a base config as Ray Tune trials and write one table.
 
-    python -m jobs.sweep configs/x/sweep.yaml [--out table.md] [--dry-run] [--fresh]
+    fedsim sweep configs/x/sweep.yaml [-o KEY=VALUE] [--backend ray|local] [--output-dir DIR] [--resume]
+                 [--parallel N] [--out table.md] [--dry-run] [--fresh]
 
-The table is built from the runs' result DataFrames: best and final accuracy (mean ± std over seeds,
-population std), rounds to reach the target accuracy, and accuracy at fixed round budgets (empty past
-the rounds a run made). Runs are named by a hash of their resolved config, so a rerun reuses the runs
-that finished and redoes only the rest (--fresh redoes all).
+Each run is one trial with the share of the cluster its config asks for (jobs.sweep_tune); trials run side
+by side as the cluster fits them, a failed one is recorded without stopping the others, and `--resume`
+continues a sweep whose driver died. The table is built from the runs' result DataFrames: best and final
+accuracy (mean ± std over seeds, population std), rounds to reach the target accuracy, and accuracy at fixed
+round budgets (empty past the rounds a run made). It is printed, and written to DIR (default
+results/sweeps/<title>/) as table.md and table.parquet, with one row per run in runs.parquet. Runs are named
+by a hash of their resolved config, so a rerun reuses the runs that finished and redoes only the rest
+(--fresh redoes all).
 """
 
 from __future__ import annotations
@@ -20,16 +25,16 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
 from fedsim.configtools import from_dict, knob
-from fedsim.errors import ConfigError, FedsimError
+from fedsim.errors import ConfigError
 from fedsim.storage import Location
 
 
@@ -41,28 +46,48 @@ class Arm:
 
 
 @dataclass
+class EarlyStop:
+    metric: str = knob("accuracy", doc="column of rounds.parquet that ASHA compares trials on")
+    mode: Literal["max", "min"] = knob("max", doc="whether higher (max) or lower (min) values are better")
+    grace_rounds: int = knob(1, ge=1, doc="rounds every trial runs before it can be stopped")
+    reduction_factor: float = knob(2.0, gt=1, doc="ASHA keeps about 1/reduction_factor of the trials at each rung")
+
+
+@dataclass
 class Sweep:
     title: str = knob("sweep", doc="table title, also the output file name")
     base: str = knob("", doc="base run config (path relative to the repository root or to this file)")
     seeds: list[int] = knob([0, 1], doc="run seeds")
     overrides: list[str] = knob([], doc="overrides applied to every arm")
     grid: dict[str, list[Any]] = knob({}, doc="cartesian product of key: [values], one table block each")
-    arms: list[Arm] = knob(factory=list)
+    space: dict[str, Any] = knob({}, doc="key: {choice|uniform|loguniform|randint: ...}, drawn `samples` times "
+                                         "(jobs.sweep_space)")
+    samples: int = knob(1, ge=1, le=10_000, doc="settings drawn from `space`, each run with every seed")
+    space_seed: int = knob(0, ge=0, doc="seed of the draws from `space`")
+    arms: list[Arm] = knob(factory=list, doc="rows of the table; none: one row, the base config as it is")
     target: float | None = knob(None, doc="accuracy threshold for rounds-to-target")
     budgets: list[int] = knob([], doc="report accuracy after these many rounds")
     metric: str = knob("accuracy", doc="column of rounds.parquet to score")
     model: str = knob("best", doc="global-model row to use: best (highest final), macro (mean), or a model name")
-    out: str | None = knob(None, doc="markdown output path (default results/sweeps/<title>.md)")
+    out: str | None = knob(None, doc="markdown output path (default OUTPUT_DIR/table.md)")
+    early_stop: EarlyStop | None = knob(None, doc="stop weak trials early with ASHA (default: every run runs all "
+                                                  "its rounds)")
+    max_parallel: int | None = knob(None, ge=1, doc="at most this many trials at once (default: as many as fit)")
 
 
 def load_sweep(path: str | Path) -> Sweep:
     from fedsim.config import read_yaml
 
     sw = from_dict(Sweep, read_yaml(path))
-    if not sw.arms:
-        raise ConfigError(f"{path}: arms: list at least one arm")
-    if not sw.base and any(a.config is None for a in sw.arms):
+    if not sw.base and (not sw.arms or any(a.config is None for a in sw.arms)):
         raise ConfigError(f"{path}: base: required unless every arm names its own config")
+    if not sw.arms:
+        sw.arms = [Arm(name=Path(sw.base).stem)]
+    if sw.samples > 1 and not sw.space:
+        raise ConfigError(f"{path}: samples: {sw.samples} draws need a space: to draw from")
+    if set(sw.space) & set(sw.grid):
+        raise ConfigError(f"{path}: space: {sorted(set(sw.space) & set(sw.grid))} also in grid: a key is one or the "
+                          "other")
     return sw
 
 
@@ -72,17 +97,26 @@ def _resolve(path: str, sweep_file: Path) -> Path:
 
 
 def plan(sw: Sweep, sweep_file: Path) -> list[dict]:
-    """Every run of the sweep: arm, grid point, seed, config path and overrides."""
+    """Every run of the sweep: arm, grid point, drawn setting (`space`, with its `sample` number), seed, config
+    path and overrides."""
+    from jobs.sweep_space import draw, override
+
     keys = list(sw.grid)
     points = list(itertools.product(*(sw.grid[k] for k in keys))) or [()]
+    draws = draw(sw.space, sw.samples, sw.space_seed)
     runs = []
     for point in points:
         grid_over = [f"{k}={v}" for k, v in zip(keys, point)]
-        for arm in sw.arms:
-            for seed in sw.seeds:
-                runs.append({"arm": arm.name, "grid": dict(zip(keys, point)), "seed": seed,
-                             "config": str(_resolve(arm.config or sw.base, sweep_file)),
-                             "overrides": [*sw.overrides, *grid_over, *arm.overrides, f"seed={seed}"]})
+        for sample, setting in enumerate(draws):
+            space_over = [override(k, v) for k, v in setting.items()]
+            for arm in sw.arms:
+                for seed in sw.seeds:
+                    run = {"arm": arm.name, "grid": dict(zip(keys, point)), "seed": seed,
+                           "config": str(_resolve(arm.config or sw.base, sweep_file)),
+                           "overrides": [*sw.overrides, *grid_over, *space_over, *arm.overrides, f"seed={seed}"]}
+                    if sw.space:
+                        run["space"] = {"sample": sample, **setting}
+                    runs.append(run)
     return runs
 
 
@@ -124,24 +158,67 @@ def _pm(values: pd.Series, pct: bool = True) -> str:
     return f"{v.mean():.2f} ± {v.std():.2f}" if pct else f"{v.mean():.1f} ± {v.std():.1f}"
 
 
+def setting_columns(sw: Sweep) -> list[str]:
+    """The columns that name a setting besides its arm: grid keys, then the draw's number and keys."""
+    return [*sw.grid, *(["sample", *sw.space] if sw.space else [])]
+
+
+def _key_cell(value: Any, drawn: bool) -> str:
+    return f"{value:.4g}" if drawn and isinstance(value, float) else str(value)
+
+
+def _runs_cell(status: pd.Series) -> str:
+    """'2/3 finished, 1 failed': how a setting's runs ended, when not all of them finished."""
+    counts = status.value_counts()
+    rest = ", ".join(f"{n} {s}" for s, n in counts.items() if s != "finished")
+    return f"{counts.get('finished', 0)}/{len(status)} finished" + (f", {rest}" if rest else "")
+
+
 def summary(df: pd.DataFrame, sw: Sweep) -> tuple[list[str], list[tuple[tuple, list[str]]]]:
-    """Table head and rows, one per grid point and arm: ((grid values..., arm), cells), mean ± std over seeds."""
-    grid_cols = list(sw.grid)
+    """Table head and rows, one per setting and arm: ((setting values..., arm), cells), mean ± std over seeds; a
+    last column says how the runs ended when some did not finish (failed, stopped early, not run)."""
+    grid_cols = setting_columns(sw)
+    drawn = {"sample", *sw.space}
     head = [*grid_cols, "method", "best acc (%)", "final acc (%)"]
     if sw.target is not None:
         head.append(f"rounds to {sw.target * 100:g}%")
     head += [f"acc @ {b} rounds (%)" for b in sw.budgets]
+    unfinished = "status" in df and bool((df["status"] != "finished").any())
+    if unfinished:
+        head.append("runs")
     rows = []
     for keys, g in df.groupby([*grid_cols, "arm"] if grid_cols else ["arm"], sort=False):
         keys = keys if isinstance(keys, tuple) else (keys,)
-        cells = [str(k) for k in keys] + [_pm(g["best"]), _pm(g["final"])]
+        cells = [_key_cell(k, c in drawn) for c, k in zip([*grid_cols, "arm"], keys)]
+        cells += [_pm(g["best"]), _pm(g["final"])]
         if sw.target is not None:
             reached = g["rounds_to_target"].notna().sum()
             cell = _pm(g["rounds_to_target"], pct=False) if reached else "not reached"
             cells.append(cell + (f" ({reached}/{len(g)} seeds)" if 0 < reached < len(g) else ""))
         cells += [_pm(g[f"at_{b}"]) for b in sw.budgets]
+        if unfinished:
+            cells.append(_runs_cell(g["status"]))
         rows.append((keys, cells))
     return head, rows
+
+
+def summary_frame(df: pd.DataFrame, sw: Sweep) -> pd.DataFrame:
+    """The table as numbers: per setting and arm, mean and (population) std over seeds of every score, the
+    seeds that gave one, and how many runs finished; a budget past every run's rounds is empty (NaN)."""
+    keys = [*setting_columns(sw), "arm"]
+    scores = [c for c in ["best", "final", "rounds_to_target", *(f"at_{b}" for b in sw.budgets)] if c in df]
+    rows = []
+    for values, g in df.groupby(keys, sort=False, dropna=False):
+        row: dict[str, Any] = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
+        row["runs"] = len(g)
+        row["finished"] = int((g["status"] == "finished").sum()) if "status" in g else len(g)
+        for c in scores:
+            v = g[c].dropna()
+            row[f"{c}_mean"] = float(v.mean()) if len(v) else np.nan
+            row[f"{c}_std"] = float(v.std(ddof=0)) if len(v) else np.nan
+            row[f"{c}_n"] = len(v)
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def markdown(head: list[str], rows: list[list[str]]) -> str:
@@ -188,17 +265,23 @@ def hardware(cfg: Any) -> str:
             f"{platform.platform()}")
 
 
-def run_cached(cfg: Any, fresh: bool = False) -> Location:
-    """Run `cfg` in results.root/<name>-<algorithm>-s<seed>-<hash>/, or return that folder if a run finished there.
+def run_folder(cfg: Any) -> Path:
+    """Where run_cached runs `cfg`: results.root/<name>-<algorithm>-s<seed>-<hash of the config>."""
+    return Path(cfg.results.root) / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
+
+
+def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = ()) -> Location:
+    """Run `cfg` in run_folder(cfg), or return that folder if a run finished there.
 
     A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
-    changed since) is out of date: either is removed and run again."""
+    changed since) is out of date: either is removed and run again. `callbacks` go to the run (not to a reused one).
+    """
     from fedsim.io import atomic_write_text
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
 
-    cfg.results.run_id = f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
-    folder = Path(cfg.results.root) / cfg.results.run_id
+    folder = run_folder(cfg)
+    cfg.results.run_id = folder.name
     code = code_version()
     if (folder / FINISHED).is_file() and (folder / "rounds.parquet").is_file() and not fresh:
         if _finished_code(folder) == code:
@@ -212,7 +295,7 @@ def run_cached(cfg: Any, fresh: bool = False) -> Location:
 
         torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
     t0 = time.perf_counter()
-    run_dir = run(cfg, backend=make_backend(cfg))
+    run_dir = run(cfg, backend=make_backend(cfg), callbacks=callbacks)
     info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg), "code": code}
     atomic_write_text(run_dir / FINISHED, json.dumps(info) + "\n")
     return run_dir
@@ -259,10 +342,10 @@ def finished_info(run_dir: str | Path) -> dict:
 
 
 @contextlib.contextmanager
-def ray_session(configs: list) -> Iterator[None]:
-    """One Ray instance for every Ray-backed config of a job (none if all run locally)."""
+def ray_session(configs: list, always: bool = False) -> Iterator[None]:
+    """One Ray instance for every Ray-backed config of a job (none if all run locally, unless `always`)."""
     started = False
-    if any(c.runtime.backend == "ray" for c in configs):
+    if always or any(c.runtime.backend == "ray" for c in configs):
         import ray
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -279,35 +362,92 @@ def ray_session(configs: list) -> Iterator[None]:
 
 
 def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:
-    """Run (or reuse) every planned run; one row per run with its grid point, arm, seed, folder and scores."""
+    """Run (or reuse) every planned run in this process or `jobs` processes, without Tune (jobs.reproduce); one row
+    per run with its setting, arm, seed, folder and scores."""
     from fedsim.results import load
 
     labels = [f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}" for i, r in enumerate(runs)]
     rows = []
     for r, run_dir in zip(runs, run_all(configs, labels, fresh, jobs)):
         c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
-        rows.append({**r["grid"], "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
+        rows.append({**r["grid"], **r.get("space", {}), "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
                      "rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)})
     return pd.DataFrame(rows)
 
 
-def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = False, fresh: bool = False) -> str:
+def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str]) -> pd.DataFrame:
+    """One row per planned run: its setting, arm, seed, folder, how it ended and its scores (NaN if it made no
+    round): finished, failed (with the error), stopped (early, by ASHA or by hand) or not run."""
+    from fedsim.results import load
+
+    rows = []
+    for i, (r, cfg) in enumerate(zip(runs, configs)):
+        folder = run_folder(cfg)
+        row: dict[str, Any] = {**r["grid"], **r.get("space", {}), "arm": r["arm"], "seed": r["seed"],
+                               "run": str(folder), "error": errors.get(i, "")}
+        scores: dict[str, Any] = {}
+        if (folder / "rounds.parquet").is_file():
+            c = curve(load(folder)["rounds"], sw.metric, sw.model)
+            if len(c):
+                scores = {"rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)}
+        finished = (folder / FINISHED).is_file() and i not in errors
+        row["status"] = "finished" if finished else "failed" if i in errors else "stopped" if scores else "not run"
+        rows.append({**row, **scores})
+    df = pd.DataFrame(rows)
+    for col in ["rounds_run", "best", "final", *(["rounds_to_target"] if sw.target is not None else []),
+                *(f"at_{b}" for b in sw.budgets)]:
+        if col not in df:
+            df[col] = np.nan
+    return df
+
+
+def output_dir(sw: Sweep, given: str | None) -> Path:
+    """The sweep's folder: `given`, or results/sweeps/<title>."""
+    return Path(given) if given else Path("results") / "sweeps" / _slug(sw.title)
+
+
+def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = False, fresh: bool = False,
+              overrides: Sequence[str] = (), backend: str | None = None, out_dir: str | None = None,
+              resume: bool = False, parallel: int | None = None) -> str:
+    """Plan, run as Tune trials (or resume) and tabulate a sweep; returns the markdown it printed and wrote."""
     from fedsim.config import load_config
+    from fedsim.io import atomic_write, atomic_write_text
+    from jobs.sweep_tune import run_trials, trial_bundles
 
     sweep_file = Path(sweep_file)
     sw = load_sweep(sweep_file)
     runs = plan(sw, sweep_file)
+    dest_dir = output_dir(sw, out_dir)
+    extra = [f"results.root={(dest_dir / 'runs').resolve()}", *overrides,
+             *([f"runtime.backend={backend}"] if backend else [])]
+    for r in runs:
+        r["config"] = str(Path(r["config"]).resolve())
+        r["overrides"] = [*r["overrides"], *extra]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]  # validate everything before running
     if dry_run:
-        return "\n".join(f"{r['arm']} {r['grid']} seed={r['seed']}: {r['config']} {r['overrides']}" for r in runs)
-    df = execute(runs, configs, sw, fresh)
-    md = f"### {sw.title}\n\n{table(df, sw)}\n\nCommand: `python -m jobs.sweep {sweep_file}`; " \
-         f"seeds {sw.seeds}; mean ± std (population) over seeds.\n"
-    dest = Path(out or sw.out or Path("results") / "sweeps" / f"{_slug(sw.title)}.md")
-    from fedsim.io import atomic_write, atomic_write_text
-
+        return "\n".join(f"{r['arm']} {r['grid']}{' ' + str(r['space']) if 'space' in r else ''} seed={r['seed']}: "
+                         f"{r['config']} {r['overrides']} share={trial_bundles(c)}" for r, c in zip(runs, configs))
+    metrics = [sw.metric] + ([sw.early_stop.metric] if sw.early_stop and sw.early_stop.metric != sw.metric else [])
+    specs = [{"index": i, "config": r["config"], "overrides": r["overrides"], "cwd": os.getcwd(), "fresh": fresh,
+              "metrics": metrics, "bundles": trial_bundles(c)} for i, (r, c) in enumerate(zip(runs, configs))]
+    with ray_session(configs, always=True):
+        errors = run_trials(specs, dest_dir, resume, parallel or sw.max_parallel, sw.early_stop,
+                            max(c.rounds for c in configs))
+    df = trial_rows(runs, configs, sw, errors)
+    command = f"fedsim sweep {sweep_file}" + "".join(f" -o {o}" for o in overrides) + \
+        (f" --backend {backend}" if backend else "")
+    md = f"### {sw.title}\n\n{table(df, sw)}\n\nCommand: `{command}`; seeds {sw.seeds}; mean ± std (population) " \
+         "over seeds; an empty cell is a budget past the rounds run.\n"
+    failed = [f"  {r.arm} seed={r.seed} ({r.run}): {r.error}" for r in df.itertuples() if r.status == "failed"]
+    if failed:
+        md += "\nFailed runs:\n" + "\n".join(failed) + "\n"
+    if (df["status"] == "not run").any():
+        md += f"\n{(df['status'] == 'not run').sum()} runs did not run (the sweep was stopped): continue with " \
+              f"`{command}{f' --output-dir {out_dir}' if out_dir else ''} --resume`\n"
+    dest = Path(out or sw.out or dest_dir / "table.md")
     atomic_write_text(dest, md)
-    atomic_write(dest.with_suffix(".csv"), lambda tmp: df.to_csv(tmp, index=False))
+    atomic_write(dest_dir / "table.parquet", lambda tmp: summary_frame(df, sw).to_parquet(tmp, index=False))
+    atomic_write(dest_dir / "runs.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     return md
 
 
@@ -315,19 +455,18 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in text.lower()).strip("_")[:60] or "sweep"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fedsim sweep", description=__doc__.splitlines()[0])
-    p.add_argument("sweep")
-    p.add_argument("--out")
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
-    args = p.parse_args(argv)
-    try:
-        print(run_sweep(args.sweep, args.out, args.dry_run, args.fresh))
-    except FedsimError as exc:
-        print(f"fedsim: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+def from_args(args: argparse.Namespace) -> int:
+    """Run the sweep that `fedsim sweep`'s parsed arguments describe and print its table."""
+    print(run_sweep(args.sweep, args.out, args.dry_run, args.fresh, args.override, args.backend, args.output_dir,
+                    args.resume, args.parallel))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jobs.sweep ...` is `fedsim sweep ...`."""
+    from jobs.cli import main as cli_main
+
+    return cli_main(["sweep", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,311 @@
+"""Sweeps as Ray Tune trials: search spaces from YAML, each run's share of the cluster, trials side by side with
+the numbers of runs made one by one, a failed trial recorded, a sweep resumed after its driver was killed, and
+two runs sharing one Ray."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from fedsim.errors import ConfigError, ResourceError
+from jobs.sweep import load_sweep, plan
+from jobs.sweep_tune import trial_bundles
+from tests.conftest import ROOT, small_config
+from tests.runtime.test_loop import deterministic
+
+BASE = {"name": "t", "rounds": 2, "model": {"name": "cnn"}, "participation": {"clients_per_round": 4},
+        "data": {"name": "digits", "num_clients": 10, "partition": {"alpha": 0.5, "min_samples": 5}},
+        "train": {"epochs": 1, "batch_size": 32}, "runtime": {"backend": "local", "threads": 1}}
+
+
+def write_sweep(folder: Path, **sweep) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "base.yaml").write_text(yaml.safe_dump(BASE))
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"title": "t", "base": "base.yaml", **sweep}))
+    return path
+
+
+# ---- search spaces ----
+
+def test_grid_and_random_spaces_from_yaml(tmp_path) -> None:
+    from fedsim.config import load_config
+
+    space = {"train.lr": {"loguniform": [0.01, 0.1]}, "train.epochs": {"randint": [1, 3]},
+             "model.name": {"choice": ["cnn", "mlp"]}}
+    path = write_sweep(tmp_path, seeds=[0, 1], grid={"data.partition.alpha": [0.1, 1.0]}, space=space, samples=3)
+    runs = plan(load_sweep(path), path)
+    assert len(runs) == 2 * 3 * 2  # grid points × draws × seeds (one arm: the base)
+    assert {r["arm"] for r in runs} == {"base"}
+    assert [r["grid"]["data.partition.alpha"] for r in runs[::6]] == [0.1, 1.0]
+    draws = [r["space"] for r in runs]
+    assert draws[0::2] == draws[1::2]  # both seeds of a setting train the same values
+    assert len({d["train.lr"] for d in draws[:6]}) == 3 and draws[:6] == draws[6:]  # the grid repeats the draws
+    for r in runs:
+        d = r["space"]
+        assert 0.01 <= d["train.lr"] <= 0.1 and d["train.epochs"] in (1, 2) and d["model.name"] in ("cnn", "mlp")
+        cfg = load_config(r["config"], r["overrides"])
+        assert (cfg.train.lr, cfg.train.epochs, cfg.model.name) == (d["train.lr"], d["train.epochs"], d["model.name"])
+        assert cfg.seed == r["seed"] and cfg.data.partition.alpha == r["grid"]["data.partition.alpha"]
+    assert [r["space"] for r in plan(load_sweep(path), path)] == draws  # the same draws every time
+    other = write_sweep(tmp_path / "other", seeds=[0], space=space, samples=3, space_seed=1)
+    assert [r["space"]["train.lr"] for r in plan(load_sweep(other), other)] != [d["train.lr"] for d in draws[:6:2]]
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"space": {"train.lr": {"loguniform": [0, 0.1]}}}, r"space.train.lr.loguniform: low must be > 0"),
+    ({"space": {"train.lr": {"normal": [0, 1]}}}, r"space.train.lr: expected one of \{choice"),
+    ({"space": {"train.epochs": {"randint": [3, 1]}}}, r"space.train.epochs.randint: low must be below high"),
+    ({"space": {"model.name": {"choice": []}}}, r"space.model.name.choice: expected a non-empty list"),
+    ({"samples": 4}, r"samples: 4 draws need a space"),
+    ({"grid": {"train.lr": [0.1]}, "space": {"train.lr": {"uniform": [0.1, 0.2]}}}, r"also in grid"),
+    ({"early_stop": {"mode": "up"}}, r"early_stop.mode: must be one of \['max', 'min'\]"),
+])
+def test_a_bad_space_names_its_key(tmp_path, sweep, message) -> None:
+    path = write_sweep(tmp_path, **sweep)
+    with pytest.raises(ConfigError, match=message):
+        plan(load_sweep(path), path)
+
+
+# ---- a run's share of the cluster ----
+
+def test_a_trial_asks_for_what_its_config_reserves(make_config) -> None:
+    cfg = make_config("runtime.backend=ray", "runtime.num_workers=2", "runtime.client_gpus=0.5",
+                      "runtime.server_cpus=0.5")
+    assert trial_bundles(cfg) == [{}, {"CPU": 0.5, "GPU": 0.0}, {"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
+    assert trial_bundles(make_config("runtime.backend=ray")) == [{}, {"CPU": 1.0, "GPU": 0.0}]  # one worker if unset
+    assert trial_bundles(make_config("runtime.threads=2")) == [{"CPU": 2.0}]  # the local backend runs in the trial
+
+
+def test_a_run_takes_no_more_than_its_config_asks(make_config, monkeypatch) -> None:
+    import actors.pool as pool
+
+    cluster, free, group = [{"CPU": 4.0}], [{"CPU": 4.0}], None
+    monkeypatch.setattr(pool, "cluster_nodes", lambda: cluster)
+    monkeypatch.setattr(pool, "free_nodes", lambda: free)
+    monkeypatch.setattr(pool, "group_bundles", lambda: group)
+    assert pool.pool_size(make_config()) == 4
+    free = [{"CPU": 1.5}]  # another run holds the rest: take what is free
+    assert pool.pool_size(make_config()) == 1
+    free = [{"CPU": 0.0}]  # nothing free: one worker, which waits for room
+    assert pool.pool_size(make_config()) == 1
+    assert pool.pool_size(make_config("runtime.num_workers=3")) == 3  # asked: taken as asked, free or not
+    with pytest.raises(ResourceError, match="runtime.num_workers=5 but only 4"):
+        pool.pool_size(make_config("runtime.num_workers=5"))
+    group = [{"CPU": 1.0}, {"CPU": 1.0}]  # a Tune trial's placement group: the group is the share
+    assert pool.pool_size(make_config()) == 2
+    assert pool.pool_size(make_config("runtime.num_workers=1")) == 1
+    with pytest.raises(ResourceError, match="placement group this run is in .* holds 2 workers"):
+        pool.pool_size(make_config("runtime.num_workers=3"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_runs_at_once_share_one_ray(ray_local, tmp_path) -> None:
+    """A run with a pool of one holds one CPU of two; a run started beside it with no worker count takes the one
+    that is free (not the whole cluster, which would wait on the first run), and both finish."""
+    from fedsim.results import load
+    from fedsim.runtime.callbacks import Callback
+    from fedsim.runtime.loop import run
+    from jobs.cli import make_backend
+
+    started = {"a": threading.Event(), "b": threading.Event()}
+    done: dict[str, Path | BaseException] = {}
+
+    class Hold(Callback):
+        def __init__(self, me: str, other: str) -> None:
+            self.me, self.other = me, other
+
+        def on_setup_end(self, run_info) -> None:
+            started[self.me].set()
+
+        def on_round_end(self, round, rows) -> None:
+            assert started[self.other].wait(120), f"run {self.other} did not start beside run {self.me}"
+
+    def go(name: str, *overrides: str) -> None:
+        cfg = small_config(tmp_path / name, "runtime.backend=ray", "runtime.client_cpus=1",
+                           "runtime.startup_timeout_s=120", *overrides, rounds=2)
+        try:
+            done[name] = Path(run(cfg, make_backend(cfg), callbacks=[Hold(name, "b" if name == "a" else "a")]))
+        except BaseException as exc:  # handed to the test's thread
+            done[name] = exc
+            started[name].set()
+
+    a = threading.Thread(target=go, args=("a", "runtime.num_workers=1"))
+    a.start()
+    assert started["a"].wait(180)
+    b = threading.Thread(target=go, args=("b",))
+    b.start()
+    a.join(300)
+    b.join(300)
+    for name in "ab":
+        assert isinstance(done[name], Path), done[name]
+        assert load(done[name])["rounds"]["round"].max() == 1
+    assert load(done["a"])["meta"]["num_workers"] == 1 and load(done["b"])["meta"]["num_workers"] == 1
+
+
+# ---- sweeps as Tune trials ----
+
+@pytest.fixture(scope="module")
+def swept(ray_local, tmp_path_factory):
+    """A 6-trial sweep, 2 at a time: two arms that finish (one on each backend) over two seeds, one that fails
+    (second, so that its trials reuse the first arm's processes)."""
+    from jobs.sweep import run_sweep
+
+    where = tmp_path_factory.mktemp("sweep")
+    path = write_sweep(where, seeds=[0, 1], budgets=[1, 2, 5], arms=[
+        {"name": "local"},
+        {"name": "broken", "overrides": ["data.num_clients=1000"]},
+        {"name": "ray", "overrides": ["runtime.backend=ray", "runtime.num_workers=1", "runtime.client_cpus=1",
+                                      "runtime.startup_timeout_s=120"]}])
+    md = run_sweep(path, out_dir=str(where / "out"), parallel=2)
+    return where, path, md
+
+
+def _trial_spans(out: Path) -> list[tuple[float, float]]:
+    """(start, end) of each trial that reported, from Tune's result.json files, each shortened by a second at
+    both ends (Tune's timestamps are whole seconds)."""
+    spans = []
+    for f in sorted((out / "tune").glob("trial_*/result.json")):
+        lines = f.read_text().strip().splitlines()
+        if lines:
+            last = json.loads(lines[-1])
+            spans.append((last["timestamp"] - last["time_total_s"] + 1, last["timestamp"] - 1))
+    return spans
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path) -> None:
+    from fedsim.config import load_config
+    from fedsim.results import load
+    from jobs.sweep import run_cached
+
+    where, path, _ = swept
+    runs = pd.read_parquet(where / "out" / "runs.parquet")
+    good = runs[runs["arm"] != "broken"]
+    assert len(good) == 4 and (good["status"] == "finished").all()
+    spans = _trial_spans(where / "out")
+    overlap = max(sum(s < t_end and e > t_start for s, e in spans) for t_start, t_end in spans)
+    assert overlap == 2  # two trials at once, never more
+    ray_meta = [load(r)["meta"] for r in good[good["arm"] == "ray"]["run"]]
+    assert all(m["num_workers"] == 1 for m in ray_meta)  # the pool took the trial's one bundle
+    for r in plan(load_sweep(path), path):
+        if r["arm"] == "broken":
+            continue
+        cfg = load_config(r["config"], [*r["overrides"], f"results.root={tmp_path / 'one_by_one'}"])
+        alone = load(run_cached(cfg))["rounds"]
+        trial = good[(good["arm"] == r["arm"]) & (good["seed"] == r["seed"])]["run"].item()
+        pd.testing.assert_frame_equal(deterministic(load(trial)["rounds"]), deterministic(alone))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_failed_trial_is_recorded_and_the_others_finish(swept) -> None:
+    where, _, md = swept
+    runs = pd.read_parquet(where / "out" / "runs.parquet")
+    broken = runs[runs["arm"] == "broken"]
+    assert (broken["status"] == "failed").all() and broken["best"].isna().all()
+    assert broken["error"].str.startswith("ConfigError: data.partition.min_samples: 1000 clients").all()
+    assert (runs[runs["arm"] != "broken"]["status"] == "finished").all()
+    row = next(line for line in md.splitlines() if line.startswith("| broken |"))
+    assert row.endswith("| 0/2 finished, 2 failed |")
+    assert "Failed runs:" in md and (where / "out" / "table.md").read_text() == md
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
+    where, _, md = swept
+    table = pd.read_parquet(where / "out" / "table.parquet").set_index("arm")
+    assert table.loc["local", "at_2_mean"] == table.loc["local", "final_mean"]
+    assert table.loc["local", "at_2_n"] == 2 and table.loc["local", "at_5_n"] == 0
+    assert math.isnan(table.loc["local", "at_5_mean"]) and math.isnan(table.loc["ray", "at_5_mean"])
+    head = next(line for line in md.splitlines() if line.startswith("| method |"))
+    row = next(line for line in md.splitlines() if line.startswith("| local |"))
+    cells = dict(zip(head.strip("|").split("|"), row.strip("|").split("|")))
+    assert cells[" acc @ 5 rounds (%) "].strip() == "" and cells[" acc @ 2 rounds (%) "].strip() != ""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
+    from jobs.sweep import FINISHED, run_sweep
+
+    path = write_sweep(tmp_path, seeds=[0, 1])
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="holds no sweep to resume"):
+        run_sweep(path, out_dir=str(out), resume=True)
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address, "PYTHONPATH": ROOT,
+           "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen([sys.executable, "-m", "jobs.sweep", str(path), "--output-dir", str(out),
+                               "--parallel", "1"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob(f"runs/*/{FINISHED}")) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.2)
+        first = list(out.glob(f"runs/*/{FINISHED}"))
+        assert len(first) == 1 and driver.poll() is None, "the sweep should have one run done and go on"
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+    stamp = first[0].stat().st_mtime_ns
+    with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
+        run_sweep(path, out_dir=str(out), resume=True, overrides=["rounds=3"])
+    md = run_sweep(path, out_dir=str(out), resume=True)
+    runs = pd.read_parquet(out / "runs.parquet")
+    assert (runs["status"] == "finished").all() and len(runs) == 2 and runs["best"].notna().all()
+    assert first[0].stat().st_mtime_ns == stamp  # the run that finished before the kill was not run again
+    assert "| base |" in md
+
+
+# ---- early stopping ----
+
+def test_a_trial_that_asha_stops_keeps_its_rounds_and_is_not_marked_finished(tmp_path, monkeypatch) -> None:
+    """Tune ends a stopped trial inside its report (SystemExit): the run stops after that round, its tables stay,
+    and it is not taken for a finished run by a later sweep; an unstopped trial reports every round."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from fedsim.config import load_config
+    from fedsim.results import load
+    from jobs.sweep import FINISHED, EarlyStop, run_folder
+    from jobs.sweep_tune import scheduler, trial
+
+    reports: list[dict] = []
+
+    def fake_report(metrics, stop_at):
+        reports.append(metrics)
+        if len(reports) == stop_at:
+            raise SystemExit(0)
+
+    def spec(*overrides):
+        over = ["rounds=3", "name=t", "data.name=digits", "data.num_clients=10", "data.partition.min_samples=5",
+                "participation.clients_per_round=4", "train.epochs=1", "runtime.backend=local",
+                "runtime.threads=1", f"results.root={tmp_path / 'runs'}", *overrides]
+        return {"config": None, "overrides": over, "cwd": str(tmp_path), "fresh": False, "metrics": ["accuracy"]}
+
+    monkeypatch.setattr(tune, "report", lambda m: fake_report(m, stop_at=2))
+    trial({"run": spec("seed=0")})
+    folder = run_folder(load_config(None, spec("seed=0")["overrides"]))
+    assert [r["round"] for r in reports] == [1, 2] and load(folder)["rounds"]["round"].max() == 1
+    assert not (folder / FINISHED).exists()
+    reports.clear()
+    monkeypatch.setattr(tune, "report", lambda m: fake_report(m, stop_at=0))
+    trial({"run": spec("seed=1")})
+    assert [r["round"] for r in reports] == [1, 2, 3] and all(0 <= r["accuracy"] <= 1 for r in reports)
+    assert (run_folder(load_config(None, spec("seed=1")["overrides"])) / FINISHED).is_file()
+    assert scheduler(None, max_rounds=3) is None
+    assert isinstance(scheduler(EarlyStop(metric="loss", mode="min"), max_rounds=3), ASHAScheduler)
