@@ -42,6 +42,12 @@ class ClientWorkerActor(ClientWorker):
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         return out
 
+    def merge_states(self, states: dict[int, Any]) -> None:
+        """Add `states` to this worker's clients' states, keeping the others (a worker that took over the clients
+        of a worker lost with its node)."""
+        for cid, state in sorted(states.items()):
+            self.store.put(int(cid), state)
+
     def rss_bytes(self) -> int:
         import psutil
 

@@ -23,8 +23,11 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.autoscale import await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
+from actors.node_loss import NodeLostError, log, node_gone, node_lost_failure, pick_host
+from actors.placement import WorkerPlacement, alive_nodes
 from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
@@ -68,63 +71,6 @@ def cluster_nodes() -> list[dict[str, float]]:
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
-def free_nodes() -> list[dict[str, float]]:
-    """Resources of each alive node that no task or actor holds now."""
-    try:
-        from ray._private.state import available_resources_per_node
-
-        return list(available_resources_per_node().values())
-    except (ImportError, AttributeError):  # no per-node view in this Ray: the cluster's free total as one node
-        return [ray.available_resources()]
-
-
-def group_bundles() -> list[dict[str, float]] | None:
-    """The bundles of the placement group this process runs in (a Ray Tune trial's share), without the bundle
-    that holds the trial itself; None outside a placement group."""
-    group = ray.util.get_current_placement_group()
-    if group is None:
-        return None
-    bundles = [dict(b) for b in group.bundle_specs]
-    try:
-        from ray import tune
-
-        trial = tune.get_context().get_trial_resources()
-    except Exception:  # not a Tune trial: every bundle is the run's
-        return bundles
-    return bundles if trial is None or trial.head_bundle_is_empty else bundles[1:]
-
-
-def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
-    """How many client workers a run takes: never more of the cluster than its config asks for.
-
-    Inside a placement group (a Ray Tune trial) the run's share is the group: its workers go there, as many as
-    asked or as fit. Elsewhere runtime.num_workers (or `requested`) is taken as it is (workers beyond what is
-    free wait for room); left unset, the run takes what is free now, at least one worker, so runs started
-    side by side share the cluster instead of each sizing itself to all of it."""
-    rt = cfg.runtime
-    asked = requested or rt.num_workers
-    bundles = group_bundles()
-    if bundles is not None:
-        fits = size_pool(cfg, bundles)
-        n = asked or fits
-        if n > fits:
-            raise ResourceError(f"runtime.num_workers={n} but the placement group this run is in (its share of "
-                                f"the cluster) holds {fits} workers of runtime.client_cpus={rt.client_cpus} and "
-                                f"runtime.client_gpus={rt.client_gpus}")
-        return n
-    fits = size_pool(cfg, cluster_nodes())
-    if asked:
-        if asked > fits:
-            raise ResourceError(f"runtime.num_workers={asked} but only {fits} workers fit with runtime.client_cpus="
-                                f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
-        return asked
-    try:
-        free = size_pool(cfg, free_nodes())
-    except ResourceError:  # the cluster is busy: one worker, which waits for room
-        free = 1
-    return min(free, fits)
-
-
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
     """ray.get with a timeout: a hung or dead actor is one FedsimError naming `what` and the `knob` that limits it;
     a FedsimError the actor raised is passed on as it is."""
@@ -146,10 +92,18 @@ class RemoteServer:
 
     def __init__(self, actor: Any, cfg: RunConfig) -> None:
         self.actor, self.rt = actor, cfg.runtime
+        self.node_id, self.run_dir = "", ""  # where the actor runs, and the run it serves (set once it answers)
 
     def _call(self, method: str, *args: Any) -> Any:
-        return wait_for(getattr(self.actor, method).remote(*args), f"server {method}", self.rt.round_timeout_s,
-                        "runtime.round_timeout_s")
+        try:
+            return wait_for(getattr(self.actor, method).remote(*args), f"server {method}", self.rt.round_timeout_s,
+                            "runtime.round_timeout_s")
+        except FedsimError as exc:
+            if node_gone(self.node_id, str(exc)):
+                raise NodeLostError(f"the server actor's node {self.node_id[:12]} left the cluster (server {method}); "
+                                    f"the run stops at its last checkpoint: resume it with `fedsim run --resume "
+                                    f"{self.run_dir}`") from None
+            raise
 
     def ping(self) -> dict[str, Any]:
         return wait_for(self.actor.ping.remote(), "server actor start", self.rt.startup_timeout_s,
@@ -194,6 +148,8 @@ class RayBackend:
         self.placement: list[dict] = []
         self._server: ServerAPI | None = None
         self.server_placement: dict = {}
+        self._where: WorkerPlacement | None = None  # how workers are placed (runtime.placement)
+        self._host: list[int] = []  # the slot whose actor serves each slot: itself, or a survivor after a node loss
 
     @property
     def num_workers(self) -> int:
@@ -216,8 +172,14 @@ class RayBackend:
         if self._boot is None:
             self._boot = RayBoot(rt.ray_address)
         self._boot.wait(rt.startup_timeout_s)
-        n = pool_size(cfg, self._requested)
+        await_workers(cfg, self._requested)
+        fits = size_pool(cfg, cluster_nodes())
+        n = self._requested or rt.num_workers or fits
+        if n > fits:
+            raise ResourceError(f"runtime.num_workers={n} but only {fits} workers fit with runtime.client_cpus="
+                                f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
         self.cfg = cfg
+        self._where, self._host = WorkerPlacement.make(rt, n), list(range(n))
         self._refs = (ray.put(arrays), ray.put(part), meta)
         arrays.clear()  # the object store has the data now: the driver's copy goes (the server maps the store's)
         self._spill = str(spill_folder(cfg, run_dir))
@@ -231,10 +193,12 @@ class RayBackend:
             self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or 1)
         self.placement = self._ping(list(range(n)))
         self.server_placement = self.server.ping()
+        self._note_server_node(run_dir)
 
     def _create(self, i: int) -> Any:
         rt = self.cfg.runtime
         cls = ray.remote(num_cpus=rt.client_cpus, num_gpus=rt.client_gpus, max_restarts=0)(self.worker_cls)
+        cls = cls.options(**self._where.options(i)) if self._where is not None else cls
         return cls.remote(self.cfg, *self._refs, i, spill_dir=f"{self._spill}/w{i}")
 
     def _ping(self, indices: list[int]) -> list[dict]:
@@ -255,7 +219,23 @@ class RayBackend:
             raise
 
     def describe(self) -> dict[str, Any]:
-        return {"placement": self.placement, "server": self.server_placement}
+        return {"placement": self.placement, "server": self.server_placement, **self._node_facts()}
+
+    def _note_server_node(self, run_dir: Any) -> None:
+        """Record the node of the server (the driver's when it hosts the server), so a lost one is told apart."""
+        node = ray.get_runtime_context().get_node_id()
+        if isinstance(self._server, RemoteServer):
+            self._server.run_dir = str(run_dir)
+            node = self._server.node_id = self.server_placement.get("node_id", "")
+        self.server_placement.setdefault("node_id", node)
+
+    def _node_facts(self) -> dict[str, Any]:
+        """The placement strategy and how many workers each node holds."""
+        nodes: dict[str, int] = {}
+        for i, p in enumerate(self.placement):
+            if self._host and self._host[i] == i:
+                nodes[p.get("node_id", "")] = nodes.get(p.get("node_id", ""), 0) + 1
+        return {"placement_strategy": self._where.kind if self._where else "none", "workers_per_node": nodes}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int],
@@ -281,13 +261,53 @@ class RayBackend:
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
                                           str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])
             except (RayActorError, GetTimeoutError) as exc:
-                failed[w] = WorkerFailure(type(exc).__name__, _short(exc))
+                failed[w] = self._node_failure(w, exc) or WorkerFailure(type(exc).__name__, _short(exc))
         return replies, failed
 
-    def restart_worker(self, index: int) -> None:
+    def restart_worker(self, index: int) -> list[int] | None:
+        if self._node_failure(index, None) is not None:
+            return self._replace_lost(index)
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._create(index)
         self.placement[index] = self._ping([index])[0]
+        return None
+
+    def _node_failure(self, index: int, exc: BaseException | None) -> WorkerFailure | None:
+        """The failure of worker `index` when its node has left the cluster (None while the node is alive)."""
+        node = self.placement[index].get("node_id", "") if index < len(self.placement) else ""
+        if node_gone(node, str(exc) if exc is not None else ""):
+            return node_lost_failure(index, node)
+        return None
+
+    def _replace_lost(self, index: int) -> list[int]:
+        """A worker whose node left: started again where a node has room, else its clients move to a surviving
+        worker (the pool shrinks). Returns every slot the lost actor served, whose clients' states must come back."""
+        lost = self._host[index]
+        slots = [i for i, h in enumerate(self._host) if h == lost]
+        node = self.placement[index].get("node_id", "")[:12]
+        assert self._where is not None
+        if self._where.fits(index, min(self.cfg.runtime.startup_timeout_s, 10.0)):
+            self.workers[index], self._host[index] = self._create(index), index
+            self.placement[index] = self._ping([index])[0]
+            host = index
+            log.warning("worker %d's node %s left the cluster: worker %d started again on node %s", index, node,
+                        index, self.placement[index].get("node_id", "")[:12])
+        else:
+            alive = alive_nodes()
+            host = pick_host(self._host, sorted(h for h in set(self._host) if h != lost and
+                                                self.placement[h].get("node_id") in alive), index)
+            log.warning("worker %d's node %s left the cluster and no node has room for it: its clients move to "
+                        "worker %d (the pool shrinks to %d workers)", index, node, host,
+                        len(set(self._host) - {lost}))
+        for i in slots:
+            self.workers[i], self._host[i] = self.workers[host], host
+            if i != host:
+                self.placement[i] = {**self.placement[host], "index": i, "hosted_by": host}
+        return slots
+
+    def _actors(self) -> list[Any]:
+        """Each live worker actor once (after a shrink, one actor serves several slots)."""
+        return [self.workers[i] for i in sorted(set(self._host))] if self._host else list(self.workers)
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         """ray.get with the round timeout: a hung or dead actor is one FedsimError naming `what`, not a hang."""
@@ -295,7 +315,7 @@ class RayBackend:
 
     def export_states(self) -> dict[int, Any]:
         out: dict[int, Any] = {}
-        for part in self._get([w.export_states.remote() for w in self.workers], "collecting client states"):
+        for part in self._get([w.export_states.remote() for w in self._actors()], "collecting client states"):
             out.update(part)
         return out
 
@@ -303,18 +323,21 @@ class RayBackend:
         from fedsim.runtime.loop import owner
 
         targets = workers if workers is not None else range(self.num_workers)
-        self._get([self.workers[i].load_states.remote({c: s for c, s in states.items()
+        shared = {h for h in self._host if self._host.count(h) > 1}  # an actor serving several slots keeps the rest
+        self._get([getattr(self.workers[i], "merge_states" if self._host and self._host[i] in shared
+                           else "load_states").remote({c: s for c, s in states.items()
                                                        if owner(c, self.num_workers) == i}) for i in targets],
                   "restoring client states")
 
     def rss_bytes(self) -> list[int]:
         """Resident memory of each actor (workers, then the server; the driver's when it hosts the server)."""
         if isinstance(self._server, RemoteServer):
-            return self._get([w.rss_bytes.remote() for w in self.workers] + [self._server.actor.rss_bytes.remote()],
+            return self._get([w.rss_bytes.remote() for w in self._actors()]
+                             + [self._server.actor.rss_bytes.remote()],
                              "measuring memory")
         import psutil
 
-        return self._get([w.rss_bytes.remote() for w in self.workers], "measuring memory") \
+        return self._get([w.rss_bytes.remote() for w in self._actors()], "measuring memory") \
             + [psutil.Process().memory_info().rss]
 
     def shutdown(self) -> None:
@@ -325,6 +348,8 @@ class RayBackend:
             except Exception:  # already gone
                 continue
         self.workers, self._server = [], None
+        if self._where is not None:
+            self._where.release()
         if self._boot is not None:
             self._boot.stop(self._startup_limit)
 

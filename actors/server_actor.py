@@ -24,6 +24,11 @@ class ServerActor(Server):
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.server_cpus) or 1)
         super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus), threads=threads)
 
+    def ping(self) -> dict[str, Any]:
+        import ray
+
+        return {**super().ping(), "node_id": ray.get_runtime_context().get_node_id()}
+
     def rss_bytes(self) -> int:
         import psutil
 

@@ -140,6 +140,12 @@ class RuntimeConfig:
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
+    placement: Literal["none", "spread", "pack"] = knob(
+        "none", doc="on Ray, where client workers go: spread over the nodes or pack onto as few as fit (one placement "
+        "group), or none (Ray's default scheduling)")
+    autoscale_timeout_s: float = knob(600.0, ge=0, le=MAX_SECONDS,
+                                      doc="on a Ray cluster joined by address, how long to wait for the autoscaler to "
+                                      "add the workers the config asks for before failing (0: fail at once)")
 
 
 @dataclass

@@ -17,14 +17,20 @@ import pytest  # noqa: E402
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-@pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray instance for the session: 2 CPUs and 2 logical GPUs (for placement tests)."""
+def start_local_ray():
+    """The session's local Ray: 2 CPUs and 2 logical GPUs (for placement tests), started unless Ray is up."""
     import ray
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    yield ray
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the session (a test module that needs another Ray starts it again after)."""
+    yield start_local_ray()
+    import ray
     ray.shutdown()
 
 

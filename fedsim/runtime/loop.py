@@ -8,6 +8,7 @@ the bench, in the `Inputs` a run starts from. Backends only move messages (fedsi
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 from fedsim.storage import Location, StorePath, location
+
+log = logging.getLogger("fedsim.loop")
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,21 @@ class Simulation:
         return replies
 
     def replace_worker(self, w: int) -> None:
-        """Restart a dead worker; its clients get their states back from the last checkpoint, if any."""
-        self.backend.restart_worker(w)
+        """Restart a dead worker; its clients get their states back from the last checkpoint, if any (the clients
+        of every slot the backend says the dead worker served: after a node loss, one worker may serve several)."""
+        slots = self.backend.restart_worker(w) or [w]
         if self.ckpt_path.exists():
-            states = load_run_checkpoint(self.ckpt_path)["client_states"]
-            self.backend.load_states({c: s for c, s in states.items()
-                                      if owner(c, self.backend.num_workers) == w}, workers=[w])
+            ck = load_run_checkpoint(self.ckpt_path)
+            for slot in slots:
+                self.backend.load_states({c: s for c, s in ck["client_states"].items()
+                                          if owner(c, self.backend.num_workers) == slot}, workers=[slot])
+            log.warning("worker %d replaced: its clients' personal states come back from round %d's checkpoint", w,
+                        ck["round"])
+        elif self.cfg.results.checkpoint_every:
+            log.warning("worker %d replaced before the first checkpoint: its clients' personal states start afresh", w)
+        else:
+            log.warning("worker %d replaced and results.checkpoint_every=0: its clients' personal states start "
+                        "afresh", w)
 
 
 def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:

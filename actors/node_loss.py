@@ -1,0 +1,54 @@
+"""A node that leaves the cluster mid-run: the failure its workers' clients are recorded with, and the worker that
+takes over a lost worker's clients when no node has room to start it again.
+
+A lost worker's clients keep their slot (fedsim.runtime.loop.owner stays fixed for the run); when the pool
+shrinks, the slot is served by a surviving actor, which then hosts the clients of two slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from actors.placement import alive_nodes
+from fedsim.errors import FedsimError
+from fedsim.runtime.backend import WorkerFailure
+
+log = logging.getLogger("fedsim.cluster")
+
+NODE_DEATH_WORDS = ("node has died", "node died", "node was terminated", "node is dead")
+
+
+class NodeLostError(FedsimError):
+    """The node that held the server actor left the cluster: the run stops at its last checkpoint."""
+
+
+def node_gone(node_id: str, error_text: str = "", grace_s: float = 5.0) -> bool:
+    """Whether `node_id` has left the cluster; when Ray's error speaks of a dead node, wait up to `grace_s` for
+    the cluster's view to say so too."""
+    if not node_id:
+        return False
+    end = time.monotonic() + (grace_s if any(w in error_text.lower() for w in NODE_DEATH_WORDS) else 0.0)
+    while node_id in alive_nodes():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def node_lost_failure(worker: int, node_id: str) -> WorkerFailure:
+    """What each client of a worker whose node left mid-phase is recorded with (status failed)."""
+    return WorkerFailure("NodeLost", f"node {node_id[:12]} of worker {worker} left the cluster during the phase; "
+                                     "this phase's update of the client is lost, its state comes back from the last "
+                                     "checkpoint")
+
+
+def pick_host(hosts: list[int], candidates: list[int], lost: int) -> int:
+    """The surviving slot whose actor takes over slot `lost`: of `candidates` (slots serving themselves on nodes
+    that are alive), the one serving the fewest slots, lowest index first."""
+    load = Counter(hosts)
+    if not candidates:
+        raise FedsimError(f"worker {lost} was lost with its node and no worker on a live node is left to host its "
+                          "clients")
+    return min(candidates, key=lambda h: (load[h], h))

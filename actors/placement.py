@@ -1,0 +1,106 @@
+"""Where client workers go on a cluster: one placement group (runtime.placement: spread | pack), the group a caller
+already runs in (a Tune trial's), or Ray's default scheduling; and whether a lost worker still fits somewhere.
+
+A worker's slot in its own group is a bundle of its CPUs and GPU fraction, so a run holds exactly what it asked
+for. Inside a captured group no group is nested: the workers take any free bundle of the captured one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fedsim.errors import ResourceError
+
+if TYPE_CHECKING:
+    from fedsim.config import RuntimeConfig
+
+STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
+
+
+def worker_bundle(rt: RuntimeConfig) -> dict[str, float]:
+    """The resources of one client worker (Ray refuses zero-valued entries in a bundle)."""
+    bundle = {"CPU": float(rt.client_cpus)}
+    if rt.client_gpus > 0:
+        bundle["GPU"] = float(rt.client_gpus)
+    return bundle
+
+
+def alive_nodes() -> set[str]:
+    """Ids of the nodes that are alive now."""
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+class WorkerPlacement:
+    """The scheduling of every client worker: in bundle i of a group of our own, in any bundle of a captured group,
+    or free (no group)."""
+
+    def __init__(self, rt: RuntimeConfig, group: PlacementGroup | None = None, owned: bool = False) -> None:
+        self.rt, self.group, self.owned = rt, group, owned
+
+    @classmethod
+    def make(cls, rt: RuntimeConfig, n: int) -> WorkerPlacement:
+        """The placement of `n` workers; a group of our own must be placed within runtime.startup_timeout_s."""
+        captured = get_current_placement_group()
+        if captured is not None:
+            return cls(rt, captured)
+        if rt.placement == "none":
+            return cls(rt)
+        group = placement_group([worker_bundle(rt)] * n, strategy=STRATEGIES[rt.placement])
+        ready, _ = ray.wait([group.ready()], timeout=rt.startup_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(group)
+            raise ResourceError(f"runtime.placement={rt.placement}: {n} bundles of {worker_bundle(rt)} were not "
+                                f"placed within runtime.startup_timeout_s={rt.startup_timeout_s}")
+        return cls(rt, group, owned=True)
+
+    @property
+    def kind(self) -> str:
+        """spread, pack, none, or captured (the caller's group)."""
+        if self.group is None:
+            return "none"
+        return self.rt.placement if self.owned else "captured"
+
+    def options(self, index: int) -> dict[str, Any]:
+        """`.options(...)` of worker `index`'s actor."""
+        if self.group is None:
+            return {}
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.group, placement_group_bundle_index=index if self.owned else -1)}
+
+    def _free(self, index: int) -> dict[str, float]:
+        """The resources worker `index` draws on, under the names Ray gives a group's bundles."""
+        bundle = worker_bundle(self.rt)
+        if self.group is None:
+            return bundle
+        tag = f"{index}_{self.group.id.hex()}" if self.owned else self.group.id.hex()
+        return {f"{k}_group_{tag}": v for k, v in bundle.items()}
+
+    def fits(self, index: int, grace_s: float) -> bool:
+        """Whether worker `index` can be started again on a node that is alive, waiting up to `grace_s` for Ray to
+        re-place a lost node's bundles and to report the survivors' free resources."""
+        from ray._private.state import available_resources_per_node
+
+        need = self._free(index)
+        end = time.monotonic() + grace_s
+        while True:
+            alive = alive_nodes()
+            for node, free in available_resources_per_node().items():
+                if node in alive and all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items()):
+                    return True
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.5)
+
+    def release(self) -> None:
+        """Give back a group of our own (a captured one is its owner's)."""
+        if self.owned and self.group is not None:
+            try:
+                ray.util.remove_placement_group(self.group)
+            except Exception:  # Ray is already down
+                pass
+            self.group = None

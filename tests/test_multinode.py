@@ -1,0 +1,233 @@
+"""Several Ray nodes on this one machine (ray.cluster_utils.Cluster: a head and worker raylets, each with its own
+CPUs and logical GPUs): placement across nodes, equality with one process, a worker node and the server's node
+lost mid-round, and the wait for the autoscaler."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from actors.pool import RayBackend
+from fedsim.checkpoint import load_run_checkpoint
+from fedsim.errors import ResourceError
+from fedsim.results import load
+from fedsim.runtime.callbacks import Callback
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from tests.conftest import ROOT, start_local_ray
+from tests.runtime.test_loop import deterministic
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+FAST_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                   "health_check_initial_delay_ms": 0}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head that holds only the driver (no CPUs) and worker nodes added by each test; the session's local Ray,
+    if it was up, is started again afterwards."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    was_up = ray.is_initialized()
+    ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
+    ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    if was_up:
+        start_local_ray()
+
+
+def worker_nodes(c, count: int, cpus: int = 2, gpus: int = 2) -> list:
+    """Exactly `count` fresh worker nodes (the ones of an earlier test removed)."""
+    for node in list(c.worker_nodes):
+        c.remove_node(node)
+    nodes = [c.add_node(num_cpus=cpus, num_gpus=gpus) for _ in range(count)]
+    c.wait_for_nodes()
+    return nodes
+
+
+def node_of(c, node_id: str):
+    return next(n for n in c.worker_nodes if n.node_id == node_id)
+
+
+def test_spread_and_pack_place_workers_by_node_and_match_one_process(cluster, make_config):
+    nodes = worker_nodes(cluster, 3)
+    ids = {n.node_id for n in nodes}
+    base = ["runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.client_gpus=1", "runtime.num_workers=3",
+            "participation.clients_per_round=6"]
+    runs = {}
+    for how in ("spread", "pack"):
+        cfg = make_config(*base, f"runtime.placement={how}", f"results.run_id={how}", rounds=2)
+        runs[how] = load(run(cfg, RayBackend()))
+    local = load(run(make_config(*base, "results.run_id=local", rounds=2), LocalBackend(num_workers=3)))
+
+    spread, pack = runs["spread"]["meta"], runs["pack"]["meta"]
+    assert spread["placement_strategy"] == "spread" and pack["placement_strategy"] == "pack"
+    spread_nodes = [p["node_id"] for p in spread["placement"]]
+    assert len(set(spread_nodes)) == 3 and set(spread_nodes) <= ids  # one worker on each node
+    assert sorted(spread["workers_per_node"].values()) == [1, 1, 1]
+    assert sorted(pack["workers_per_node"].values()) == [1, 2]  # two logical GPUs per node: two nodes
+    assert spread["server"]["node_id"] == cluster.head_node.node_id  # the server lives in the driver, on the head
+    for how, res in runs.items():
+        pd.testing.assert_frame_equal(deterministic(res["rounds"]), deterministic(local["rounds"]), obj=how)
+        # every client's row came back from a worker on another node than the driver's, intact
+        clients = deterministic(res["clients"]).drop(columns=["worker"])
+        assert len(clients) == 2 * 6 and (clients["status"] == "ok").all()
+        pd.testing.assert_frame_equal(clients, deterministic(local["clients"]).drop(columns=["worker"]), obj=how)
+
+
+def _states_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_states_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class KeepCheckpoints(Callback):
+    """A copy of the checkpoint after every round, to compare clients' personal states round by round."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, dict] = {}
+
+    def on_setup_end(self, run) -> None:
+        self.path = run.checkpoint
+
+    def on_round_end(self, round, rows) -> None:
+        self.states[round] = load_run_checkpoint(self.path)["client_states"]
+
+
+def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
+    nodes = worker_nodes(cluster, 3, gpus=0)
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
+                      "runtime.placement=spread", "train.epochs=25", "train.keep_optimizer_state=true",
+                      "participation.clients_per_round=10", rounds=4)
+    backend = RayBackend()
+    original = backend.run_phase
+    removed: dict[int, str] = {}
+
+    def run_phase(round, *args, **kw):
+        # round 1: the first node with workers goes (they start again on the others: 2 CPUs free there);
+        # round 2: a full node goes, and nothing has room left (the pool shrinks)
+        if round in (1, 2) and round not in removed:
+            held = [p["node_id"] for i, p in enumerate(backend.placement) if backend._host[i] == i]
+            victim = sorted(set(held), key=lambda n: (-held.count(n), n))[0] if round == 2 else held[0]
+            removed[round] = victim
+            threading.Timer(0.5, cluster.remove_node, args=(node_of(cluster, victim),),
+                            kwargs={"allow_graceful": False}).start()
+        return original(round, *args, **kw)
+
+    backend.run_phase = run_phase
+    kept = KeepCheckpoints()
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        res = load(run(cfg, backend, callbacks=[kept]))
+    rounds, clients = res["rounds"].set_index("round"), res["clients"]
+    table = clients.pivot_table(index="round", columns="status", values="client", aggfunc="count", fill_value=0)
+    print("\nstatuses per round:\n" + table.to_string())
+
+    assert list(rounds.index) == [0, 1, 2, 3] and rounds["accuracy"].notna().all()
+    for r in (1, 2):
+        lost = clients[(clients["round"] == r) & (clients["status"] == "failed")]
+        assert len(lost) >= 1 and (lost["error_type"] == "NodeLost").all(), lost
+        assert lost["error"].str.contains(f"node {removed[r][:12]} of worker .* left the cluster").all()
+        assert rounds.loc[r, "failures"] == len(lost) and rounds.loc[r, "arrived"] == 10 - len(lost)
+        # the lost clients' states are the ones of the checkpoint before: restored, not reset, not missing
+        before, after = kept.states[r - 1], kept.states[r]
+        assert set(before) == set(range(10)) and set(after) == set(range(10))
+        for c in lost["client"]:
+            assert _states_equal(after[c], before[c]), f"round {r}: client {c}'s state was not restored"
+        trained = clients[(clients["round"] == r) & (clients["status"] == "ok")]["client"]
+        assert not any(_states_equal(after[c], before[c]) for c in trained)
+    assert set(clients[clients["status"] != "ok"]["round"]) == {1, 2}
+    assert (clients[clients["round"] == 3]["status"] == "ok").all()  # the shrunk pool serves every client
+    log = caplog.text
+    assert f"node {removed[1][:12]} left the cluster: worker" in log and "started again on node" in log
+    assert f"node {removed[2][:12]} left the cluster and no node has room for it" in log
+    assert "the pool shrinks to" in log and "come back from round 1's checkpoint" in log
+    shutil.rmtree(tmp_path / "results", ignore_errors=True)
+    del nodes
+
+
+def test_the_server_node_lost_stops_with_a_resume_line_and_resume_finishes(cluster, make_config):
+    from actors.node_loss import NodeLostError
+
+    worker_nodes(cluster, 2, gpus=0)
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
+                      "runtime.num_workers=2", "participation.clients_per_round=4", "results.run_id=served",
+                      rounds=3)
+    backend = RayBackend()
+    original = backend.run_phase
+
+    def run_phase(round, *args, **kw):
+        if round == 1:  # the round has begun on the server (phases, broadcast): its node goes
+            cluster.remove_node(node_of(cluster, backend.server_placement["node_id"]), allow_graceful=False)
+        return original(round, *args, **kw)
+
+    backend.run_phase = run_phase
+    with pytest.raises(NodeLostError, match=r"^the server actor's node \w+ left the cluster \(server \w+\); the run "
+                                            r"stops at its last checkpoint: resume it with `fedsim run --resume "
+                                            r".*served`$") as err:
+        run(cfg, backend)
+    assert "\n" not in str(err.value)
+    run_dir = Path(cfg.results.root) / "served"
+    assert list(load(run_dir)["rounds"]["round"]) == [0]
+    cluster.add_node(num_cpus=2, num_gpus=0)  # room again for the server and the workers
+    cluster.wait_for_nodes()
+    res = load(run(resume=run_dir, backend=RayBackend()))
+    assert list(res["rounds"]["round"]) == [0, 1, 2] and res["rounds"]["accuracy"].notna().all()
+    assert (res["clients"]["status"] == "ok").all() and len(res["clients"]) == 3 * 4
+
+
+def test_more_workers_than_the_cluster_holds_wait_for_a_node(cluster, make_config, caplog):
+    worker_nodes(cluster, 1, gpus=0)  # 2 CPUs: 2 workers of 1 CPU
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
+                      "runtime.autoscale_timeout_s=1", "participation.clients_per_round=4", rounds=1)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="fedsim"), pytest.raises(ResourceError) as err:
+        run(cfg, RayBackend())
+    assert str(err.value) == ("runtime.num_workers=4 but only 2 workers fit with runtime.client_cpus=1.0 and "
+                              "runtime.client_gpus=0.0 after waiting runtime.autoscale_timeout_s=1.0")
+    assert time.monotonic() - t0 < 60
+    assert "waiting up to runtime.autoscale_timeout_s=1.0 for the autoscaler: 2 client workers fit, 4 asked for" \
+        in caplog.text
+    assert not list(Path(cfg.results.root).glob("*/*"))  # a run that cannot start leaves nothing behind
+
+    caplog.clear()
+    cfg.runtime.autoscale_timeout_s = 120
+    out: dict = {}
+
+    def start_run() -> None:
+        try:
+            out["run_dir"] = run(cfg, RayBackend())
+        except BaseException as exc:  # handed to the test's thread
+            out["error"] = exc
+
+    # the run waits in a thread; the "autoscaler" (this thread: Ray starts nodes from the main thread only)
+    # adds a node once the wait has begun
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        waiting = threading.Thread(target=start_run)
+        waiting.start()
+        end = time.monotonic() + 120
+        while "for the autoscaler" not in caplog.text and waiting.is_alive() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert waiting.is_alive(), out
+        cluster.add_node(num_cpus=2, num_gpus=0)
+        waiting.join(timeout=300)
+    assert "error" not in out, out
+    res = load(out["run_dir"])
+    assert res["meta"]["num_workers"] == 4 and len(res["meta"]["workers_per_node"]) == 2
+    assert "for the autoscaler: 2 client workers fit, 4 asked for" in caplog.text
+    assert "the cluster holds 4 client workers after" in caplog.text
