@@ -71,6 +71,63 @@ def cluster_nodes() -> list[dict[str, float]]:
     return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
+def free_nodes() -> list[dict[str, float]]:
+    """Resources of each alive node that no task or actor holds now."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return list(available_resources_per_node().values())
+    except (ImportError, AttributeError):  # no per-node view in this Ray: the cluster's free total as one node
+        return [ray.available_resources()]
+
+
+def group_bundles() -> list[dict[str, float]] | None:
+    """The bundles of the placement group this process runs in (a Ray Tune trial's share), without the bundle
+    that holds the trial itself; None outside a placement group."""
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        return None
+    bundles = [dict(b) for b in group.bundle_specs]
+    try:
+        from ray import tune
+
+        trial = tune.get_context().get_trial_resources()
+    except Exception:  # not a Tune trial: every bundle is the run's
+        return bundles
+    return bundles if trial is None or trial.head_bundle_is_empty else bundles[1:]
+
+
+def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
+    """How many client workers a run takes: never more of the cluster than its config asks for.
+
+    Inside a placement group (a Ray Tune trial) the run's share is the group: its workers go there, as many as
+    asked or as fit. Elsewhere runtime.num_workers (or `requested`) is taken as it is (workers beyond what is
+    free wait for room); left unset, the run takes what is free now, at least one worker, so runs started
+    side by side share the cluster instead of each sizing itself to all of it."""
+    rt = cfg.runtime
+    asked = requested or rt.num_workers
+    bundles = group_bundles()
+    if bundles is not None:
+        fits = size_pool(cfg, bundles)
+        n = asked or fits
+        if n > fits:
+            raise ResourceError(f"runtime.num_workers={n} but the placement group this run is in (its share of "
+                                f"the cluster) holds {fits} workers of runtime.client_cpus={rt.client_cpus} and "
+                                f"runtime.client_gpus={rt.client_gpus}")
+        return n
+    fits = size_pool(cfg, cluster_nodes())
+    if asked:
+        if asked > fits:
+            raise ResourceError(f"runtime.num_workers={asked} but only {fits} workers fit with runtime.client_cpus="
+                                f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
+        return asked
+    try:
+        free = size_pool(cfg, free_nodes())
+    except ResourceError:  # the cluster is busy: one worker, which waits for room
+        free = 1
+    return min(free, fits)
+
+
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
     """ray.get with a timeout: a hung or dead actor is one FedsimError naming `what` and the `knob` that limits it;
     a FedsimError the actor raised is passed on as it is."""
@@ -173,11 +230,7 @@ class RayBackend:
             self._boot = RayBoot(rt.ray_address)
         self._boot.wait(rt.startup_timeout_s)
         await_workers(cfg, self._requested)
-        fits = size_pool(cfg, cluster_nodes())
-        n = self._requested or rt.num_workers or fits
-        if n > fits:
-            raise ResourceError(f"runtime.num_workers={n} but only {fits} workers fit with runtime.client_cpus="
-                                f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
+        n = pool_size(cfg, self._requested)
         self.cfg = cfg
         self._where, self._host = WorkerPlacement.make(rt, n), list(range(n))
         self._refs = (ray.put(arrays), ray.put(part), meta)
