@@ -22,10 +22,11 @@ class _DropThreadWarning(logging.Filter):
         return _THREAD_WARNING not in record.getMessage()
 
 
-def init_ray(address: str | None) -> None:
-    """ray.init, keeping the CLI's SIGTERM handler: Ray's own exits the driver mid-round with a crash dump,
-    while the CLI's unwinds like Ctrl-C (tables kept, Ray shut down). A local Ray that this call starts is
-    watched by actors/reaper.py, so not even a kill -9 of the driver leaves its daemons running."""
+def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
+    """ray.init with the job's `runtime_env` (the run's plugins, actors/plugins.py), keeping the CLI's SIGTERM
+    handler: Ray's own exits the driver mid-round with a crash dump, while the CLI's unwinds like Ctrl-C (tables
+    kept, Ray shut down). A local Ray that this call starts is watched by actors/reaper.py, so not even a kill -9
+    of the driver leaves its daemons running."""
     import signal
 
     import ray
@@ -37,7 +38,8 @@ def init_ray(address: str | None) -> None:
     previous = signal.getsignal(signal.SIGTERM)
     ours = in_main and is_sigterm_handler(previous)
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 runtime_env=runtime_env)
     except SystemExit as exc:  # Ray's handler caught a SIGTERM during start-up
         if ours and callable(previous) and exc.code == signal.SIGTERM:
             previous(signal.SIGTERM, None)
@@ -56,8 +58,8 @@ class RayBoot:
     The thread stays parked until `stop`: Ray's daemons are started with PR_SET_PDEATHSIG, which Linux ties to
     the starting *thread*, so they would be killed the moment it ended."""
 
-    def __init__(self, address: str | None) -> None:
-        self.address = address
+    def __init__(self, address: str | None, runtime_env: dict | None = None) -> None:
+        self.address, self.runtime_env = address, runtime_env
         self.started_ray = False  # set before ray.init: a start interrupted half-way is still shut down
         self.error: BaseException | None = None
         self._up = threading.Event()
@@ -74,7 +76,7 @@ class RayBoot:
 
             if not ray.is_initialized():
                 self.started_ray = True
-                init_ray(self.address)
+                init_ray(self.address, self.runtime_env)
         except BaseException as exc:  # handed to the thread that waits
             self.error = exc
         finally:

@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.autoscale import await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
+from actors.plugins import job_runtime_env
 from actors.node_loss import NodeLostError, log, node_gone, node_lost_failure, pick_host
 from actors.placement import WorkerPlacement, alive_nodes
 from actors.server_actor import ServerActor
@@ -227,7 +228,7 @@ class RayBackend:
         rt = cfg.runtime
         self._startup_limit = rt.startup_timeout_s
         if self._boot is None:
-            self._boot = RayBoot(rt.ray_address)
+            self._boot = RayBoot(rt.ray_address, job_runtime_env(cfg))
         self._boot.wait(rt.startup_timeout_s)
         await_workers(cfg, self._requested)
         n = pool_size(cfg, self._requested)

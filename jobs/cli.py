@@ -46,8 +46,10 @@ def make_backend(cfg, workers: int | None = None, boot=None):
 
         return LocalBackend(num_workers=workers)
     from actors.boot import RayBoot
+    from actors.plugins import job_runtime_env
 
-    boot = boot or RayBoot(cfg.runtime.ray_address)  # Ray starts while torch and the rest of the backend import
+    # Ray starts while torch and the rest of the backend import; the job ships the run's plugins to its workers
+    boot = boot or RayBoot(cfg.runtime.ray_address, job_runtime_env(cfg))
     try:
         from actors.pool import RayBackend
     except BaseException:
