@@ -21,9 +21,9 @@ JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job manager in a 
 OVERRIDE_VAR = "RAY_OVERRIDE_JOB_RUNTIME_ENV"  # lets ray.init's py_modules replace the job's (we pass both)
 
 
-def job_runtime_env(cfg: RunConfig) -> dict[str, Any] | None:
-    """The runtime_env for `ray.init` that carries this run's plugins to every worker, or None without any."""
-    paths = shipped_paths(cfg.plugins)
+def job_runtime_env(*configs: RunConfig) -> dict[str, Any] | None:
+    """The runtime_env for `ray.init` that carries the plugins of these runs to every worker, or None without any."""
+    paths = list(dict.fromkeys(p for cfg in configs for p in shipped_paths(cfg.plugins)))
     if not paths:
         return None
     inherited = list(_submitted_job_env().get("py_modules") or [])

@@ -349,8 +349,11 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
         import ray
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        if not ray.is_initialized():
-            ray.init(address=configs[0].runtime.ray_address, include_dashboard=False, configure_logging=False)
+        from actors.plugins import job_runtime_env
+
+        if not ray.is_initialized():  # the job carries every run's plugins to the trials and their workers
+            ray.init(address=configs[0].runtime.ray_address, include_dashboard=False, configure_logging=False,
+                     runtime_env=job_runtime_env(*configs))
             started = True
     try:
         yield

@@ -216,3 +216,35 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
     assert len({p["pid"] for p in on_ray["meta"]["placement"]}) == 2
     assert main(["run", *_run_args(tmp_path, "results.run_id=local"), "--backend", "local"]) == 0
     pd_equal(deterministic(on_ray["rounds"]), deterministic(load(tmp_path / "local")["rounds"]))
+
+
+def test_the_job_runtime_env_carries_every_plugin_once_and_keeps_a_submitted_jobs_modules(isolated, tmp_path,
+                                                                                            monkeypatch):
+    from actors.plugins import JOB_CONFIG_VAR, OVERRIDE_VAR, job_runtime_env
+
+    one = load_config(EXAMPLE, ["runtime.backend=local"])
+    assert job_runtime_env(load_config(None, [])) is None  # nothing to ship
+    assert job_runtime_env(one, one) == {"py_modules": [str(EXAMPLE.with_suffix(".py"))]}
+    monkeypatch.setenv(OVERRIDE_VAR, "0")  # restored after the test, whatever the code sets
+    monkeypatch.setenv(JOB_CONFIG_VAR, '{"runtime_env": {"working_dir": "gcs://a.zip", "py_modules": ["gcs://m.zip"]}}')
+    assert job_runtime_env(one) == {"py_modules": ["gcs://m.zip", str(EXAMPLE.with_suffix(".py"))]}
+    assert os.environ[OVERRIDE_VAR] == "1"  # Ray then takes our list, which holds the job's modules too
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_plugin_method_sweeps_over_seeds_as_tune_trials(isolated, ray_local, tmp_path):
+    from jobs.sweep import run_sweep
+
+    sweep = tmp_path / "plugin.sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"title": "fedavgm", "base": str(EXAMPLE), "seeds": [0, 1], "budgets": [2],
+                                     "overrides": [*FAST, "runtime.backend=local", "runtime.num_workers=1"],
+                                     "arms": [{"name": "beta 0.9"}, {"name": "beta 0.5",
+                                                                     "overrides": ["algorithm.beta=0.5"]}]}))
+    run_sweep(sweep, out_dir=str(tmp_path / "out"), parallel=2)
+    import pandas as pd
+
+    runs = pd.read_parquet(tmp_path / "out" / "runs.parquet")
+    assert len(runs) == 4 and (runs["status"] == "finished").all(), runs.to_string()
+    for run_dir in runs["run"]:
+        assert (load(run_dir)["rounds"]["train/velocity_norm"] > 0).all()
