@@ -65,6 +65,9 @@ def _locate(entry: str, base: Path) -> Plugin:
             return Plugin(entry, _module_name(entry, path.stem), path)
         if path.is_dir() and (path / "__init__.py").is_file():
             return Plugin(entry, _module_name(entry, path.name), path)
+        name = path.stem if path.suffix == ".py" else path.name
+        if name.isidentifier() and _shipped(name, path):  # a run's plugin on a Ray node that has Ray's copy only
+            return Plugin(entry, name, path)
         raise ConfigError(f"plugins: {entry!r}: no such .py file or package folder ({path})")
     if not all(part.isidentifier() for part in entry.split(".")):
         raise ConfigError(f"plugins: {entry!r} is neither a module name nor a path to a .py file")
@@ -132,7 +135,7 @@ def _load(plugin: Plugin) -> ModuleType:
 
 
 def _import(plugin: Plugin) -> ModuleType:
-    if plugin.path is None:
+    if plugin.path is None or not plugin.path.exists():  # an installed module, or Ray's copy of the file
         return importlib.import_module(plugin.module)
     is_package = plugin.path.is_dir()
     source = plugin.path / "__init__.py" if is_package else plugin.path
@@ -229,11 +232,30 @@ def _check_registers(plugin: Plugin) -> None:
 
 
 def _same_source(module: ModuleType, path: Path) -> bool:
+    """Whether `module` was loaded from the plugin at `path`, or, where `path` does not exist (a Ray node), from a
+    file or package of the same name (Ray's copy of it)."""
     file = getattr(module, "__file__", None)
     if not file:
         return False
     source = Path(file).resolve()
+    if not path.exists():
+        return _copy_of(source, path)
     return source == path.resolve() or source == (path / "__init__.py").resolve()
+
+
+def _copy_of(source: Path, path: Path) -> bool:
+    """Whether the module file `source` is a file or package named like the plugin at `path`."""
+    return source.name == path.name if path.suffix == ".py" else (source.name == "__init__.py"
+                                                                  and source.parent.name == path.name)
+
+
+def _shipped(name: str, path: Path) -> bool:
+    """Whether module `name` is importable here from a copy of the plugin at `path` (Ray's py_modules)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None and _copy_of(Path(spec.origin), path)
 
 
 def _where(exc: BaseException, plugin: Plugin) -> str:

@@ -248,3 +248,17 @@ def test_a_plugin_method_sweeps_over_seeds_as_tune_trials(isolated, ray_local, t
     assert len(runs) == 4 and (runs["status"] == "finished").all(), runs.to_string()
     for run_dir in runs["run"]:
         assert (load(run_dir)["rounds"]["train/velocity_norm"] > 0).all()
+
+
+def test_a_resolved_path_missing_here_loads_rays_copy_of_the_module(isolated, tmp_path, monkeypatch):
+    """On a Ray node the driver's absolute path does not exist, but the job's py_modules put a copy of the file on
+    the path: the config loads with that copy; a module of that name that is no copy is still refused."""
+    copy = tmp_path / "ray_copy"
+    copy.mkdir()
+    _write(copy, "shipped_plugin.py", REGISTERS.format(name="shipped_model"))
+    monkeypatch.syspath_prepend(str(copy))
+    gone = "/nonexistent/driver/folder/shipped_plugin.py"
+    cfg = load_config(_write(tmp_path, "c.yaml", PLAIN + f"plugins: [{gone}]\n"))
+    assert cfg.plugins == [gone] and sys.modules["shipped_plugin"].__file__ == str(copy / "shipped_plugin.py")
+    with pytest.raises(ConfigError, match="no such .py file or package folder"):
+        load_config(_write(tmp_path, "d.yaml", PLAIN + "plugins: [/nonexistent/driver/folder/json.py]\n"))
