@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from actors.pool import RayBackend
+from actors.traffic import StoreTraffic
 from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import ResourceError
 from fedsim.results import load
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
+from fedsim.runtime.setup import load_data
 from tests.conftest import ROOT, start_local_ray
 from tests.runtime.test_loop import deterministic
 
@@ -65,11 +67,11 @@ def test_spread_and_pack_place_workers_by_node_and_match_one_process(cluster, ma
     nodes = worker_nodes(cluster, 3)
     ids = {n.node_id for n in nodes}
     base = ["runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.client_gpus=1", "runtime.num_workers=3",
-            "participation.clients_per_round=6"]
-    runs = {}
+            "participation.clients_per_round=6", "model.name=mlp", "model.options={hidden: 16, layers: 1}"]
+    runs, traffic = {}, StoreTraffic()
     for how in ("spread", "pack"):
         cfg = make_config(*base, f"runtime.placement={how}", f"results.run_id={how}", rounds=2)
-        runs[how] = load(run(cfg, RayBackend()))
+        runs[how] = load(run(cfg, RayBackend(), callbacks=[traffic] if how == "spread" else []))
     local = load(run(make_config(*base, "results.run_id=local", rounds=2), LocalBackend(num_workers=3)))
 
     spread, pack = runs["spread"]["meta"], runs["pack"]["meta"]
@@ -85,6 +87,16 @@ def test_spread_and_pack_place_workers_by_node_and_match_one_process(cluster, ma
         clients = deterministic(res["clients"]).drop(columns=["worker"])
         assert len(clients) == 2 * 6 and (clients["status"] == "ok").all()
         pd.testing.assert_frame_equal(clients, deterministic(local["clients"]).drop(columns=["worker"]), obj=how)
+
+    # the dataset moves to each worker node once, when its workers start; a round moves only messages
+    data = load_data(cfg)
+    dataset = sum(a.nbytes for a in (data.x_train, data.y_train, data.x_test, data.y_test))
+    moved = pd.DataFrame(traffic.rows())
+    print("\nobject-store bytes per node and stage:\n" + moved.pivot(index="stage", columns="node", values="bytes")
+          .rename(columns=lambda n: n[:8]).to_string())
+    on_workers = moved[moved["node"].isin(ids)]
+    assert (on_workers.query("stage == 'start'")["bytes"] >= dataset).all()
+    assert (on_workers.query("stage != 'start'")["bytes"] < dataset / 2).all()
 
 
 def _states_equal(a, b) -> bool:
