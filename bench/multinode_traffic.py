@@ -1,0 +1,77 @@
+"""Bytes moved between nodes per round: a prepared bench workload run by fedsim on a Ray cluster of several nodes
+on this machine (ray.cluster_utils.Cluster: a head holding only the driver, and worker nodes of one client worker
+each, placed by runtime.placement=spread).
+
+    python -m bench.multinode_traffic --workload <folder from bench.prepare> [--nodes 2] [--rounds R]
+
+Prints, per stage (the start, then each round), the bytes created in each node's object store (put there, or
+pulled there from another node; actors.traffic). On a worker node that is what came in (the dataset at the start,
+each phase's broadcast) plus the replies its workers put there for the driver; on the head, the driver's puts
+plus the replies it pulled. Replies under Ray's inline limit (100 KiB) travel in the call's answer instead and are
+not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+STORE_BYTES = 600 * 1024**2  # each node's object store: the dataset (270 MB for configs A-C) fits without spilling
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.multinode_traffic", description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
+    ap.add_argument("--nodes", type=int, default=2, help="worker nodes, one single-CPU client worker each")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds to run (default: the workload's)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import pandas as pd
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from actors.pool import RayBackend
+    from actors.traffic import StoreTraffic
+    from bench.common import load_prepared
+    from bench.workload import make_config, prepared_inputs
+    from fedsim.runtime.loop import run
+
+    args = parse(argv)
+    w = load_prepared(args.workload).workload
+    rounds = args.rounds or w.rounds
+    out = tempfile.mkdtemp(prefix="fedsim-traffic-")
+    cfg = make_config(w, ["runtime.backend=ray", "runtime.client_cpus=1", f"runtime.num_workers={args.nodes}",
+                          "runtime.placement=spread", f"rounds={rounds}", f"results.root={out}"])
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE_BYTES})
+    try:
+        for _ in range(args.nodes):
+            cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
+        cluster.wait_for_nodes()
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(address=cluster.address, configure_logging=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_USAGE_STATS_ENABLED": "0"}})
+        head = cluster.head_node.node_id
+        traffic = StoreTraffic()
+        run(cfg, RayBackend(), callbacks=[traffic], inputs=prepared_inputs(cfg, args.workload))
+        table = pd.DataFrame(traffic.rows()).pivot(index="stage", columns="node", values="bytes")
+        table = table.reindex(["start"] + [f"round {r}" for r in range(rounds)])
+        workers = [c for c in table.columns if c != head]
+        table = table.rename(columns={head: "head"} | {n: f"node {i + 1}" for i, n in enumerate(workers)})
+        table["worker nodes"] = table[[f"node {i + 1}" for i in range(len(workers))]].sum(axis=1)
+        print(f"N={w.num_clients} K={w.clients_per_round} model={w.model}, {args.nodes} worker nodes; "
+              "bytes created in each node's object store:")
+        print((table / 1e6).round(3).rename(columns=lambda c: f"{c} (MB)").to_string())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
