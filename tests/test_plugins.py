@@ -181,11 +181,37 @@ def test_an_installed_module_is_a_plugin_by_name(isolated, tmp_path, monkeypatch
     assert cfg.plugins == ["installed_plugin"] and plugins.shipped_paths(cfg.plugins) == []
 
 
+SUBMIT = """
+import sys, time
+from ray.job_submission import JobStatus, JobSubmissionClient
+address, root, entrypoint = sys.argv[1:]
+end, job = time.time() + 500, None
+while job is None:
+    try:  # the dashboard and its job agent take a while to come up
+        client = JobSubmissionClient(address)
+        job = client.submit_job(entrypoint=entrypoint, runtime_env={
+            "working_dir": root, "excludes": [".venv", "results", ".git", "*.pt", ".pytest_cache"],
+            "env_vars": {"RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}})
+    except Exception:
+        if time.time() > end:
+            raise
+        time.sleep(2)
+status = client.get_job_status(job)
+while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED} and time.time() < end:
+    time.sleep(1)
+    status = client.get_job_status(job)
+print(status)
+if status != JobStatus.SUCCEEDED:
+    print(client.get_job_logs(job)[-3000:])
+"""
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path):
-    """A driver joins a Ray head with 2 CPUs from a folder where nothing makes the plugin importable: the workers
-    get it through the job's py_modules, and the numbers equal the local backend's."""
+    """On a Ray head with 2 CPUs, a driver that joins it from a folder where nothing makes the plugin importable,
+    and a job submitted with --working-dir (whose workers see the repository root, not examples/): both get the
+    plugin to their two workers through the job's py_modules, and both give the local backend's numbers."""
     from tests.test_ray import _free_port
 
     ray_bin = Path(sys.executable).parent / "ray"
@@ -193,7 +219,8 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": ROOT}
     gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (_free_port() for _ in range(7))
     head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
-                             "--include-dashboard=false", f"--temp-dir={temp}",
+                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
+                             f"--temp-dir={temp}",
                              f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
                              f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
                              f"--ray-client-server-port={client_port}"], env=env, start_new_session=True,
@@ -204,6 +231,13 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
                                             f"runtime.ray_address=127.0.0.1:{gcs}", "runtime.startup_timeout_s=300")],
                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert joined.returncode == 0, (joined.stdout + joined.stderr)[-3000:]
+        entrypoint = " ".join([sys.executable, "-m", "jobs.run", "examples/my_method.yaml", "--quiet",
+                               *(a for o in [*FAST, f"results.root={tmp_path}", "results.run_id=submitted",
+                                             "runtime.startup_timeout_s=300"] for a in ("-o", o))])
+        submitted = subprocess.run([sys.executable, "-c", SUBMIT, f"http://127.0.0.1:{dash}", ROOT, entrypoint],
+                                   env={**env, "PYTHONPATH": ""}, capture_output=True, text=True, timeout=600,
+                                   cwd=tmp_path)
+        assert "SUCCEEDED" in submitted.stdout, (submitted.stdout + submitted.stderr)[-3000:]
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
@@ -211,11 +245,13 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
-    on_ray = load(tmp_path / "ray")
-    assert on_ray["meta"]["backend"] == "RayBackend" and len(on_ray["meta"]["placement"]) == 2
-    assert len({p["pid"] for p in on_ray["meta"]["placement"]}) == 2
     assert main(["run", *_run_args(tmp_path, "results.run_id=local"), "--backend", "local"]) == 0
-    pd_equal(deterministic(on_ray["rounds"]), deterministic(load(tmp_path / "local")["rounds"]))
+    local = deterministic(load(tmp_path / "local")["rounds"])
+    for run_id in ("ray", "submitted"):
+        on_ray = load(tmp_path / run_id)
+        assert on_ray["meta"]["backend"] == "RayBackend" and len(on_ray["meta"]["placement"]) == 2
+        assert len({p["pid"] for p in on_ray["meta"]["placement"]}) == 2
+        pd_equal(deterministic(on_ray["rounds"]), local)
 
 
 def test_the_job_runtime_env_carries_every_plugin_once_and_keeps_a_submitted_jobs_modules(isolated, tmp_path,
