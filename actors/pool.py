@@ -26,9 +26,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.autoscale import await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
-from actors.plugins import job_runtime_env
 from actors.node_loss import NodeLostError, log, node_gone, node_lost_failure, pick_host
 from actors.placement import WorkerPlacement, alive_nodes
+from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
