@@ -23,6 +23,7 @@ import sys
 sys.modules["faiss"] = None      # as if faiss-cpu were not installed: `import faiss` fails, find_spec says None
 sys.modules["medmnist"] = None
 import fedsim, fedsim.algorithms, fedsim.data.datasets, fedsim.selection
+from fedsim.config import load_config
 from fedsim.data.registry import dataset_names
 cfg = load_config(None, ["rounds=1"])
 print(cfg.algorithm.name, "pathmnist" in dataset_names(), "faiss" in sys.modules and sys.modules["faiss"] is not None)
