@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from fedsim.errors import FedsimError
+from fedsim.errors import ConfigError, FedsimError
+
+PROBE_TIMEOUT_S = 5.0
 
 _THREAD_WARNING = "SIGTERM handler is not set"
 
@@ -20,6 +22,27 @@ class _DropThreadWarning(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return _THREAD_WARNING not in record.getMessage()
+
+
+def check_reachable(address: str | None) -> None:
+    """A cluster named as host:port (runtime.ray_address, or RAY_ADDRESS when that is unset) must accept a TCP
+    connection: Ray itself retries an address where nothing listens for many minutes before it gives up."""
+    import os
+    import socket
+
+    knob = "runtime.ray_address"
+    if address is None:
+        address, knob = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{knob}={address}: expected host:port (the head's GCS address), 'auto' or 'local'")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{knob}={address}: no Ray cluster answers there ({reason})") from None
 
 
 def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
@@ -75,6 +98,7 @@ class RayBoot:
             import ray
 
             if not ray.is_initialized():
+                check_reachable(self.address)
                 self.started_ray = True
                 init_ray(self.address, self.runtime_env)
         except BaseException as exc:  # handed to the thread that waits

@@ -1,0 +1,57 @@
+"""Ray's background start (actors/boot.py): an address where no cluster listens is refused in one line at once,
+where Ray itself would retry it for many minutes."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from actors.boot import check_reachable
+from fedsim.errors import ConfigError
+from tests.conftest import ROOT
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # free once the socket closes: nothing listens there
+
+
+def test_an_address_where_nothing_listens_is_refused_naming_the_knob(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = _closed_port()
+    with pytest.raises(ConfigError, match=rf"runtime.ray_address=127.0.0.1:{port}: no Ray cluster answers there"):
+        check_reachable(f"127.0.0.1:{port}")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=rf"^RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster"):
+        check_reachable(None)
+
+
+@pytest.mark.parametrize("address", ["nohost", "127.0.0.1:", ":6379", "host:port"])
+def test_a_malformed_address_is_refused(monkeypatch, address):
+    with pytest.raises(ConfigError, match="expected host:port"):
+        check_reachable(address)
+
+
+def test_a_listening_address_and_the_keywords_pass(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_reachable(f"127.0.0.1:{server.getsockname()[1]}")
+    for address in (None, "auto", "local", "ray://head:10001"):
+        check_reachable(address)  # Ray's own forms are left to Ray
+
+
+def test_fedsim_run_with_an_unreachable_cluster_fails_in_one_line(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{name: digits, num_clients: 4}}\nrounds: 1\nresults: {{root: {tmp_path / 'r'}}}\n")
+    port = _closed_port()
+    out = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "runtime.backend=ray",
+                          "-o", f"runtime.ray_address=127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"fedsim: error: runtime.ray_address=127.0.0.1:{port}: no Ray cluster answers there (Connection refused)"]
+    assert not (tmp_path / "r").exists()
