@@ -11,6 +11,8 @@ import logging
 import time
 from collections import Counter
 
+import ray
+
 from actors.placement import alive_nodes
 from fedsim.errors import FedsimError
 from fedsim.runtime.backend import WorkerFailure
@@ -24,17 +26,46 @@ class NodeLostError(FedsimError):
     """The node that held the server actor left the cluster: the run stops at its last checkpoint."""
 
 
+def raylet_answers(node_id: str, timeout_s: float = 5.0) -> bool:
+    """Whether the raylet of `node_id` answers a status call (a node whose processes were killed refuses at once,
+    seconds before the cluster's health checks mark it dead)."""
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node.get("Alive"):
+        return False
+    channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).GetNodeStats(
+            node_manager_pb2.GetNodeStatsRequest(include_memory_info=False),  # type: ignore[attr-defined]
+            timeout=timeout_s)
+        return True
+    except Exception:  # unreachable: the node is going or gone
+        return False
+    finally:
+        channel.close()
+
+
 def node_gone(node_id: str, error_text: str = "", grace_s: float = 5.0) -> bool:
-    """Whether `node_id` has left the cluster; when Ray's error speaks of a dead node, wait up to `grace_s` for
-    the cluster's view to say so too."""
+    """Whether `node_id` has left the cluster or its raylet no longer answers; when Ray's error speaks of a dead
+    node, wait up to `grace_s` for that to show."""
     if not node_id:
         return False
     end = time.monotonic() + (grace_s if any(w in error_text.lower() for w in NODE_DEATH_WORDS) else 0.0)
-    while node_id in alive_nodes():
+    while raylet_answers(node_id):
         if time.monotonic() >= end:
             return False
         time.sleep(0.2)
     return True
+
+
+def await_marked_dead(node_id: str, limit_s: float) -> None:
+    """Wait (up to `limit_s`) until the cluster itself counts `node_id` as dead, so that nothing is placed on it
+    again and its placement-group bundles are placed anew."""
+    end = time.monotonic() + limit_s
+    while node_id in alive_nodes() and time.monotonic() < end:
+        time.sleep(0.2)
 
 
 def node_lost_failure(worker: int, node_id: str) -> WorkerFailure:

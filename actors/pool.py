@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from actors.autoscale import await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
-from actors.node_loss import NodeLostError, log, node_gone, node_lost_failure, pick_host
+from actors.node_loss import NodeLostError, await_marked_dead, log, node_gone, node_lost_failure, pick_host
 from actors.placement import WorkerPlacement, alive_nodes
 from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
@@ -338,7 +338,9 @@ class RayBackend:
         worker (the pool shrinks). Returns every slot the lost actor served, whose clients' states must come back."""
         lost = self._host[index]
         slots = [i for i, h in enumerate(self._host) if h == lost]
-        node = self.placement[index].get("node_id", "")[:12]
+        node = self.placement[index].get("node_id", "")
+        await_marked_dead(node, min(self.cfg.runtime.startup_timeout_s, 60.0))
+        node = node[:12]
         assert self._where is not None
         if self._where.fits(index, min(self.cfg.runtime.startup_timeout_s, 10.0)):
             self.workers[index], self._host[index] = self._create(index), index
