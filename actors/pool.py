@@ -129,6 +129,19 @@ def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
     return min(free, fits)
 
 
+def wait_released(before: dict[str, float], share: dict[str, float], limit: float) -> None:
+    """Wait (at most `limit` s) until the cluster's free resources hold again the share a run gave back: Ray frees
+    a killed actor's resources a moment after the kill, and a run started next in this process and sized from
+    the free resources (pool_size) should find them."""
+    want = {k: before.get(k, 0.0) + v for k, v in share.items() if v > 0}
+    deadline = time.monotonic() + limit
+    while want and time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(k, 0.0) >= v - 1e-6 for k, v in want.items()):
+            return
+        time.sleep(0.05)
+
+
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
     """ray.get with a timeout: a hung or dead actor is one FedsimError naming `what` and the `knob` that limits it;
     a FedsimError the actor raised is passed on as it is."""
@@ -396,8 +409,17 @@ class RayBackend:
         return self._get([w.rss_bytes.remote() for w in self._actors()], "measuring memory") \
             + [psutil.Process().memory_info().rss]
 
+    def _share(self) -> dict[str, float]:
+        """The CPUs and GPUs this pool's actors hold."""
+        rt, n = self.cfg.runtime, len(self.workers)
+        server = isinstance(self._server, RemoteServer)
+        return {"CPU": n * rt.client_cpus + (rt.server_cpus if server else 0.0),
+                "GPU": n * rt.client_gpus + (rt.server_gpus if server else 0.0)}
+
     def shutdown(self) -> None:
         server_actor = [self._server.actor] if isinstance(self._server, RemoteServer) else []
+        share = self._share() if self.workers and group_bundles() is None else {}  # a group's share stays its own
+        before = ray.available_resources() if share else {}
         for actor in self.workers + server_actor:
             try:
                 ray.kill(actor, no_restart=True)
@@ -406,6 +428,7 @@ class RayBackend:
         self.workers, self._server = [], None
         if self._where is not None:
             self._where.release()
+        wait_released(before, share, 5.0)
         if self._boot is not None:
             self._boot.stop(self._startup_limit)
 
