@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ray.init(address=cluster.address, configure_logging=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_USAGE_STATS_ENABLED": "0"}})
+        assert cluster.head_node is not None
         head = cluster.head_node.node_id
         traffic = StoreTraffic()
         run(cfg, RayBackend(), callbacks=[traffic], inputs=prepared_inputs(cfg, args.workload))
