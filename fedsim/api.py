@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.config import RunConfig, apply_overrides, build_config, config_to_dict, load_config
+from fedsim.config import RunConfig, apply_overrides, build_with_plugins, config_to_dict, load_config
 from fedsim.errors import ConfigError
 from fedsim.storage import Location, location
 
@@ -21,10 +21,10 @@ def resolve_config(config: str | Path | RunConfig | Mapping[str, Any] | None,
     """A RunConfig from a YAML path, a RunConfig (copied, never changed) or a dict shaped like the YAML, with
     `-o`-style overrides ("train.lr=0.01") applied; None gives the defaults."""
     if isinstance(config, RunConfig):
-        return build_config(apply_overrides(config_to_dict(config), list(overrides))) if overrides \
-            else copy.deepcopy(config)
-    if isinstance(config, Mapping):
-        return build_config(apply_overrides(dict(config), list(overrides)))
+        return build_with_plugins(apply_overrides(config_to_dict(config), list(overrides)), Path.cwd()) \
+            if overrides else copy.deepcopy(config)
+    if isinstance(config, Mapping):  # relative plugin paths start at the working directory, as for `-o`
+        return build_with_plugins(apply_overrides(dict(config), list(overrides)), Path.cwd())
     if config is None or isinstance(config, (str, Path)):
         return load_config(config, list(overrides))
     raise ConfigError(f"fedsim.run: config must be a YAML path, a RunConfig or a dict, got {type(config).__name__}")

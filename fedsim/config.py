@@ -295,10 +295,16 @@ def build_config(raw: dict) -> RunConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or the defaults), apply overrides, validate."""
     raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides or [])
+    return build_with_plugins(raw, _config_folder(path))
+
+
+def build_with_plugins(raw: dict[str, Any], base: Path) -> RunConfig:
+    """build_config after the `plugins` entries are resolved against `base` (where relative paths start), so the
+    config names each plugin by its absolute path and a Ray job or a resume elsewhere finds it."""
     if raw.get("plugins") is not None:
         from fedsim.plugins import resolve
 
-        raw["plugins"] = resolve(raw["plugins"], _config_folder(path))
+        raw["plugins"] = resolve(raw["plugins"], base)
     return build_config(raw)
 
 

@@ -298,3 +298,17 @@ def test_a_resolved_path_missing_here_loads_rays_copy_of_the_module(isolated, tm
     assert cfg.plugins == [gone] and sys.modules["shipped_plugin"].__file__ == str(copy / "shipped_plugin.py")
     with pytest.raises(ConfigError, match="no such .py file or package folder"):
         load_config(_write(tmp_path, "d.yaml", PLAIN + "plugins: [/nonexistent/driver/folder/json.py]\n"))
+
+
+def test_fedsim_run_resolves_the_plugins_of_a_dict_config_from_the_working_directory(isolated, monkeypatch):
+    """A dict (or a RunConfig with overrides) names its plugins as a YAML file does: by absolute path, so a Ray
+    job ships them and a resume from elsewhere finds them."""
+    from fedsim.api import resolve_config
+
+    monkeypatch.chdir(Path(ROOT) / "examples")
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["plugins"] = ["my_method"]
+    cfg = resolve_config(raw, FAST)
+    assert cfg.plugins == [str(Path(ROOT) / "examples" / "my_method.py")]
+    again = resolve_config(load_config(None), ["plugins=[my_method.py]", f"algorithm.name={raw['algorithm']['name']}"])
+    assert again.plugins == cfg.plugins
