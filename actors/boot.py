@@ -114,7 +114,10 @@ class RayBoot:
             raise FedsimError(f"starting Ray: not up within runtime.startup_timeout_s={limit}")
         if self.error is not None:
             error, self.error = self.error, None
-            raise error
+            if isinstance(error, (FedsimError, KeyboardInterrupt, SystemExit)):
+                raise error
+            lines = str(error).strip().splitlines() or [""]
+            raise FedsimError(f"starting Ray failed: {type(error).__name__}: {lines[0].strip()[:300]}") from None
 
     def stop(self, limit: float) -> None:
         """Shut down the Ray this boot started (after letting a start still under way finish, at most `limit` s);

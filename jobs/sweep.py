@@ -349,12 +349,13 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
         import ray
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        from actors.boot import check_reachable, init_ray
         from actors.plugins import job_runtime_env
 
         if not ray.is_initialized():  # the job carries every run's plugins to the trials and their workers
-            ray.init(address=configs[0].runtime.ray_address, include_dashboard=False, configure_logging=False,
-                     runtime_env=job_runtime_env(*configs))
+            check_reachable(configs[0].runtime.ray_address)
             started = True
+            init_ray(configs[0].runtime.ray_address, job_runtime_env(*configs))
     try:
         yield
     finally:
@@ -427,6 +428,7 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
         r["config"] = str(Path(r["config"]).resolve())
         r["overrides"] = [*r["overrides"], *extra]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]  # validate everything before running
+    _local_only(out_dir, configs)
     if dry_run:
         return "\n".join(f"{r['arm']} {r['grid']}{' ' + str(r['space']) if 'space' in r else ''} seed={r['seed']}: "
                          f"{r['config']} {r['overrides']} share={trial_bundles(c)}" for r, c in zip(runs, configs))
@@ -452,6 +454,20 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     atomic_write(dest_dir / "table.parquet", lambda tmp: summary_frame(df, sw).to_parquet(tmp, index=False))
     atomic_write(dest_dir / "runs.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     return md
+
+
+def _local_only(out_dir: str | None, configs: list) -> None:
+    """A sweep reads its runs' tables back to tabulate them and keeps Tune's state beside them, on a file system:
+    a URI (s3://, gs://, ...) for the sweep's folder or its runs is refused before anything starts."""
+    from fedsim.storage import is_uri
+
+    if out_dir and is_uri(out_dir):
+        raise ConfigError(f"--output-dir {out_dir}: a sweep's folder must be a local or shared file-system path, "
+                          "not a URI")
+    for cfg in configs:
+        if is_uri(cfg.results.root):
+            raise ConfigError(f"results.root={cfg.results.root}: a sweep keeps its runs in its own folder; give "
+                              "--output-dir a local or shared file-system path instead of a URI")
 
 
 def _slug(text: str) -> str:

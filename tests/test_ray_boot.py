@@ -55,3 +55,19 @@ def test_fedsim_run_with_an_unreachable_cluster_fails_in_one_line(tmp_path):
     assert out.stderr.strip().splitlines() == [
         f"fedsim: error: runtime.ray_address=127.0.0.1:{port}: no Ray cluster answers there (Connection refused)"]
     assert not (tmp_path / "r").exists()
+
+
+def test_a_failure_inside_ray_init_reaches_the_waiting_thread_as_one_line(monkeypatch):
+    import actors.boot as boot
+
+    def broken(address, runtime_env=None):
+        raise RuntimeError("the runtime_env's py_modules package is over the 100 MiB limit\n  (details)")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(boot, "init_ray", broken)
+    started = boot.RayBoot(None)
+    line = "starting Ray failed: RuntimeError: the runtime_env's py_modules package is over the 100 MiB limit"
+    with pytest.raises(boot.FedsimError, match=f"^{line}$"):
+        started.wait(60)
+    started.stop(60)
+    started.stop(60)  # again: nothing left to stop

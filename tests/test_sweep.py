@@ -80,6 +80,18 @@ def test_a_bad_space_names_its_key(tmp_path, sweep, message) -> None:
 
 # ---- a run's share of the cluster ----
 
+@pytest.mark.parametrize("args, message", [
+    ({"overrides": ["results.root=memory://bucket/runs"]}, "results.root=memory://bucket/runs: a sweep keeps"),
+    ({"out_dir": "s3://bucket/sweep"}, "--output-dir s3://bucket/sweep: a sweep's folder must be"),
+])
+def test_a_sweep_refuses_a_uri_for_its_runs_before_starting(tmp_path, args, message) -> None:
+    from jobs.sweep import run_sweep
+
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(write_sweep(tmp_path, seeds=[0]), dry_run=True, **args)
+    assert not (tmp_path / "results").exists()
+
+
 def test_a_trial_asks_for_what_its_config_reserves(make_config) -> None:
     cfg = make_config("runtime.backend=ray", "runtime.num_workers=2", "runtime.client_gpus=0.5",
                       "runtime.server_cpus=0.5")
