@@ -11,7 +11,6 @@ ids it keeps in `<run folder>/tracking.json`.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -50,12 +49,10 @@ def round_metrics(rows: RoundRows) -> dict[str, float]:
 
 
 def _require(module: str, key: str) -> Any:
-    """Import an optional tracking library, or a ConfigError naming the key and the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"{key}: the {module} package is not installed; install the [{module}] extra "
-                          f"(pip install {module})") from None
+    """Import an optional tracking library, or one line naming the key and the extra that installs it."""
+    from fedsim.extras import require
+
+    return require(module, module, key)
 
 
 def _read_ids(run: RunInfo) -> dict[str, str]:

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import fedsim
-from fedsim.errors import ConfigError
+from fedsim.errors import MissingExtraError
 from fedsim.runtime.callbacks import Callback, RoundRows
 from tests.conftest import ROOT
 
@@ -176,10 +176,11 @@ def test_a_missing_tracking_library_is_one_line_naming_its_extra_and_nothing_is_
     from jobs.cli import main
 
     monkeypatch.setitem(sys.modules, library, None)  # `import mlflow` now raises ImportError
-    with pytest.raises(ConfigError, match=rf"tracking\.{library}\.enabled: .*\[{library}\] extra"):
+    with pytest.raises(MissingExtraError, match=rf'^tracking\.{library}\.enabled needs {library}, which is not '
+                       rf'installed: pip install "fedsim-ray\[{library}\]"$'):
         fedsim.run(make_config(f"tracking.{library}.enabled=true"), backend="local")
     code = main(["run", str(Path(ROOT) / "configs" / "demo.yaml"), "--quiet", "--backend", "local",
                  "-o", f"tracking.{library}.enabled=true", "-o", f"results.root={tmp_path / 'results'}"])
     err = capsys.readouterr().err
-    assert code == 2 and len(err.strip().splitlines()) == 1 and f"pip install {library}" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and f'pip install "fedsim-ray[{library}]"' in err, err
     assert not (tmp_path / "results").exists()
