@@ -203,7 +203,17 @@ def test_the_server_node_lost_stops_with_a_resume_line_and_resume_finishes(clust
     assert (res["clients"]["status"] == "ok").all() and len(res["clients"]) == 3 * 4
 
 
-def test_more_workers_than_the_cluster_holds_wait_for_a_node(cluster, make_config, caplog):
+def test_more_workers_than_the_cluster_holds_wait_for_a_node(cluster, make_config, caplog, monkeypatch):
+    from ray.autoscaler import sdk
+
+    asked: list[list[dict]] = []
+    real_request = sdk.request_resources
+
+    def request_resources(bundles):  # what the autoscaler is asked for, passed on to Ray's own call
+        asked.append(bundles)
+        return real_request(bundles=bundles)
+
+    monkeypatch.setattr(sdk, "request_resources", request_resources)
     worker_nodes(cluster, 1, gpus=0)  # 2 CPUs: 2 workers of 1 CPU
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
                       "runtime.autoscale_timeout_s=1", "participation.clients_per_round=4", rounds=1)
@@ -216,6 +226,7 @@ def test_more_workers_than_the_cluster_holds_wait_for_a_node(cluster, make_confi
     assert "waiting up to runtime.autoscale_timeout_s=1.0 for the autoscaler: 2 client workers fit, 4 asked for" \
         in caplog.text
     assert not list(Path(cfg.results.root).glob("*/*"))  # a run that cannot start leaves nothing behind
+    assert [len(b) for b in asked] == [4, 0] and all(b.get("CPU") == 1.0 for b in asked[0])  # asked, then withdrawn
 
     caplog.clear()
     cfg.runtime.autoscale_timeout_s = 120
