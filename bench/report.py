@@ -49,8 +49,9 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
         return [str(flower_python()), "-m", "bench.flower_fedavg", *work, "--client-cpus", "1"]
     if system in ("fedsim", "fedsim_ray"):  # the default runtime: one single-thread Ray worker per CPU (2 here)
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "ray", *fedsim_args]
-    if system == "fedsim_local":  # the same workers as plain processes, no Ray
-        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", *fedsim_args]
+    if system == "fedsim_local":  # one in-process worker with both CPUs' threads, as the plain loop and pfl use them
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", "-o", "runtime.threads=2",
+                *fedsim_args]
     if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--client-cpus", "2", "-o", "runtime.threads=2",
                 *fedsim_args]
