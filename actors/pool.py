@@ -142,6 +142,16 @@ def wait_released(before: dict[str, float], share: dict[str, float], limit: floa
         time.sleep(0.05)
 
 
+def driver_cpus() -> int:
+    """The CPUs the driver process may run on (its affinity, else the machine's count)."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
     """ray.get with a timeout: a hung or dead actor is one FedsimError naming `what` and the `knob` that limits it;
     a FedsimError the actor raised is passed on as it is."""
@@ -257,7 +267,8 @@ class RayBackend:
         else:
             # zero-copy views of the object store, so the driver's own copy of the data can be freed
             shared = wait_for(self._refs[0], "sharing the dataset", rt.startup_timeout_s, "runtime.startup_timeout_s")
-            self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or 1)
+            # the workers idle while the server steps and evaluates, so it takes every CPU this process may use
+            self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or driver_cpus())
         self.placement = self._ping(list(range(n)))
         self.server_placement = self.server.ping()
         self._note_server_node(run_dir)
