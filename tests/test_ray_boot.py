@@ -63,11 +63,17 @@ def test_a_failure_inside_ray_init_reaches_the_waiting_thread_as_one_line(monkey
     def broken(address, runtime_env=None):
         raise RuntimeError("the runtime_env's py_modules package is over the 100 MiB limit\n  (details)")
 
+    import ray
+
+    shutdowns: list[bool] = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(boot, "init_ray", broken)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh driver, whatever Ray this session runs
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))  # and this session's Ray left alone
     started = boot.RayBoot(None)
     line = "starting Ray failed: RuntimeError: the runtime_env's py_modules package is over the 100 MiB limit"
     with pytest.raises(boot.FedsimError, match=f"^{line}$"):
         started.wait(60)
     started.stop(60)
     started.stop(60)  # again: nothing left to stop
+    assert shutdowns == [True]  # the half-started Ray is shut down once
