@@ -88,9 +88,9 @@ def _walk(folder):
 
 
 def test_file_uri_run_resumes_and_collects(config_file, reference, tmp_path, elsewhere, capsys):
-    root = f"file://{tmp_path}/shared/runs"
+    root = f"file://{tmp_path}/mount/runs"
     _run_resume_collect(config_file, root, reference, capsys)
-    assert (tmp_path / "shared" / "runs" / "r" / "rounds.parquet").is_file()
+    assert (tmp_path / "mount" / "runs" / "r" / "rounds.parquet").is_file()
     assert list(elsewhere.iterdir()) == []
 
 
