@@ -47,10 +47,39 @@ def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[
 
 def write_table(rows: list[dict], path: Location, columns: list[str]) -> None:
     """Write rows as parquet atomically, with the known columns first."""
-    df = pd.DataFrame(rows)
-    if not df.empty:
-        df = df[[c for c in columns if c in df.columns] + [c for c in df.columns if c not in columns]]
-    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
+    TableWriter(path, columns).write(rows)
+
+
+class TableWriter:
+    """One growing table rewritten after every round: rows already converted to Arrow stay converted, so a round
+    costs its own rows' conversion and one columnar write, not a DataFrame of the whole run (O(R) in all, not
+    O(R²)). A column a later round adds (a failure's `error`) or widens (int to float) is promoted as pandas would."""
+
+    def __init__(self, path: Location, columns: list[str]) -> None:
+        self.path, self.columns = path, columns
+        self._chunks: list[Any] = []  # pyarrow Tables, one per write
+        self._converted = 0  # rows already in _chunks
+
+    def write(self, rows: list[dict]) -> None:
+        """Write `rows` (every row so far; the ones before the last call's are taken as unchanged)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if len(rows) < self._converted:  # not the rows this writer has seen: start again
+            self._chunks, self._converted = [], 0
+        if len(rows) > self._converted or not self._chunks:
+            chunk = pa.Table.from_pandas(pd.DataFrame(rows[self._converted:]), preserve_index=False)
+            # float32 metrics become float64, as pandas makes them once a later round leaves the column empty
+            chunk = chunk.cast(pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_floating(f.type) else f
+                                          for f in chunk.schema]))
+            self._chunks.append(chunk.replace_schema_metadata(None))
+            self._converted = len(rows)
+        table = self._chunks[0] if len(self._chunks) == 1 else \
+            pa.concat_tables(self._chunks, promote_options="permissive")
+        self._chunks = [table]
+        names = table.column_names
+        table = table.select([c for c in self.columns if c in names] + [c for c in names if c not in self.columns])
+        atomic_write(self.path, lambda tmp: pq.write_table(table, tmp))
 
 
 def run_meta() -> dict:

@@ -154,16 +154,19 @@ class ResultsWriter(Callback):
         self.written: tuple[int, float] | None = None  # the last round written, and its virtual time
 
     def on_setup_end(self, run: RunInfo) -> None:
+        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter
+
         self.run = run
+        self.tables = (TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS),
+                       TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS))
 
     def on_round_end(self, round: int, rows: RoundRows) -> None:
-        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, write_table
         from fedsim.runtime.signals import shielded
 
         every = self.run.cfg.results.checkpoint_every
         with shielded():
-            write_table(rows.all_rounds, self.run.run_dir / "rounds.parquet", ROUND_COLUMNS)
-            write_table(rows.all_clients, self.run.run_dir / "clients.parquet", CLIENT_COLUMNS)
+            self.tables[0].write(rows.all_rounds)
+            self.tables[1].write(rows.all_clients)
             self.written = (round, float(rows.row["virtual_time"]))
             if every and ((round + 1) % every == 0 or rows.last):
                 self.save()

@@ -102,3 +102,32 @@ def test_an_interrupt_inside_a_callback_is_not_wrapped_and_ends_the_run_as_inter
         run(make_config(), callbacks=[Raises("on_round_end", KeyboardInterrupt(), at=0), rec])
     assert rec.events[-1] == ("end", "interrupted")
     assert pd.read_parquet(rec.info.run_dir / "rounds.parquet")["round"].tolist() == [0]
+
+
+def test_tables_written_round_by_round_equal_the_whole_table_written_at_once(tmp_path):
+    """The results writer converts each round's rows once: its file after every round must read back as the
+    DataFrame of all rows so far, with a column a later round adds (a failure) and one it widens (int to float)."""
+    from fedsim.results import CLIENT_COLUMNS, TableWriter
+
+    def rows_of(r: int) -> list[dict]:
+        out = [{"round": r, "client": c, "status": "ok", "samples": 10 + c, "train_loss": 0.5 * c, "steps": 3}
+               for c in range(4)]
+        if r == 1:
+            out[2].update(status="failed", error="ValueError: x", error_type="ValueError")
+        if r == 2:
+            out[0]["steps"] = 2.5
+        return out
+
+    writer, rows = TableWriter(tmp_path / "clients.parquet", CLIENT_COLUMNS), []
+    for r in range(4):
+        rows += rows_of(r)
+        writer.write(rows)
+        expected = pd.DataFrame(rows)
+        expected = expected[[c for c in CLIENT_COLUMNS if c in expected] + [c for c in expected
+                                                                            if c not in CLIENT_COLUMNS]]
+        got = pd.read_parquet(tmp_path / "clients.parquet")
+        pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+        assert list(got.columns) == list(expected.columns)
+    assert got["steps"].dtype == "float64" and got["error"].notna().sum() == 1
+    writer.write(rows[:4])  # rows it has not seen as such: written again from scratch
+    assert len(pd.read_parquet(tmp_path / "clients.parquet")) == 4
