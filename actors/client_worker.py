@@ -29,12 +29,19 @@ def assigned_device(gpu_fraction: float) -> str:
 class ClientWorkerActor(ClientWorker):
     """Hosts many virtual clients; one instance per worker slot."""
 
-    def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any],
-                 worker_index: int, spill_dir: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, worker_index: int, spill_dir: str | None = None) -> None:
+        """The process starts (Python, torch, the run's plugins) before the data is shared; `attach` builds the
+        worker on it, so the two overlap."""
         import_in_worker(cfg.plugins)  # the run's own modules register their methods before anything is built
+        self._args = (cfg, worker_index, spill_dir)
+
+    def attach(self, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any]) -> dict[str, Any]:
+        """Build the worker on the shared dataset and partition; returns what `ping` returns."""
+        cfg, worker_index, spill_dir = self._args
         threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
         super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),
                          threads=threads, spill_dir=spill_dir)
+        return self.ping()
 
     def ping(self) -> dict[str, Any]:
         out = super().ping()

@@ -257,10 +257,10 @@ class RayBackend:
         n = pool_size(cfg, self._requested)
         self.cfg = cfg
         self._where, self._host = WorkerPlacement.make(rt, n), list(range(n))
+        self._spill = str(spill_folder(cfg, run_dir))
+        self.workers = [self._create(i) for i in range(n)]  # they boot while the data is shared and the server built
         self._refs = (ray.put(arrays), ray.put(part), meta)
         arrays.clear()  # the object store has the data now: the driver's copy goes (the server maps the store's)
-        self._spill = str(spill_folder(cfg, run_dir))
-        self.workers = [self._create(i) for i in range(n)]  # they boot while the server is built
         if rt.server_gpus > 0 or rt.server_cpus > 0:
             self.server = RemoteServer(ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus, max_restarts=0)(
                 self.server_cls).remote(cfg, *self._refs), cfg)
@@ -269,7 +269,7 @@ class RayBackend:
             shared = wait_for(self._refs[0], "sharing the dataset", rt.startup_timeout_s, "runtime.startup_timeout_s")
             # the workers idle while the server steps and evaluates, so it takes every CPU this process may use
             self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or driver_cpus())
-        self.placement = self._ping(list(range(n)))
+        self.placement = self._attach(list(range(n)))
         self.server_placement = self.server.ping()
         self._note_server_node(run_dir)
 
@@ -277,13 +277,14 @@ class RayBackend:
         rt = self.cfg.runtime
         cls = ray.remote(num_cpus=rt.client_cpus, num_gpus=rt.client_gpus, max_restarts=0)(self.worker_cls)
         cls = cls.options(**self._where.options(i)) if self._where is not None else cls
-        return cls.remote(self.cfg, *self._refs, i, spill_dir=f"{self._spill}/w{i}")
+        return cls.remote(self.cfg, i, spill_dir=f"{self._spill}/w{i}")
 
-    def _ping(self, indices: list[int]) -> list[dict]:
-        """Placement facts of the workers `indices` once they answer; the ones that do not start in
-        runtime.startup_timeout_s are named in one FedsimError (every worker is stopped then)."""
+    def _attach(self, indices: list[int]) -> list[dict]:
+        """Build the workers `indices` (just created) on the shared data; their placement facts once they answer.
+        The ones that do not start in runtime.startup_timeout_s are named in one FedsimError (every worker is
+        stopped then)."""
         limit = self.cfg.runtime.startup_timeout_s
-        refs = [self.workers[i].ping.remote() for i in indices]
+        refs = [self.workers[i].attach.remote(*self._refs) for i in indices]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=limit)
         try:
             if pending:
@@ -347,7 +348,7 @@ class RayBackend:
             return self._replace_lost(index)
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._create(index)
-        self.placement[index] = self._ping([index])[0]
+        self.placement[index] = self._attach([index])[0]
         return None
 
     def _node_failure(self, index: int, exc: BaseException | None) -> WorkerFailure | None:
@@ -368,7 +369,7 @@ class RayBackend:
         assert self._where is not None
         if self._where.fits(index, min(self.cfg.runtime.startup_timeout_s, 10.0)):
             self.workers[index], self._host[index] = self._create(index), index
-            self.placement[index] = self._ping([index])[0]
+            self.placement[index] = self._attach([index])[0]
             host = index
             log.warning("worker %d's node %s left the cluster: worker %d started again on node %s", index, node,
                         index, self.placement[index].get("node_id", "")[:12])
@@ -429,7 +430,10 @@ class RayBackend:
 
     def shutdown(self) -> None:
         server_actor = [self._server.actor] if isinstance(self._server, RemoteServer) else []
-        share = self._share() if self.workers and group_bundles() is None else {}  # a group's share stays its own
+        # the share comes back for a run started next on the same cluster: not needed when this Ray stops now, and
+        # a group's share stays its own
+        stopping = self._boot is not None and self._boot.started_ray
+        share = self._share() if self.workers and group_bundles() is None and not stopping else {}
         before = ray.available_resources() if share else {}
         for actor in self.workers + server_actor:
             try:

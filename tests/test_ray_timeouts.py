@@ -37,6 +37,9 @@ def stuck(ray_local):
         def ping(self):
             time.sleep(60)
 
+        def attach(self, *args):
+            time.sleep(60)
+
         def phases(self, round):
             time.sleep(60)
 
@@ -95,7 +98,8 @@ def test_a_worker_that_does_not_start_is_named_and_every_worker_is_stopped(stuck
     backend = RayBackend()
     backend.cfg = make_config("runtime.startup_timeout_s=1")
     backend.workers = [stuck(), stuck()]
-    _one_line(lambda: backend._ping([0, 1]), FedsimError,
+    backend._refs = (None, None, {})
+    _one_line(lambda: backend._attach([0, 1]), FedsimError,
               r"^client workers 0, 1 did not start: no answer within runtime.startup_timeout_s=1.0$")
     from ray.exceptions import RayActorError
 
