@@ -45,11 +45,6 @@ def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[
             "error_traceback": traceback}
 
 
-def write_table(rows: list[dict], path: Location, columns: list[str]) -> None:
-    """Write rows as parquet atomically, with the known columns first."""
-    TableWriter(path, columns).write(rows)
-
-
 class TableWriter:
     """One growing table rewritten after every round: rows already converted to Arrow stay converted, so a round
     costs its own rows' conversion and one columnar write, not a DataFrame of the whole run (O(R) in all, not
