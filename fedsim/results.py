@@ -52,8 +52,8 @@ class TableWriter:
 
     def __init__(self, path: Location, columns: list[str]) -> None:
         self.path, self.columns = path, columns
-        self._chunks: list[Any] = []  # pyarrow Tables, one per write
-        self._converted = 0  # rows already in _chunks
+        self._table: Any = None  # pyarrow Table of the rows converted so far
+        self._converted = 0  # how many rows that is
 
     def write(self, rows: list[dict]) -> None:
         """Write `rows` (every row so far; the ones before the last call's are taken as unchanged)."""
@@ -61,17 +61,16 @@ class TableWriter:
         import pyarrow.parquet as pq
 
         if len(rows) < self._converted:  # not the rows this writer has seen: start again
-            self._chunks, self._converted = [], 0
-        if len(rows) > self._converted or not self._chunks:
+            self._table, self._converted = None, 0
+        if len(rows) > self._converted or self._table is None:
             chunk = pa.Table.from_pandas(pd.DataFrame(rows[self._converted:]), preserve_index=False)
             # float32 metrics become float64, as pandas makes them once a later round leaves the column empty
             chunk = chunk.cast(pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_floating(f.type) else f
-                                          for f in chunk.schema]))
-            self._chunks.append(chunk.replace_schema_metadata(None))
+                                          for f in chunk.schema])).replace_schema_metadata(None)
+            self._table = chunk if self._table is None else \
+                pa.concat_tables([self._table, chunk], promote_options="permissive")
             self._converted = len(rows)
-        table = self._chunks[0] if len(self._chunks) == 1 else \
-            pa.concat_tables(self._chunks, promote_options="permissive")
-        self._chunks = [table]
+        table = self._table
         names = table.column_names
         table = table.select([c for c in self.columns if c in names] + [c for c in names if c not in self.columns])
         atomic_write(self.path, lambda tmp: pq.write_table(table, tmp))
