@@ -12,9 +12,11 @@ for the `seed` calls that follow (a worker's clients of one phase).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -138,3 +140,25 @@ def numpy_generator(run_seed: int, name: str, round: int = UNSET, client: int = 
                     phase: int = UNSET) -> np.random.Generator:
     """A numpy generator on stream `name`."""
     return np.random.default_rng(seed(run_seed, name, round, client, phase))
+
+
+@contextlib.contextmanager
+def global_streams(seed_: int, device: torch.device | str = "cpu") -> Iterator[None]:
+    """torch's default generators (the CPU's, and `device`'s when it is a GPU) seeded with `seed_` inside the block
+    and restored after it. What a client step draws from them (nn.Dropout's masks, a model's own torch.rand) then
+    depends on the seed alone, not on which clients the same process trained before: the numbers do not change
+    with the number of workers. Seeding just these generators costs microseconds; torch.manual_seed, 0.1 ms."""
+    dev = torch.device(device)
+    cpu = torch.default_generator
+    cpu_state = cpu.get_state()
+    cuda_state = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+    cpu.manual_seed(seed_)
+    if cuda_state is not None:
+        with torch.cuda.device(dev):
+            torch.cuda.manual_seed(seed_)
+    try:
+        yield
+    finally:
+        cpu.set_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, dev)

@@ -7,8 +7,8 @@ keeps its own batch order (drawn from its own generator by batch_indices), momen
 term and BatchNorm statistics. A client's partial last batch is padded and the padding masked out of its loss
 and batch statistics. Clients are sorted by step count, so those still training at a step are a prefix.
 Dropout draws each client's masks from its own seed (`LocalTraining.dropout_seed`), so a client's masks do
-not depend on which clients it trains with (they differ from the sequential path's, which uses torch's
-global stream).
+not depend on which clients it trains with (they differ from the sequential path's, which draws them from
+torch's global stream seeded with the same seed).
 """
 
 from __future__ import annotations

@@ -47,13 +47,15 @@ class ModelPool:
 
     def get(self, key: str, build: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
         """The instance for `key`; classifiers are built from the registry, anything else by `build` (a key is
-        always built by the same `build`, so it keeps the type that `build` returns)."""
+        always built by the same `build`, so it keeps the type that `build` returns). The build's draws leave
+        torch's global stream where it was: the client step that happens to build it draws what the others do."""
         if key not in self._models:
             if build is None:
                 from fedsim.algorithms.toolkit import new_model
 
                 build = lambda: new_model(self.env, key)  # noqa: E731
-            self._models[key] = build().to(self.device)
+            with torch.random.fork_rng(devices=[]):
+                self._models[key] = build().to(self.device)
         return self._models[key]
 
 
@@ -145,8 +147,10 @@ class ClientWorker:
                 continue
             t0 = time.perf_counter()
             try:
-                res, exc = self.algorithm.client_step(phase, self.store.get(cid), _merge(common, per_client, cid),
-                                                      context(cid)), None
+                # torch's global stream (dropout masks) seeded per client, as the batched path seeds each client's
+                with rng.global_streams(rng.seed(self.seed, DROPOUT_STREAM, round, cid, phase_index), self.device):
+                    res, exc = self.algorithm.client_step(phase, self.store.get(cid),
+                                                          _merge(common, per_client, cid), context(cid)), None
             except Exception as err:  # one client's failure must not sink the round
                 res, exc = None, err
             outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,

@@ -10,7 +10,9 @@ import time
 
 import pandas as pd
 import pytest
+from torch import nn
 
+from fedsim.models import Classifier, register_model
 from fedsim.results import collect, load, plot, read_table
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import assign, owner, run
@@ -33,6 +35,41 @@ def test_same_numbers_with_one_and_two_workers(make_config):
     pd.testing.assert_frame_equal(cl1, cl2)
     assert set(two["clients"]["worker"]) == {0, 1, 2}
     assert set(one["rounds"]["model"]) == {"cnn", "mlp"}
+
+
+class DropoutMLP(Classifier):
+    """An MLP whose hidden layer goes through nn.Dropout: its masks come from torch's global stream."""
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, p: float = 0.5) -> None:
+        super().__init__()
+        self.embed_dim = 32
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(in_channels * image_size ** 2, 32), nn.ReLU(), nn.Dropout(p))
+        self.fc = nn.Linear(32, num_classes)
+
+    def embed(self, x):
+        return self.body(x)
+
+    def head(self, z):
+        return self.fc(z)
+
+
+register_model("dropout_mlp_test")(DropoutMLP)
+
+
+def test_dropout_gives_the_same_numbers_with_one_and_three_workers(make_config):
+    """Each client step draws its dropout masks from its own seed, not from where the worker's stream happens to be
+    after the clients it trained before."""
+    cfg = make_config("model.name=dropout_mlp_test", rounds=2)
+    one = load(run(cfg, LocalBackend(num_workers=1)))
+    cfg.results.run_id = None
+    three = load(run(cfg, LocalBackend(num_workers=3)))
+    cl1, cl3 = (deterministic(r["clients"]).drop(columns=["worker"]) for r in (one, three))
+    pd.testing.assert_frame_equal(cl1, cl3)
+    pd.testing.assert_frame_equal(deterministic(one["rounds"]), deterministic(three["rounds"]))
+    cfg.results.run_id = None
+    no_dropout = load(run(make_config("model.name=dropout_mlp_test", "model.options={p: 0.0}", rounds=2),
+                          LocalBackend(num_workers=1)))
+    assert not no_dropout["clients"]["train_loss"].equals(one["clients"]["train_loss"])  # the masks did act
 
 
 def test_stateless_clients_are_balanced_by_cost_and_stateful_ones_stay_with_their_owner():
