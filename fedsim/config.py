@@ -135,7 +135,8 @@ class RuntimeConfig:
                                     "start and answer their first call")
     cache_bytes: int | None = knob(None, ge=0, le=MAX_BYTES,
                                    doc="per-worker cache for personal client state; spills to disk")
-    spill_dir: str | None = knob(None, doc="where spilled client state goes; default: inside the run folder")
+    spill_dir: str | None = knob(None, doc="where spilled client state goes (a folder per run inside it); "
+                                 "default: the run folder")
     batch_clients: bool | Literal["auto", "on", "off"] = knob(
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")

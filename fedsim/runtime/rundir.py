@@ -12,6 +12,7 @@ copy existed are not checked; their first resume writes it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import tempfile
@@ -117,10 +118,13 @@ def unsafe_changes(started: RunConfig, now: RunConfig) -> list[tuple[str, Any, A
 
 
 def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
-    """Where workers spill client states: runtime.spill_dir, else the run folder's spill/, or for a run kept in a
-    store a local temporary folder (a spilled state is a cache, read back within the run, never a result)."""
+    """Where workers spill client states: the run's own folder inside runtime.spill_dir, else the run folder's
+    spill/, or for a run kept in a store a local temporary folder (a spilled state is a cache, read back within
+    the run, never a result). Runs sharing a spill_dir (a sweep's trials) never read or clear each other's files;
+    a resumed run gets its folder back."""
     if cfg.runtime.spill_dir:
-        return Path(cfg.runtime.spill_dir)
+        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]
+        return Path(cfg.runtime.spill_dir) / f"{run_dir.name}-{digest}"
     if isinstance(run_dir, Path):
         return run_dir.resolve() / "spill"
     return Path(tempfile.gettempdir()) / f"fedsim-spill-{run_dir.name}-{os.getpid()}"

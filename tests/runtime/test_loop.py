@@ -88,6 +88,19 @@ def test_clients_with_optimizer_state_are_trained_by_their_owner(make_config):
     assert (cl["worker"] == cl["client"] % 3).all()
 
 
+def test_runs_sharing_a_spill_dir_spill_into_folders_of_their_own(make_config, tmp_path):
+    """Two runs (a sweep's trials) given one runtime.spill_dir: each one's spilled states stay its own, so neither
+    reads the other's client 3 nor clears the other's files when it resumes."""
+    spill = tmp_path / "shared-spill"
+    args = ("train.keep_optimizer_state=true", "train.momentum=0.9", "runtime.cache_bytes=1",
+            f"runtime.spill_dir={spill}")
+    first = run(make_config(*args, rounds=2))
+    second = run(make_config(*args, "seed=1", rounds=2))
+    folders = sorted(p for p in spill.iterdir())
+    assert len(folders) == 2 and all(f.name.startswith(r.name) for f, r in zip(folders, sorted([first, second])))
+    assert all(list(f.glob("w0/*.pt")) for f in folders)  # states really spilled, each run into its own folder
+
+
 def test_skipping_known_late_clients_changes_nothing_but_time(make_config):
     args = ("stragglers.enabled=true", "stragglers.deadline_value=0.5", "train.epochs=2")
     full = load(run(make_config(*args, "stragglers.skip_late=false")))
