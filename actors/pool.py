@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from fedsim.runtime.setup import AnyPartition
     from fedsim.storage import Location
 
+CLOSE_WAIT_S = 2.0  # at most this long for the workers to remove their spilled states when the run stops
+
 
 def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
     """How many client workers fit, node by node, after the server's reservation; fails naming the knob."""
@@ -435,6 +437,8 @@ class RayBackend:
         stopping = self._boot is not None and self._boot.started_ray
         share = self._share() if self.workers and group_bundles() is None and not stopping else {}
         before = ray.available_resources() if share else {}
+        if self.workers:  # each removes its spilled states, on its own node; a hung one does not hold the stop up
+            ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=CLOSE_WAIT_S)
         for actor in self.workers + server_actor:
             try:
                 ray.kill(actor, no_restart=True)

@@ -54,12 +54,15 @@ def test_fractional_gpu_placement(ray_local, make_config):
 
 def test_ray_matches_local(ray_local, make_config):
     # three 0.5-CPU workers and a ServerActor that reserves 0.5 CPU (the other server path, in the driver,
-    # is what every other Ray test here uses)
+    # is what every other Ray test here uses); the clients keep their momentum in a one-byte cache, so it spills
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
-                      "stragglers.enabled=true")
+                      "stragglers.enabled=true", "train.keep_optimizer_state=true", "train.momentum=0.9",
+                      "runtime.cache_bytes=1")
     backend = RayBackend()
-    on_ray = load(run(cfg, backend))
+    ray_dir = run(cfg, backend)
+    on_ray = load(ray_dir)
     assert on_ray["meta"]["num_workers"] == 3
+    assert not (ray_dir / "spill").exists()  # each worker removed its spilled states when the run stopped
     cfg.results.run_id = None
     local = load(run(cfg, LocalBackend()))
     pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))

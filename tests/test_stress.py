@@ -9,6 +9,7 @@ import torch
 
 from fedsim.checkpoint import load_checkpoint
 from fedsim.results import load
+from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.store import ClientStateStore, state_nbytes
@@ -58,23 +59,37 @@ def test_stress_command_rejects_bad_counts(tmp_path, capsys):
     assert "--clients: expected comma-separated integers" in capsys.readouterr().err
 
 
-def _personal_run(make_config, cache: int | None, workers: int = 2):
+class SpilledFiles(Callback):
+    """The most spilled state files the run's spill/ held at a round's end."""
+
+    most = 0
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.folder = Path(run.run_dir) / "spill"
+
+    def on_round_end(self, round, rows) -> None:
+        self.most = max(self.most, len(list(self.folder.rglob("*.pt"))))
+
+
+def _personal_run(make_config, cache: int | None, workers: int = 2, spilled: SpilledFiles | None = None):
     """FedAvg whose clients keep their SGD momentum across rounds: personal state that must survive spills."""
     cfg = make_config("train.keep_optimizer_state=true", "runtime.threads=1", "results.checkpoint_every=1",
                       "participation.clients_per_round=6", f"runtime.cache_bytes={'null' if cache is None else cache}",
                       rounds=4)
-    return run(cfg, LocalBackend(num_workers=workers))
+    return run(cfg, LocalBackend(num_workers=workers), callbacks=[spilled] if spilled else ())
 
 
 def test_a_tiny_cache_gives_the_numbers_of_an_unbounded_one(make_config):
     unbounded = _personal_run(make_config, None)
-    tiny = _personal_run(make_config, 1)  # one byte: every state but the one in use lives on disk
+    spilled = SpilledFiles()
+    tiny = _personal_run(make_config, 1, spilled=spilled)  # one byte: every state but the one in use lives on disk
     a, b = load(unbounded), load(tiny)
     keep = [c for c in a["rounds"].columns if not c.endswith("_s")]
     pd.testing.assert_frame_equal(a["rounds"][keep], b["rounds"][keep])
     keep = [c for c in a["clients"].columns if not c.endswith("_s")]
     pd.testing.assert_frame_equal(a["clients"][keep], b["clients"][keep])
-    assert not (unbounded / "spill").exists() and len(list((tiny / "spill").rglob("*.pt"))) >= 4
+    assert spilled.most >= 4 and not (tiny / "spill").exists()  # spilled while it ran, removed at its end
+    assert not (unbounded / "spill").exists()
     # the checkpoint holds every client's state, spilled ones included, bit for bit
     ca, cb = (load_checkpoint(p / "checkpoints" / "last.pt")["client_states"] for p in (unbounded, tiny))
     assert sorted(ca) == sorted(cb) and len(ca) >= 6

@@ -89,4 +89,6 @@ class LocalBackend:
             self.workers[i].load_states({c: s for c, s in states.items() if owner(c, self.num_workers) == i})
 
     def shutdown(self) -> None:
+        for w in self.workers:
+            w.close()
         self.workers = []

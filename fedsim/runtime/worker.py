@@ -7,6 +7,7 @@ dataset is held once per worker on its device; one model instance per architectu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -187,6 +188,14 @@ class ClientWorker:
 
     def load_states(self, states: dict[int, Any]) -> None:
         self.store.load(states)
+
+    def close(self) -> None:
+        """Remove this worker's spilled states (a cache: checkpoints keep their own copy), then the run's spill
+        folder once no other worker on this machine still has files in it."""
+        self.store.clear()
+        if self.store.spill_dir is not None:
+            with contextlib.suppress(OSError):  # not empty yet: the last worker to close removes it
+                self.store.spill_dir.parent.rmdir()
 
 
 def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Message:

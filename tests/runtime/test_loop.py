@@ -14,6 +14,7 @@ from torch import nn
 
 from fedsim.models import Classifier, register_model
 from fedsim.results import collect, load, plot, read_table
+from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import assign, owner, run
 from tests.conftest import ROOT
@@ -88,17 +89,30 @@ def test_clients_with_optimizer_state_are_trained_by_their_owner(make_config):
     assert (cl["worker"] == cl["client"] % 3).all()
 
 
-def test_runs_sharing_a_spill_dir_spill_into_folders_of_their_own(make_config, tmp_path):
+class SpillFiles(Callback):
+    """Records, at each round's end, the spilled state files under a folder."""
+
+    def __init__(self, folder) -> None:
+        self.folder, self.seen = folder, set()
+
+    def on_round_end(self, round, rows) -> None:
+        self.seen.update(p.relative_to(self.folder) for p in self.folder.glob("**/*.pt"))
+
+
+def test_runs_sharing_a_spill_dir_spill_into_folders_of_their_own_and_clean_up(make_config, tmp_path):
     """Two runs (a sweep's trials) given one runtime.spill_dir: each one's spilled states stay its own, so neither
-    reads the other's client 3 nor clears the other's files when it resumes."""
+    reads the other's client 3 nor clears the other's files when it resumes; a run removes its own at the end."""
     spill = tmp_path / "shared-spill"
     args = ("train.keep_optimizer_state=true", "train.momentum=0.9", "runtime.cache_bytes=1",
             f"runtime.spill_dir={spill}")
-    first = run(make_config(*args, rounds=2))
-    second = run(make_config(*args, "seed=1", rounds=2))
-    folders = sorted(p for p in spill.iterdir())
-    assert len(folders) == 2 and all(f.name.startswith(r.name) for f, r in zip(folders, sorted([first, second])))
-    assert all(list(f.glob("w0/*.pt")) for f in folders)  # states really spilled, each run into its own folder
+    spy = [SpillFiles(spill), SpillFiles(spill)]
+    runs = [run(make_config(*args, rounds=2), callbacks=[spy[0]]),
+            run(make_config(*args, "seed=1", rounds=2), callbacks=[spy[1]])]
+    for r, seen in zip(runs, (spy[0].seen, spy[1].seen - spy[0].seen)):
+        assert seen and all(p.parts[0].startswith(r.name + "-") and p.parts[1] == "w0" for p in seen)
+    assert spill.is_dir() and not any(spill.iterdir())  # each run removed its own folder; the user's stays
+    default = run(make_config(*args[:3], rounds=2))
+    assert not (default / "spill").exists()  # the run folder's spill/ goes too (the checkpoint has the states)
 
 
 def test_skipping_known_late_clients_changes_nothing_but_time(make_config):
