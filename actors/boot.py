@@ -83,8 +83,8 @@ class RayBoot:
 
     def __init__(self, address: str | None, runtime_env: dict | None = None) -> None:
         # Ray's start is the longest path to the first round, so its import (0.3-0.4 s) goes first, alone: done in
-        # the thread, it would interleave with the driver's torch import under the GIL and begin `ray.init` a second
-        # later (measured: Ray up 6.55 s against 7.13 s on average over 8 interleaved pairs, 2 cores)
+        # the thread, it would interleave with the driver's torch import under the GIL and begin `ray.init` about a
+        # second later (measured on 2 cores, 8 interleaved pairs: Ray up after 6.26 s against 6.73 s on average)
         try:
             import ray  # noqa: F401
         except ImportError:
