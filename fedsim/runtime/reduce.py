@@ -7,6 +7,10 @@ grouped into workers or in which order partial sums arrive.
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
 accumulators are one flat float64 buffer each, so a client costs a handful of whole-buffer operations instead of
 a handful per tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
+
+`WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead: two
+passes rather than eight, with a rounding error near 2^-53 relative that depends on the order of the additions
+(so, rarely, on the worker count). Partial sums are still merged exactly.
 """
 
 from __future__ import annotations
@@ -97,11 +101,15 @@ class _Flat:
             self._scratch = (torch.empty_like(self.hi), torch.empty_like(self.hi), term, self.views(term))
         return self._scratch
 
-    def add(self, payload: dict[str, torch.Tensor], weight: float) -> None:
-        """hi + lo += weight·payload, as the per-key TwoSum does it, on the whole buffer at once."""
+    def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
+        """hi + lo += weight·payload, as the per-key TwoSum does it, on the whole buffer at once (not exact: hi +=
+        weight·payload, rounded)."""
         s, tmp, term, views = self._buffers()
         self.load(term, payload, views)
         a = self.hi
+        if not exact:
+            a.add_(term, alpha=weight)
+            return
         if self.narrow and exact_product(weight):  # w·x is exact: a + w·x and bp - w·x round as a + b and bp - b
             torch.add(a, term, alpha=weight, out=s)     # s = a + b
             torch.sub(s, a, out=tmp)                    # bp = s - a
@@ -145,9 +153,11 @@ class _Flat:
 
 
 class WeightedSum:
-    """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key (flat while the layout holds)."""
+    """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key (flat while the layout holds);
+    `exact=False` rounds each flat addition (see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exact: bool = True) -> None:
+        self.exact = exact
         self._hi: dict[str, torch.Tensor] = {}
         self._lo: dict[str, torch.Tensor] = {}
         self._flat: _Flat | None = None
@@ -179,7 +189,7 @@ class WeightedSum:
             raise AggregationError(f"aggregate: client {client} sent a {type(payload).__name__}, not a dict of "
                                    "tensors, in a reduce='sum' phase")
         if self._flat is not None and self._flat.fits(payload):
-            self._flat.add(payload, weight)
+            self._flat.add(payload, weight, self.exact)
         elif self._empty():
             self._flat = _Flat.of(payload, weight)
         else:

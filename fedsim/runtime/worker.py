@@ -113,6 +113,7 @@ class ClientWorker:
         self.store = ClientStateStore(cache, spill_dir if cache is not None else None)
         self.seed = cfg.seed
         rt = cfg.runtime
+        self.exact_sum = rt.exact_sum
         self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
 
     def ping(self) -> dict[str, Any]:
@@ -125,7 +126,7 @@ class ClientWorker:
         """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
         start = time.perf_counter()
         late_set = set(late or ())
-        summed = WeightedSum() if phase.reduce == "sum" else None
+        summed = WeightedSum(exact=self.exact_sum) if phase.reduce == "sum" else None
         ids = sorted(client_ids)
         for stream in (CLIENT_STREAM, DROPOUT_STREAM):  # each client's seeds of the phase, derived all at once
             rng.prefetch(self.seed, stream, round, ids, phase_index)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 from torch import nn
@@ -71,6 +72,15 @@ def test_dropout_gives_the_same_numbers_with_one_and_three_workers(make_config):
     no_dropout = load(run(make_config("model.name=dropout_mlp_test", "model.options={p: 0.0}", rounds=2),
                           LocalBackend(num_workers=1)))
     assert not no_dropout["clients"]["train_loss"].equals(one["clients"]["train_loss"])  # the masks did act
+
+
+def test_a_plain_float64_sum_trains_the_same_model_to_rounding(make_config):
+    exact = load(run(make_config(rounds=2), LocalBackend(num_workers=2)))
+    plain = load(run(make_config("runtime.exact_sum=false", rounds=2), LocalBackend(num_workers=2)))
+    a, b = (deterministic(r["rounds"]) for r in (exact, plain))
+    assert list(a.columns) == list(b.columns) and len(a) == len(b) == 2
+    for c in ("accuracy", "loss"):
+        np.testing.assert_allclose(a[c], b[c], rtol=1e-4, atol=1e-4)
 
 
 def test_stateless_clients_are_balanced_by_cost_and_stateful_ones_stay_with_their_owner():

@@ -37,6 +37,23 @@ def test_weighted_sum_does_not_depend_on_grouping():
     np.testing.assert_allclose(ref.numpy(), expect, rtol=1e-6)
 
 
+def test_a_plain_float64_sum_rounds_in_the_order_it_adds_and_the_exact_one_does_not():
+    """runtime.exact_sum: false rounds each addition, so a term far below the running sum is lost or kept
+    depending on the order; the exact sum keeps it in every order."""
+    big, tiny = torch.tensor([1.0, 3.0]), torch.tensor([2.0 ** -60, 2.0 ** -70])  # exact in float32
+
+    def total(order, exact):
+        s = WeightedSum(exact=exact)
+        for p, w in order:
+            s.add({"w": p}, w)
+        return s.totals()["w"]
+
+    orders = ([(big, 1.0), (tiny, 1.0), (-big, 1.0)], [(big, 1.0), (-big, 1.0), (tiny, 1.0)])
+    assert all(torch.equal(total(o, True), tiny.double()) for o in orders)
+    assert torch.equal(total(orders[0], False), torch.zeros(2, dtype=torch.float64))  # tiny lost next to big
+    assert torch.equal(total(orders[1], False), tiny.double())
+
+
 def test_weighted_sum_is_exact_in_place_and_travels_without_its_scratch():
     """Payloads are not modified, the partial sum pickles at the size of its hi/lo accumulators, and hi + lo is the
     exact sum of terms that cancel catastrophically in plain float64."""
