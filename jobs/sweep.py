@@ -233,13 +233,20 @@ def table(df: pd.DataFrame, sw: Sweep) -> str:
     return markdown(head, [cells for _, cells in rows])
 
 
+# where a run goes and how long it waits to start: they change no number, so a sweep run locally and resumed on a
+# cluster (runtime.ray_address) reuses what finished
+WHERE_KEYS = {"results": ("root", "run_id"), "data": ("root",),
+              "runtime": ("ray_address", "spill_dir", "startup_timeout_s", "autoscale_timeout_s")}
+
+
 def run_key(cfg: Any) -> str:
-    """Hash of the resolved config, without where its results go: equal keys mean the same experiment."""
+    """Hash of the resolved config, without where it runs and where its results go: equal keys mean the same
+    experiment."""
     from fedsim.config import config_to_dict
 
     d = config_to_dict(cfg)
-    d["results"] = {k: v for k, v in d["results"].items() if k not in ("root", "run_id")}
-    d["data"] = {k: v for k, v in d["data"].items() if k != "root"}
+    for section, keys in WHERE_KEYS.items():
+        d[section] = {k: v for k, v in d[section].items() if k not in keys}
     return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from fedsim.errors import ConfigError, ResourceError
-from jobs.sweep import load_sweep, plan
+from jobs.sweep import load_sweep, plan, run_key
 from jobs.sweep_tune import trial_bundles
 from tests.conftest import ROOT, small_config
 from tests.runtime.test_loop import deterministic
@@ -90,6 +90,14 @@ def test_a_sweep_refuses_a_uri_for_its_runs_before_starting(tmp_path, args, mess
     with pytest.raises(ConfigError, match=message):
         run_sweep(write_sweep(tmp_path, seeds=[0]), dry_run=True, **args)
     assert not (tmp_path / "results").exists()
+
+
+def test_the_run_key_ignores_where_a_run_goes_but_not_what_it_computes(make_config) -> None:
+    base = run_key(make_config())
+    where = ("runtime.ray_address=10.0.0.1:6379", "runtime.spill_dir=/tmp/elsewhere", "runtime.startup_timeout_s=9",
+             "runtime.autoscale_timeout_s=0", "results.root=/tmp/other", "data.root=/tmp/data")
+    assert all(run_key(make_config(o)) == base for o in where)
+    assert all(run_key(make_config(o)) != base for o in ("seed=1", "train.lr=0.5", "runtime.exact_sum=false"))
 
 
 def test_a_trial_asks_for_what_its_config_reserves(make_config) -> None:
