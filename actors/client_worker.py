@@ -49,6 +49,10 @@ class ClientWorkerActor(ClientWorker):
                    cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
         return out
 
+    def close(self) -> None:
+        if hasattr(self, "store"):  # a worker that never attached has spilled nothing
+            super().close()
+
     def merge_states(self, states: dict[int, Any]) -> None:
         """Add `states` to this worker's clients' states, keeping the others (a worker that took over the clients
         of a worker lost with its node)."""
