@@ -16,6 +16,7 @@ passes rather than eight, with a rounding error near 2^-53 relative that depends
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -198,18 +199,9 @@ class WeightedSum:
         self.count += 1
 
     def _add_by_key(self, payload: dict[str, torch.Tensor], weight: float, client: int | str) -> None:
-        hi = self.hi
-        for k, v in payload.items():
-            if k in hi and hi[k].shape != v.shape:
-                raise AggregationError(f"aggregate: client {client} sent {k!r} with shape {tuple(v.shape)}, "
-                                       f"the others {tuple(hi[k].shape)}")
-        self._by_key()
-        for k, v in payload.items():
-            term = v.detach().to("cpu", torch.float64, copy=True).mul_(weight)
-            if k not in self._hi:
-                self._hi[k], self._lo[k] = term, torch.zeros_like(term)
-            else:
-                self._lo[k] += self._two_sum(k, term)
+        terms = {k: v.detach().to("cpu", torch.float64, copy=True).mul_(weight) for k, v in payload.items()}
+        self._fold_by_key(terms, None, lambda k, new, old: f"aggregate: client {client} sent {k!r} with shape "
+                                                          f"{new}, the others {old}")
 
     def merge(self, other: WeightedSum) -> None:
         """Fold in another partial sum (from another worker)."""
@@ -220,19 +212,28 @@ class WeightedSum:
             else:
                 self._flat.merge(other._flat)
         else:
-            hi, other_hi, other_lo = self.hi, other.hi, other.lo
-            for k, v in other_hi.items():
-                if k in hi and hi[k].shape != v.shape:
-                    raise AggregationError(f"aggregate: partial sums disagree on the shape of {k!r}: "
-                                           f"{tuple(v.shape)} vs {tuple(hi[k].shape)}")
-            self._by_key()
-            for k, v in other_hi.items():
-                if k not in self._hi:
-                    self._hi[k], self._lo[k] = v.clone(), other_lo[k].clone()
-                else:
-                    self._lo[k] += self._two_sum(k, v.clone()).add_(other_lo[k])
+            self._fold_by_key({k: v.clone() for k, v in other.hi.items()}, other.lo,
+                              lambda k, new, old: f"aggregate: partial sums disagree on the shape of {k!r}: "
+                                                  f"{new} vs {old}")
         self.weight += other.weight
         self.count += other.count
+
+    def _fold_by_key(self, terms: dict[str, torch.Tensor], los: dict[str, torch.Tensor] | None,
+                     mismatch: Callable[[str, tuple, tuple], str]) -> None:
+        """hi + lo += terms (+ los, another sum's errors), key by key, in the per-key layout. The terms are this
+        sum's to keep. A key whose shape differs from the sum's is an AggregationError (`mismatch` words it) and
+        leaves the sum untouched."""
+        hi = self.hi
+        for k, v in terms.items():
+            if k in hi and hi[k].shape != v.shape:
+                raise AggregationError(mismatch(k, tuple(v.shape), tuple(hi[k].shape)))
+        self._by_key()
+        for k, v in terms.items():
+            if k not in self._hi:
+                self._hi[k], self._lo[k] = v, (los[k].clone() if los is not None else torch.zeros_like(v))
+            else:
+                err = self._two_sum(k, v)
+                self._lo[k] += err.add_(los[k]) if los is not None else err
 
     def __getstate__(self) -> dict:
         state: dict[str, Any] = {**self.__dict__, "_scratch": {}}  # a partial sum travels without its scratch

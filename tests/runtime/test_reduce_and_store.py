@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from fedsim.errors import AggregationError
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
@@ -135,3 +137,14 @@ def test_unbounded_store_keeps_everything_in_memory(tmp_path):
     store = ClientStateStore()
     store.put(1, {"x": torch.ones(3)})
     assert store.get(1)["x"].sum() == 3 and store.get(2) is None and store.spills == 0
+
+
+def test_partial_sums_of_different_shapes_do_not_merge_and_the_sum_is_untouched():
+    a, b = WeightedSum(), WeightedSum()
+    a.add({"w": torch.ones(3), "v": torch.ones(2)}, 1.0)
+    a.add({"w": torch.ones(3)}, 2.0)  # another layout: the per-key sums
+    b.add({"w": torch.ones(4)}, 1.0)
+    before = {k: v.clone() for k, v in a.totals().items()}
+    with pytest.raises(AggregationError, match="partial sums disagree on the shape of 'w': \\(4,\\) vs \\(3,\\)"):
+        a.merge(b)
+    assert a.count == 2 and all(torch.equal(a.totals()[k], v) for k, v in before.items())
