@@ -236,10 +236,19 @@ class WeightedSum:
                 self._lo[k] += err.add_(los[k]) if los is not None else err
 
     def __getstate__(self) -> dict:
-        state: dict[str, Any] = {**self.__dict__, "_scratch": {}}  # a partial sum travels without its scratch
+        """A partial sum travels without its scratch, its accumulators as numpy arrays: pickle protocol 5 (Ray's
+        transport) hands those over as raw buffers, where a tensor goes through torch's own serializer, which cost a
+        worker 2.5-18 ms per 3 MB reply (bench config C)."""
+        state: dict[str, Any] = {**self.__dict__, "_scratch": {}, "_hi": _to_numpy(self._hi),
+                                 "_lo": _to_numpy(self._lo)}
         if self._flat is not None:
-            state["_flat"] = _Flat(self._flat.layout, self._flat.hi, self._flat.lo)
+            state["_flat"] = (self._flat.layout, self._flat.hi.numpy(), self._flat.lo.numpy())
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        flat = state.pop("_flat")
+        self.__dict__.update(state, _hi=_from_numpy(state["_hi"]), _lo=_from_numpy(state["_lo"]))
+        self._flat = None if flat is None else _Flat(flat[0], _tensor(flat[1]), _tensor(flat[2]))
 
     def _two_sum(self, k: str, term: torch.Tensor) -> torch.Tensor:
         """hi[k] += term, returning the rounding error (in a buffer that is scratch from the next call on)."""
@@ -253,3 +262,16 @@ class WeightedSum:
         """The sums as float64 tensors."""
         hi, lo = self.hi, self.lo
         return {k: hi[k] + lo[k] for k in hi}
+
+
+def _tensor(a: Any) -> torch.Tensor:
+    """A received accumulator as a tensor of its own: Ray maps a numpy array read-only from its object store."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def _to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    return {k: v.numpy() for k, v in tensors.items()}
+
+
+def _from_numpy(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: _tensor(v) for k, v in arrays.items()}

@@ -76,6 +76,32 @@ def test_weighted_sum_is_exact_in_place_and_travels_without_its_scratch():
     assert torch.equal(copy.totals()["w"], torch.tensor([7.0, 2.0 ** -40], dtype=torch.float64))
 
 
+def test_a_partial_sum_travels_as_raw_buffers_and_arrives_writable():
+    """Pickled with protocol 5 (Ray's transport), both layouts' accumulators go out of band as raw buffers, not
+    through torch's serializer; unpickled from read-only buffers (Ray maps them from its object store), the sum is
+    equal, and adding to it leaves those buffers alone."""
+    import pickle
+
+    one = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
+    flat, by_key = WeightedSum(), WeightedSum()
+    for s in (flat, by_key):
+        s.add(one, 2.0)
+        s.add({k: v * 0.1 for k, v in one.items()}, 3.0)
+    by_key.add({"w": torch.ones(2, 3)}, 1.0)  # another layout: the sum is kept key by key
+    for s in (flat, by_key):
+        buffers: list[pickle.PickleBuffer] = []
+        data = pickle.dumps(s, protocol=5, buffer_callback=buffers.append)
+        assert sum(b.raw().nbytes for b in buffers) == 2 * 9 * 8 and len(data) < 2000  # hi and lo, float64
+        frozen = [bytes(b.raw()) for b in buffers]
+        kept = [bytearray(f) for f in frozen]
+        got = pickle.loads(data, buffers=[memoryview(f) for f in frozen])
+        assert _bits(got) == _bits(s) and (got.weight, got.count) == (s.weight, s.count)
+        got.add({"w": torch.full((2, 3), 5.0), "b": torch.full((3,), 5.0)}, 1.0)
+        s.add({"w": torch.full((2, 3), 5.0), "b": torch.full((3,), 5.0)}, 1.0)
+        assert _bits(got) == _bits(s)
+        assert frozen == [bytes(k) for k in kept]
+
+
 def _bits(sums: WeightedSum) -> dict[str, tuple[bytes, bytes]]:
     return {k: (v.numpy().tobytes(), sums.lo[k].numpy().tobytes()) for k, v in sums.hi.items()}
 
