@@ -10,6 +10,7 @@ import ray
 import torch
 
 from fedsim.plugins import import_in_worker
+from fedsim.runtime.threads import client_threads
 from fedsim.runtime.worker import ClientWorker
 
 if TYPE_CHECKING:
@@ -38,9 +39,8 @@ class ClientWorkerActor(ClientWorker):
     def attach(self, arrays: dict[str, np.ndarray], part: AnyPartition, meta: dict[str, Any]) -> dict[str, Any]:
         """Build the worker on the shared dataset and partition; returns what `ping` returns."""
         cfg, worker_index, spill_dir = self._args
-        threads = cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
         super().__init__(cfg, arrays, part, meta, worker_index, device=assigned_device(cfg.runtime.client_gpus),
-                         threads=threads, spill_dir=spill_dir)
+                         threads=client_threads(cfg), spill_dir=spill_dir)
         return self.ping()
 
     def ping(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from fedsim.errors import FedsimError, ResourceError
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
+from fedsim.runtime.threads import server_threads
 from fedsim.runtime.worker import WorkerReply
 
 if TYPE_CHECKING:
@@ -142,16 +143,6 @@ def wait_released(before: dict[str, float], share: dict[str, float], limit: floa
         if all(free.get(k, 0.0) >= v - 1e-6 for k, v in want.items()):
             return
         time.sleep(0.05)
-
-
-def driver_cpus() -> int:
-    """The CPUs the driver process may run on (its affinity, else the machine's count)."""
-    import os
-
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
@@ -269,8 +260,7 @@ class RayBackend:
         else:
             # zero-copy views of the object store, so the driver's own copy of the data can be freed
             shared = wait_for(self._refs[0], "sharing the dataset", rt.startup_timeout_s, "runtime.startup_timeout_s")
-            # the workers idle while the server steps and evaluates, so it takes every CPU this process may use
-            self.server = Server(cfg, shared, part, meta, device="cpu", threads=rt.threads or driver_cpus())
+            self.server = Server(cfg, shared, part, meta, device="cpu", threads=server_threads(cfg))
         self.placement = self._attach(list(range(n)))
         self.server_placement = self.server.ping()
         self._note_server_node(run_dir)

@@ -16,6 +16,7 @@ from fedsim.algorithms.base import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
+from fedsim.runtime.threads import client_threads, server_threads, torch_threads
 from fedsim.runtime.worker import ClientWorker, WorkerReply
 
 if TYPE_CHECKING:
@@ -42,12 +43,15 @@ class LocalBackend:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)
         self._spill = spill_folder(cfg, run_dir)
-        self._server = Server(cfg, arrays, part, meta, device=self.device, threads=cfg.runtime.threads)
+        # one process, so torch's thread count is switched: clients get what a Ray worker would (the same numbers
+        # on both backends), the server every CPU, as the Ray backend's in-driver server
+        self._threads = client_threads(cfg)
+        self._server = Server(cfg, arrays, part, meta, device=self.device, threads=server_threads(cfg))
         self.workers = [self._make(i) for i in range(n)]
 
     def _make(self, i: int) -> ClientWorker:
         cfg, arrays, part, meta = self._args
-        return ClientWorker(cfg, arrays, part, meta, i, device=self.device, threads=cfg.runtime.threads,
+        return ClientWorker(cfg, arrays, part, meta, i, device=self.device, threads=None,
                             spill_dir=str(self._spill / f"w{i}"))
 
     @property
@@ -64,12 +68,13 @@ class LocalBackend:
                   assignments: dict[int, list[int]], late: list[int],
                   timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         replies, failed = {}, {}
-        for w, cids in sorted(assignments.items()):
-            per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
-            try:
-                replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
-            except Exception as exc:  # the whole worker failed
-                failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
+        with torch_threads(self._threads):
+            for w, cids in sorted(assignments.items()):
+                per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
+                try:
+                    replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
+                except Exception as exc:  # the whole worker failed
+                    failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
         return replies, failed
 
     def restart_worker(self, index: int) -> None:

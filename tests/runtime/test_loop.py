@@ -83,6 +83,40 @@ def test_a_plain_float64_sum_trains_the_same_model_to_rounding(make_config):
         np.testing.assert_allclose(a[c], b[c], rtol=1e-4, atol=1e-4)
 
 
+def test_local_clients_get_a_ray_workers_threads_and_the_server_every_cpu(make_config, monkeypatch):
+    """In one process the local backend switches torch's thread count: client steps get what a Ray worker gets
+    (runtime.threads, else its CPU share), since PyTorch's CPU kernels may sum in an order that depends on it, and
+    the server every CPU, as the Ray backend's in-driver server; the caller's count comes back after each phase."""
+    import torch
+
+    from fedsim.algorithms.fedavg import FedAvg
+    from fedsim.runtime.threads import process_cpus
+
+    seen: dict[str, set[int]] = {"client": set(), "server": set()}
+    step, server_step = FedAvg.client_step, FedAvg.server_step
+
+    def client_step(self, *args):
+        seen["client"].add(torch.get_num_threads())
+        return step(self, *args)
+
+    def on_server(self, *args):
+        seen["server"].add(torch.get_num_threads())
+        return server_step(self, *args)
+
+    monkeypatch.setattr(FedAvg, "client_step", client_step)
+    monkeypatch.setattr(FedAvg, "server_step", on_server)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # a count the clients must not inherit
+        run(make_config("runtime.client_cpus=1", rounds=2), LocalBackend(num_workers=2))
+        assert seen == {"client": {1}, "server": {process_cpus()}}
+        seen = {"client": set(), "server": set()}
+        run(make_config("runtime.threads=3", rounds=1), LocalBackend(num_workers=2))
+        assert seen == {"client": {3}, "server": {3}}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stateless_clients_are_balanced_by_cost_and_stateful_ones_stay_with_their_owner():
     cost = {0: 100, 1: 10, 2: 10, 3: 10, 4: 60, 5: 50}
     balanced = assign(list(cost), 2, cost)

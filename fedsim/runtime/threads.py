@@ -1,0 +1,47 @@
+"""How many torch threads client steps and the in-process server get, the same on every backend: PyTorch's CPU
+kernels may sum in an order that depends on the thread count (a convolution's backward does), so a run's numbers
+match across backends and worker counts only at the same count."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fedsim.config import RunConfig
+
+
+def client_threads(cfg: RunConfig) -> int:
+    """A worker's threads for its clients: runtime.threads, else its CPU share (runtime.client_cpus, at least 1)."""
+    return cfg.runtime.threads or max(1, int(cfg.runtime.client_cpus))
+
+
+def process_cpus() -> int:
+    """The CPUs this process may run on (its affinity, else the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def server_threads(cfg: RunConfig) -> int:
+    """The threads of a server in the driver's process: runtime.threads, else every CPU the process may use (the
+    workers idle while the server steps and evaluates)."""
+    return cfg.runtime.threads or process_cpus()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside, and put back after (it is per process)."""
+    before = torch.get_num_threads()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
