@@ -126,7 +126,9 @@ class RuntimeConfig:
                               doc="GPU fraction per client worker (0.25 gives 4 workers per GPU)")
     server_cpus: float = knob(0.0, ge=0, le=MAX_CPUS, doc="CPUs reserved for the server actor")
     server_gpus: float = knob(0.0, ge=0, le=MAX_GPUS, doc="GPU fraction of the server actor")
-    threads: int | None = knob(None, ge=1, le=MAX_THREADS, doc="torch threads per worker; default: its CPU share")
+    threads: int | None = knob(None, ge=1, le=MAX_THREADS,
+                               doc="torch threads per worker, on either backend (the numbers depend on it: PyTorch's "
+                                   "CPU kernels may sum in a thread-count-dependent order); default: its CPU share")
     round_timeout_s: float = knob(1800.0, gt=0, le=MAX_SECONDS,
                                   doc="wall-clock limit of one phase (late workers count as failed) and, on Ray, of "
                                   "each server call and client-state transfer")
