@@ -265,11 +265,10 @@ def code_version() -> str:
 
 
 def hardware(cfg: Any) -> str:
-    """CPU count, torch threads and platform of the process running `cfg`."""
-    import torch
+    """CPU count, the torch threads `cfg`'s clients train with (on either backend) and the platform."""
+    from fedsim.runtime.threads import client_threads
 
-    return (f"{os.cpu_count()} CPUs, torch threads {cfg.runtime.threads or torch.get_num_threads()}, "
-            f"{platform.platform()}")
+    return f"{os.cpu_count()} CPUs, torch threads {client_threads(cfg)}, {platform.platform()}"
 
 
 def run_folder(cfg: Any) -> Path:
@@ -297,10 +296,6 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = ()) -> 
         print(f"  {folder} was made by other fedsim code: running it again", file=sys.stderr, flush=True)
     if folder.exists():
         shutil.rmtree(folder)
-    if cfg.runtime.threads and cfg.runtime.backend == "local":
-        import torch
-
-        torch.set_num_threads(cfg.runtime.threads)  # the local backend runs clients in this process
     t0 = time.perf_counter()
     run_dir = run(cfg, backend=make_backend(cfg), callbacks=callbacks)
     info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg), "code": code}

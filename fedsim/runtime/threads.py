@@ -21,7 +21,11 @@ def client_threads(cfg: RunConfig) -> int:
 
 
 def process_cpus() -> int:
-    """The CPUs this process may run on (its affinity, else the machine's count)."""
+    """The CPUs this process may use: OMP_NUM_THREADS where set (Ray sets it to a task's CPUs, e.g. a sweep's
+    trial), else its affinity, else the machine's count."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux

@@ -113,6 +113,10 @@ def test_local_clients_get_a_ray_workers_threads_and_the_server_every_cpu(make_c
         seen = {"client": set(), "server": set()}
         run(make_config("runtime.threads=3", rounds=1), LocalBackend(num_workers=2))
         assert seen == {"client": {3}, "server": {3}}
+        seen = {"client": set(), "server": set()}
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it for a one-CPU task (a sweep's trial)
+        run(make_config(rounds=1), LocalBackend(num_workers=2))
+        assert seen == {"client": {1}, "server": {1}}
     finally:
         torch.set_num_threads(before)
 
