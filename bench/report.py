@@ -24,6 +24,7 @@ from bench.runner import (
     FLOWER_VENV,
     PFL_VENV,
     REPO,
+    drop_cached_libraries,
     flower_python,
     load_average,
     package_version,
@@ -81,6 +82,7 @@ def run_matrix(workloads: dict[str, Workload], systems: list[str], repeat: int, 
         flower_python(log)
     if any(s.startswith("pfl") for s in systems):
         pfl_python(log)
+    drop_cached_libraries([Path(sys.prefix), FLOWER_VENV, PFL_VENV], log)
     rows = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for rep in range(repeat):

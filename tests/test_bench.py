@@ -203,3 +203,18 @@ def test_bench_matrix_runs_the_programs_and_reads_their_results(cache, tmp_path,
     assert df["system"].tolist() == ["plain_t1", "fedsim"]
     assert df["final_accuracy"].iloc[0] == df["final_accuracy"].iloc[1]
     assert (df["R"] == 3).all() and (df["peak_rss_mb"] > 0).all() and (df["seconds_per_round"] > 0).all()
+
+
+def test_every_venvs_shared_libraries_are_dropped_from_the_page_cache(tmp_path):
+    """Before the timed runs, the bench advises the kernel to drop each venv's shared libraries (`.so`, `.so.N`,
+    extension modules) and nothing else; a venv that is not there is skipped."""
+    from bench.runner import drop_cached_libraries
+
+    site = tmp_path / "v" / "lib" / "python3.11" / "site-packages"
+    for name in ("torch/lib/libtorch_cpu.so", "nvidia/cu13/lib/libnvrtc.so.13", "ray/_raylet.cpython-311.so",
+                 "pkg/notes.sofa", "pkg/data.so.d/inside.txt", "pkg/module.py"):
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(b"\0" * 4096)
+    said: list[str] = []
+    assert drop_cached_libraries([tmp_path / "v", tmp_path / "absent"], said.append) == 3
+    assert said == ["dropped 3 shared libraries of 2 venvs from the page cache"]
