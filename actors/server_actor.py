@@ -9,6 +9,7 @@ import numpy as np
 from actors.client_worker import assigned_device
 from fedsim.plugins import import_in_worker
 from fedsim.runtime.server import Server
+from fedsim.runtime.threads import server_threads
 
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
@@ -21,8 +22,8 @@ class ServerActor(Server):
     def __init__(self, cfg: RunConfig, arrays: dict[str, np.ndarray], part: AnyPartition,
                  meta: dict[str, Any]) -> None:
         import_in_worker(cfg.plugins)  # the run's own modules register their methods before anything is built
-        threads = cfg.runtime.threads or max(1, int(cfg.runtime.server_cpus) or 1)
-        super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus), threads=threads)
+        super().__init__(cfg, arrays, part, meta, device=assigned_device(cfg.runtime.server_gpus),
+                         threads=server_threads(cfg))
 
     def ping(self) -> dict[str, Any]:
         import ray

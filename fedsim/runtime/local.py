@@ -43,8 +43,8 @@ class LocalBackend:
         n = self._requested or cfg.runtime.num_workers or 1
         self._args = (cfg, arrays, part, meta)
         self._spill = spill_folder(cfg, run_dir)
-        # one process, so torch's thread count is switched: clients get what a Ray worker would (the same numbers
-        # on both backends), the server every CPU, as the Ray backend's in-driver server
+        # one process, so torch's thread count is switched: clients get what a Ray worker would and the server what
+        # the Ray backend's server would (the same numbers on both backends)
         self._threads = client_threads(cfg)
         self._server = Server(cfg, arrays, part, meta, device=self.device, threads=server_threads(cfg))
         self.workers = [self._make(i) for i in range(n)]

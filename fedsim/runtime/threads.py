@@ -33,9 +33,14 @@ def process_cpus() -> int:
 
 
 def server_threads(cfg: RunConfig) -> int:
-    """The threads of a server in the driver's process: runtime.threads, else every CPU the process may use (the
-    workers idle while the server steps and evaluates)."""
-    return cfg.runtime.threads or process_cpus()
+    """The server's threads: runtime.threads; else, when it reserves CPUs or GPUs (a Ray server actor), its CPU
+    share (at least 1); else every CPU of the driver's process, which it shares with idle workers."""
+    rt = cfg.runtime
+    if rt.threads:
+        return rt.threads
+    if rt.server_cpus > 0 or rt.server_gpus > 0:
+        return max(1, int(rt.server_cpus))
+    return process_cpus()
 
 
 @contextlib.contextmanager

@@ -83,10 +83,10 @@ def test_a_plain_float64_sum_trains_the_same_model_to_rounding(make_config):
         np.testing.assert_allclose(a[c], b[c], rtol=1e-4, atol=1e-4)
 
 
-def test_local_clients_get_a_ray_workers_threads_and_the_server_every_cpu(make_config, monkeypatch):
-    """In one process the local backend switches torch's thread count: client steps get what a Ray worker gets
-    (runtime.threads, else its CPU share), since PyTorch's CPU kernels may sum in an order that depends on it, and
-    the server every CPU, as the Ray backend's in-driver server; the caller's count comes back after each phase."""
+def test_local_clients_and_server_get_the_threads_they_would_get_on_ray(make_config, monkeypatch):
+    """In one process the local backend switches torch's thread count, since PyTorch's CPU kernels may sum in an
+    order that depends on it: client steps get what a Ray worker gets (runtime.threads, else its CPU share), the
+    server what Ray's server gets (its CPU share when it reserves one, else every CPU of the process)."""
     import torch
 
     from fedsim.algorithms.fedavg import FedAvg
@@ -113,6 +113,9 @@ def test_local_clients_get_a_ray_workers_threads_and_the_server_every_cpu(make_c
         seen = {"client": set(), "server": set()}
         run(make_config("runtime.threads=3", rounds=1), LocalBackend(num_workers=2))
         assert seen == {"client": {3}, "server": {3}}
+        seen = {"client": set(), "server": set()}
+        run(make_config("runtime.client_cpus=2", "runtime.server_cpus=1", rounds=1), LocalBackend(num_workers=2))
+        assert seen == {"client": {2}, "server": {1}}  # as a Ray server actor's share
         seen = {"client": set(), "server": set()}
         monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it for a one-CPU task (a sweep's trial)
         run(make_config(rounds=1), LocalBackend(num_workers=2))
