@@ -1,6 +1,6 @@
-"""How many torch threads client steps and the in-process server get, the same on every backend: PyTorch's CPU
-kernels may sum in an order that depends on the thread count (a convolution's backward does), so a run's numbers
-match across backends and worker counts only at the same count."""
+"""How many torch threads client steps and the server get, the same on every backend: PyTorch's CPU kernels may
+sum in an order that depends on the thread count (a convolution's backward does), so a run's numbers match across
+backends and worker counts only at the same count."""
 
 from __future__ import annotations
 
