@@ -251,12 +251,10 @@ def generate_patches(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
     """
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise DataError(f"single image: expected an H×W×3 uint8 array, got {image.dtype} {image.shape}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from fedsim.runtime.threads import torch_threads
+
+    with torch_threads(1):
         return _generate(image, spec)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _generate(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
