@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from actors.autoscale import await_workers
 from actors.boot import RayBoot
@@ -156,7 +156,7 @@ def wait_for(refs: Any, what: str, limit: float, knob: str) -> Any:
         if isinstance(getattr(exc, "cause", None), FedsimError):
             raise exc.cause from None
         raise FedsimError(f"{what} failed: {_cause(exc)}") from None
-    except RayActorError as exc:
+    except RayError as exc:  # the actor, its process or its node gone, or the answer lost with its node
         raise FedsimError(f"{what} failed: {_short(exc)}") from None
 
 
@@ -331,7 +331,8 @@ class RayBackend:
                 cause = getattr(exc, "cause", None)
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
                                           str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])
-            except (RayActorError, GetTimeoutError) as exc:
+            except RayError as exc:  # not the worker's own error: its actor or node died, or Ray lost the reply
+                # (ObjectLostError, NodeDiedError, ...: which one depends on when the node went)
                 failed[w] = self._node_failure(w, exc) or WorkerFailure(type(exc).__name__, _short(exc))
         return replies, failed
 
