@@ -263,7 +263,9 @@ def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
 def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
     from jobs.sweep import FINISHED, run_sweep
 
-    path = write_sweep(tmp_path, seeds=[0, 1])
+    # the second run trains 60x longer: two one-epoch runs finished 0.1 s apart (the trial's process is reused),
+    # inside one poll of the loop below, so the kill often found both done
+    path = write_sweep(tmp_path, seeds=[0], grid={"train.epochs": [1, 60]})
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match="holds no sweep to resume"):
         run_sweep(path, out_dir=str(out), resume=True)
@@ -275,7 +277,7 @@ def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
     try:
         deadline = time.monotonic() + 240
         while not list(out.glob(f"runs/*/{FINISHED}")) and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(0.2)
+            time.sleep(0.05)
         first = list(out.glob(f"runs/*/{FINISHED}"))
         assert len(first) == 1 and driver.poll() is None, "the sweep should have one run done and go on"
     finally:
