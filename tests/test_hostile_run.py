@@ -148,6 +148,54 @@ def test_damaged_tables_fail_in_one_line_naming_the_file(run_copy, capsys, table
     assert tree(run_copy) == before
 
 
+def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkeypatch):
+    """Arrow frees what a read used on its pool threads, after the read has returned. A Python object freed there
+    needs the GIL, and a process that exits meanwhile aborts: CI saw SIGABRT (exit -6) after the one-line error of
+    a resume that found clients.parquet missing. read_table must use its file on the calling thread alone and drop
+    it before it returns."""
+    import io
+    import threading
+    import weakref
+
+    import numpy as np
+
+    from fedsim.results import read_table
+
+    table = tmp_path / "rounds.parquet"
+    expected = pd.DataFrame({"round": np.arange(5000), "loss": np.linspace(0, 1, 5000), "model": "global"})
+    expected.to_parquet(table)
+    used_on: set[int] = set()
+    opened: list[weakref.ref] = []
+
+    class Recorded(io.FileIO):  # the file read_table opens, noting each thread that reads it or frees it
+        def read(self, *args):
+            used_on.add(threading.get_ident())
+            return super().read(*args)
+
+        def readinto(self, buffer):
+            used_on.add(threading.get_ident())
+            return super().readinto(buffer)
+
+        def seek(self, *args):
+            used_on.add(threading.get_ident())
+            return super().seek(*args)
+
+        def __del__(self):
+            used_on.add(threading.get_ident())
+
+    def recorded_open(self, mode="r", *args, **kwargs):
+        f = Recorded(self, mode.replace("b", ""))
+        opened.append(weakref.ref(f))
+        return f
+
+    monkeypatch.setattr(Path, "open", recorded_open)
+    got = read_table(table)
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(got, expected)
+    assert len(opened) == 1 and opened[0]() is None, "the file outlived the read"
+    assert used_on == {threading.get_ident()}, "arrow's threads used the Python file"
+
+
 @pytest.mark.parametrize("override, fragment, into_existing", [
     ("data.name=nope", "data.name", False),                      # no such dataset
     ("model.name=nosuch", "model", True),                        # no such architecture
