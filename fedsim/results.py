@@ -109,25 +109,23 @@ def read_table(path: Location) -> pd.DataFrame:
     """A parquet table of a run, with a one-line CheckpointError naming the file if it is missing or corrupt."""
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
-    import pyarrow as pa
-
     try:
         with path.open("rb") as f:  # one open: a table that a live run replaces meanwhile is still read whole
             data = _arrow_owned(f.read())
-        return pd.read_parquet(pa.BufferReader(data))
+        return pd.read_parquet(data)
     except Exception as exc:  # truncated, foreign or corrupt file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable table ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def _arrow_owned(data: bytes) -> Any:
-    """A copy of `data` in arrow's own memory. Arrow frees what it reads on its pool threads, after the read has
-    returned; freeing a Python file or bytes object there takes the GIL, and a thread that asks for it while the
-    interpreter exits aborts the process (SIGABRT, after the run's own one-line error was printed)."""
+    """A reader of a copy of `data` in arrow's own memory. Arrow frees what it reads on its pool threads, after the
+    read has returned; freeing a Python file or bytes object there takes the GIL, and a thread that asks for it
+    while the interpreter exits aborts the process (SIGABRT, after the run's own one-line error was printed)."""
     import pyarrow as pa
 
     sink = pa.BufferOutputStream()
     sink.write(data)
-    return sink.getvalue()
+    return pa.BufferReader(sink.getvalue())
 
 
 def _first_line(exc: BaseException) -> str:
