@@ -1,16 +1,16 @@
 """Order-independent weighted sums: double-double (float64 pair) accumulation.
 
 Each term w·x (integer-ish weight, float32 value) is exact in float64; accumulating with Knuth's TwoSum
-keeps the error near 2^-106 relative, so the float32 result does not depend on how clients were
-grouped into workers or in which order partial sums arrive.
+(fedsim.runtime.twosum, one fused pass per addition) keeps the error near 2^-106 relative, so the float32 result
+does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
-accumulators are one flat float64 buffer each, so a client costs a handful of whole-buffer operations instead of
-a handful per tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
+accumulators are one flat float64 buffer each, so a client costs one copy and one pass instead of one of each per
+tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
 
-`WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead: two
-passes rather than eight, with a rounding error near 2^-53 relative that depends on the order of the additions
-(so, rarely, on the worker count). Partial sums are still merged exactly.
+`WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
+rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
+Partial sums are still merged exactly.
 """
 
 from __future__ import annotations
@@ -22,36 +22,9 @@ from typing import Any
 import torch
 
 from fedsim.errors import AggregationError
+from fedsim.runtime import twosum
 
-Pair = tuple[torch.Tensor, torch.Tensor]
 Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
-
-# values of these dtypes have at most 24 significant bits, so times a weight of at most 29 they are exact in float64
-NARROW_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
-                           torch.int16})
-
-
-def exact_product(weight: float) -> bool:
-    """Whether w·x is exact in float64 for every x of a narrow dtype: at most 29 significant bits, and an exponent
-    far from float64's overflow and underflow."""
-    if not math.isfinite(weight) or weight == 0:
-        return False
-    mantissa, exponent = math.frexp(weight)
-    return abs(exponent) < 500 and (mantissa * 2.0 ** 29).is_integer()
-
-
-def _two_sum_into(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor) -> tuple[torch.Tensor,
-                                                                                                  torch.Tensor]:
-    """Knuth's TwoSum without allocating: returns (s, error) with s = fl(a + b) and s + error = a + b exactly.
-    `s` and `tmp` are scratch buffers; `b` is overwritten and `a` ends holding the error. The sum is
-    memory-bound and runs over every weight of the model for every client, so allocations are what it costs."""
-    torch.add(a, b, out=s)      # s = a + b
-    torch.sub(s, a, out=tmp)    # bp = s - a
-    b.sub_(tmp)                 # b - bp
-    torch.sub(s, tmp, out=tmp)  # s - bp
-    a.sub_(tmp)                 # a - (s - bp)
-    a.add_(b)                   # (a - (s - bp)) + (b - bp)
-    return s, a
 
 
 def _layout(payload: dict[str, torch.Tensor]) -> Layout:
@@ -59,13 +32,12 @@ def _layout(payload: dict[str, torch.Tensor]) -> Layout:
 
 
 class _Flat:
-    """The hi/lo accumulators of one payload layout as one float64 buffer each, with three scratch buffers (the
-    term and TwoSum's two) and the term's per-key views."""
+    """The hi/lo accumulators of one payload layout as one float64 buffer each, with a buffer for the incoming term
+    and its per-key views."""
 
     def __init__(self, layout: Layout, hi: torch.Tensor, lo: torch.Tensor) -> None:
         self.layout, self.hi, self.lo = layout, hi, lo
-        self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
-        self._scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None
+        self._term: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
@@ -96,56 +68,22 @@ class _Flat:
             k == key and v.shape == shape and v.dtype == dtype
             for (k, v), (key, shape, dtype) in zip(payload.items(), self.layout))
 
-    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        if self._scratch is None:
-            term = torch.empty_like(self.hi)
-            self._scratch = (torch.empty_like(self.hi), torch.empty_like(self.hi), term, self.views(term))
-        return self._scratch
-
     def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
-        """hi + lo += weight·payload, as the per-key TwoSum does it, on the whole buffer at once (not exact: hi +=
+        """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
         weight·payload, rounded)."""
-        s, tmp, term, views = self._buffers()
+        if self._term is None:
+            term = torch.empty_like(self.hi)
+            self._term = (term, self.views(term))
+        term, views = self._term
         self.load(term, payload, views)
-        a = self.hi
-        if not exact:
-            a.add_(term, alpha=weight)
-            return
-        if self.narrow and exact_product(weight):  # w·x is exact: a + w·x and bp - w·x round as a + b and bp - b
-            torch.add(a, term, alpha=weight, out=s)     # s = a + b
-            torch.sub(s, a, out=tmp)                    # bp = s - a
-            torch.sub(tmp, term, alpha=weight, out=term)  # bp - b
+        if exact:
+            twosum.add_scaled(self.hi, self.lo, term, weight)
         else:
-            term.mul_(weight)                           # b
-            torch.add(a, term, out=s)
-            torch.sub(s, a, out=tmp)
-            torch.sub(tmp, term, out=term)
-        self._finish(a, s, tmp, term, None)
+            self.hi.add_(term, alpha=weight)
 
     def merge(self, other: _Flat) -> None:
         """Fold in another partial sum of the same layout, as the per-key merge does."""
-        s, tmp, term, _ = self._buffers()
-        term.copy_(other.hi)
-        a = self.hi
-        torch.add(a, term, out=s)
-        torch.sub(s, a, out=tmp)
-        torch.sub(tmp, term, out=term)
-        self._finish(a, s, tmp, term, other.lo)
-
-    def _finish(self, a: torch.Tensor, s: torch.Tensor, tmp: torch.Tensor, neg_db: torch.Tensor,
-                other_lo: torch.Tensor | None) -> None:
-        """TwoSum's error (a - (s - bp)) + (b - bp) from s, bp (in `tmp`) and bp - b, then lo += it; s becomes hi.
-        (a - ap) - (bp - b) rounds as (a - ap) + (b - bp); only the sign of an exact zero error may differ, which
-        lo, starting at +0, never shows."""
-        torch.sub(s, tmp, out=tmp)  # ap = s - bp
-        a.sub_(tmp)                 # a - ap
-        a.sub_(neg_db)              # the error
-        if other_lo is not None:
-            a.add_(other_lo)
-        self.lo.add_(a)
-        assert self._scratch is not None
-        self.hi = s
-        self._scratch = (a, tmp, neg_db, self._scratch[3])
+        twosum.merge(self.hi, self.lo, other.hi, other.lo)
 
     def unflatten(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The accumulators per key (views of the flat buffers)."""
@@ -162,7 +100,6 @@ class WeightedSum:
         self._hi: dict[str, torch.Tensor] = {}
         self._lo: dict[str, torch.Tensor] = {}
         self._flat: _Flat | None = None
-        self._scratch: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per key, two buffers for TwoSum
         self.weight = 0.0
         self.count = 0
 
@@ -199,7 +136,8 @@ class WeightedSum:
         self.count += 1
 
     def _add_by_key(self, payload: dict[str, torch.Tensor], weight: float, client: int | str) -> None:
-        terms = {k: v.detach().to("cpu", torch.float64, copy=True).mul_(weight) for k, v in payload.items()}
+        terms = {k: v.detach().to("cpu", torch.float64, copy=True, memory_format=torch.contiguous_format).mul_(weight)
+                 for k, v in payload.items()}
         self._fold_by_key(terms, None, lambda k, new, old: f"aggregate: client {client} sent {k!r} with shape "
                                                           f"{new}, the others {old}")
 
@@ -212,17 +150,17 @@ class WeightedSum:
             else:
                 self._flat.merge(other._flat)
         else:
-            self._fold_by_key({k: v.clone() for k, v in other.hi.items()}, other.lo,
-                              lambda k, new, old: f"aggregate: partial sums disagree on the shape of {k!r}: "
-                                                  f"{new} vs {old}")
+            terms = {k: v.clone(memory_format=torch.contiguous_format) for k, v in other.hi.items()}
+            self._fold_by_key(terms, other.lo, lambda k, new, old: f"aggregate: partial sums disagree on the shape "
+                                                                   f"of {k!r}: {new} vs {old}")
         self.weight += other.weight
         self.count += other.count
 
     def _fold_by_key(self, terms: dict[str, torch.Tensor], los: dict[str, torch.Tensor] | None,
                      mismatch: Callable[[str, tuple, tuple], str]) -> None:
         """hi + lo += terms (+ los, another sum's errors), key by key, in the per-key layout. The terms are this
-        sum's to keep. A key whose shape differs from the sum's is an AggregationError (`mismatch` words it) and
-        leaves the sum untouched."""
+        sum's to keep (contiguous). A key whose shape differs from the sum's is an AggregationError (`mismatch`
+        words it) and leaves the sum untouched."""
         hi = self.hi
         for k, v in terms.items():
             if k in hi and hi[k].shape != v.shape:
@@ -230,17 +168,19 @@ class WeightedSum:
         self._by_key()
         for k, v in terms.items():
             if k not in self._hi:
-                self._hi[k], self._lo[k] = v, (los[k].clone() if los is not None else torch.zeros_like(v))
+                self._hi[k] = v
+                self._lo[k] = torch.zeros_like(v) if los is None else los[k].clone(
+                    memory_format=torch.contiguous_format)
+            elif los is None:
+                twosum.add_scaled(self._hi[k], self._lo[k], v, 1.0)
             else:
-                err = self._two_sum(k, v)
-                self._lo[k] += err.add_(los[k]) if los is not None else err
+                twosum.merge(self._hi[k], self._lo[k], v, los[k])
 
     def __getstate__(self) -> dict:
-        """A partial sum travels without its scratch, its accumulators as numpy arrays: pickle protocol 5 (Ray's
+        """A partial sum travels without its term buffer, its accumulators as numpy arrays: pickle protocol 5 (Ray's
         transport) hands those over as raw buffers, where a tensor goes through torch's own serializer, which cost a
         worker 2.5-18 ms per 3 MB reply (bench config C)."""
-        state: dict[str, Any] = {**self.__dict__, "_scratch": {}, "_hi": _to_numpy(self._hi),
-                                 "_lo": _to_numpy(self._lo)}
+        state: dict[str, Any] = {**self.__dict__, "_hi": _to_numpy(self._hi), "_lo": _to_numpy(self._lo)}
         if self._flat is not None:
             state["_flat"] = (self._flat.layout, self._flat.hi.numpy(), self._flat.lo.numpy())
         return state
@@ -249,14 +189,6 @@ class WeightedSum:
         flat = state.pop("_flat")
         self.__dict__.update(state, _hi=_from_numpy(state["_hi"]), _lo=_from_numpy(state["_lo"]))
         self._flat = None if flat is None else _Flat(flat[0], _tensor(flat[1]), _tensor(flat[2]))
-
-    def _two_sum(self, k: str, term: torch.Tensor) -> torch.Tensor:
-        """hi[k] += term, returning the rounding error (in a buffer that is scratch from the next call on)."""
-        hi = self._hi[k]
-        s, tmp = self._scratch.get(k) or (torch.empty_like(hi), torch.empty_like(hi))
-        self._hi[k], err = _two_sum_into(hi, term, s, tmp)
-        self._scratch[k] = (err, tmp)  # the old hi buffer, free once the caller has added the error
-        return err
 
     def totals(self) -> dict[str, torch.Tensor]:
         """The sums as float64 tensors."""
