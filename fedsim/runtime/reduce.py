@@ -1,12 +1,12 @@
 """Order-independent weighted sums: double-double (float64 pair) accumulation.
 
 Each term w·x (integer-ish weight, float32 value) is exact in float64; accumulating with Knuth's TwoSum
-(fedsim.runtime.twosum, one fused pass per addition) keeps the error near 2^-106 relative, so the float32 result
+(fedsim.runtime.twosum) keeps the error near 2^-106 relative, so the float32 result
 does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
-accumulators are one flat float64 buffer each, so a client costs one copy and one pass instead of one of each per
-tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
+accumulators are one flat float64 buffer each, so a client costs a copy and one TwoSum over the whole buffer
+instead of one of each per tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
 
 `WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
 rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
@@ -26,6 +26,19 @@ from fedsim.runtime import twosum
 
 Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
 
+# values of these dtypes have at most 24 significant bits, so times a weight of at most 29 they are exact in float64
+NARROW_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
+                           torch.int16})
+
+
+def exact_product(weight: float) -> bool:
+    """Whether w·x is exact in float64 for every x of a narrow dtype: at most 29 significant bits, and an exponent
+    far from float64's overflow and underflow."""
+    if not math.isfinite(weight) or weight == 0:
+        return False
+    mantissa, exponent = math.frexp(weight)
+    return abs(exponent) < 500 and (mantissa * 2.0 ** 29).is_integer()
+
 
 def _layout(payload: dict[str, torch.Tensor]) -> Layout:
     return tuple((k, v.shape, v.dtype) for k, v in payload.items())
@@ -37,7 +50,8 @@ class _Flat:
 
     def __init__(self, layout: Layout, hi: torch.Tensor, lo: torch.Tensor) -> None:
         self.layout, self.hi, self.lo = layout, hi, lo
-        self._term: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
+        self._term: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None  # term, spare, term's views
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
@@ -73,11 +87,13 @@ class _Flat:
         weight·payload, rounded)."""
         if self._term is None:
             term = torch.empty_like(self.hi)
-            self._term = (term, self.views(term))
-        term, views = self._term
+            self._term = (term, torch.empty_like(self.hi), self.views(term))
+        term, spare, views = self._term
         self.load(term, payload, views)
         if exact:
-            twosum.add_scaled(self.hi, self.lo, term, weight)
+            new = twosum.add_scaled(self.hi, self.lo, term, weight, self.narrow and exact_product(weight), out=spare)
+            if new is spare:  # the sum landed in the spare buffer: the old hi is the next spare
+                self._term, self.hi = (term, self.hi, views), new
         else:
             self.hi.add_(term, alpha=weight)
 
@@ -172,7 +188,7 @@ class WeightedSum:
                 self._lo[k] = torch.zeros_like(v) if los is None else los[k].clone(
                     memory_format=torch.contiguous_format)
             elif los is None:
-                twosum.add_scaled(self._hi[k], self._lo[k], v, 1.0)
+                twosum.add_scaled(self._hi[k], self._lo[k], v, 1.0, product_exact=True)
             else:
                 twosum.merge(self._hi[k], self._lo[k], v, los[k])
 

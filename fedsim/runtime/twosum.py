@@ -1,21 +1,28 @@
-"""Knuth's TwoSum accumulation: hi + lo += w·term, fused into one pass, and the merge of two (hi, lo) pairs.
+"""Knuth's TwoSum accumulation: hi + lo += w·term elementwise, and the merge of two (hi, lo) pairs.
 
-Written as whole-buffer torch operations, one exact add is eight passes over the model's weights, which made it
-the largest cost of a small client after its training (285 µs of a 200k-weight MLP's ~1 ms, bench config C).
-Compiled by numba into one loop it reads each buffer once (52 µs). The arithmetic is strict IEEE (no fast-math,
-so nothing is reassociated or contracted): the same bits as the operations written out one by one, on every
-machine. Merges are few (one per worker and round) and stay torch operations.
+As whole-buffer torch operations, one exact add is nine passes over the model's weights: 300 µs of a 200k-weight
+MLP's ~1 ms client (bench config C). Compiled by numba into one loop it reads each buffer once (52 µs), but loading
+numba costs a process about 0.4 s and 120 MB. So a process adds with torch until those adds have taken as long as
+the load (runs with few or large clients never load it), then loads the loop: at most twice the best choice's time
+(ski rental). Both give the same bits: the loop is strict IEEE (no fast-math, so nothing is reassociated or
+contracted) and does the torch operations' arithmetic in their order. Merges are few (one per worker and round)
+and stay torch operations.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 Kernel = Callable[..., None]
+
+LOAD_SECONDS = 0.4  # what loading the compiled loop costs a process (numba's imports, LLVM), measured warm
+_torch_seconds = 0.0  # what this process has spent in torch adds so far
+_scratch: dict[tuple[int, int], torch.Tensor] = {}  # the torch adds' buffers, by element count and use
 
 
 def _add_scaled(hi: np.ndarray, lo: np.ndarray, term: np.ndarray, weight: float) -> None:
@@ -56,12 +63,60 @@ def _same_size(*arrays: np.ndarray) -> None:
         raise ValueError(f"TwoSum buffers differ in size: {[a.shape[0] for a in arrays]}")
 
 
-def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: float) -> None:
-    """hi + lo += weight·term, elementwise: hi takes the rounded sum and lo adds its rounding error (term is left
-    as it is; weight·term is exact when the weight has few significant bits and the term came from float32)."""
-    arrays = (_buffer(hi, True), _buffer(lo, True), _buffer(term))
+def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: float, product_exact: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """hi + lo += weight·term, elementwise: the new hi takes the rounded sum and lo adds its rounding error; returns
+    the tensor that holds the new hi. That is `hi`, unless `out` (a spare buffer like hi) is given and the torch
+    operations ran: then it is `out`, and `hi` is left as scratch. `term` is scratch too. `product_exact`: the
+    caller knows weight·term is exact in float64 (a term from float32 and a weight of few significant bits), so
+    the torch operations may fold the product into the sums."""
+    global _torch_seconds
+    arrays = (_buffer(hi, True), _buffer(lo, True), _buffer(term, True)) + ((_buffer(out, True),) if out is not None
+                                                                           else ())
     _same_size(*arrays)
-    _kernel()(*arrays, float(weight))
+    if _torch_seconds < LOAD_SECONDS:
+        start = time.perf_counter()
+        flat = hi.view(-1)
+        s = _scratch_buffer(flat, 1) if out is None else out.view(-1)
+        _add_scaled_torch(flat, lo.view(-1), term.view(-1), float(weight), product_exact, s,
+                          _scratch_buffer(flat, 0))
+        if out is None:
+            flat.copy_(s)
+        _torch_seconds += time.perf_counter() - start
+        return hi if out is None else out
+    _scratch.clear()
+    _kernel()(*arrays[:3], float(weight))
+    return hi
+
+
+def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
+    key = (like.numel(), slot)
+    if key not in _scratch:
+        _scratch[key] = torch.empty_like(like)
+    return _scratch[key]
+
+
+def compiled() -> bool:
+    """Whether this process adds with the compiled loop (it has spent LOAD_SECONDS in torch adds)."""
+    return _torch_seconds >= LOAD_SECONDS
+
+
+def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weight: float, product_exact: bool,
+                      s: torch.Tensor, t: torch.Tensor) -> None:
+    """The loop's arithmetic as whole-buffer torch operations: the new hi goes to `s`, the rounding error (added
+    to lo) is left in `hi`; `b` and `t` are scratch."""
+    if product_exact:  # a + w·b and bp - w·b round as a + (w·b) and bp - (w·b): one pass fewer
+        torch.add(hi, b, alpha=weight, out=s)
+        torch.sub(s, hi, out=t)
+        torch.sub(t, b, alpha=weight, out=b)
+    else:
+        b.mul_(weight)
+        torch.add(hi, b, out=s)  # s = a + b
+        torch.sub(s, hi, out=t)  # bp = s - a
+        torch.sub(t, b, out=b)   # bp - b
+    torch.sub(s, t, out=t)   # ap = s - bp
+    hi.sub_(t).sub_(b)       # (a - ap) - (bp - b): the rounding error
+    lo.add_(hi)
 
 
 def merge(hi: torch.Tensor, lo: torch.Tensor, other_hi: torch.Tensor, other_lo: torch.Tensor) -> None:

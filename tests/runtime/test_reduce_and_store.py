@@ -106,10 +106,16 @@ def _bits(sums: WeightedSum) -> dict[str, tuple[bytes, bytes]]:
     return {k: (v.numpy().tobytes(), sums.lo[k].numpy().tobytes()) for k, v in sums.hi.items()}
 
 
-def test_one_buffer_per_layout_adds_as_the_per_key_sum():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
     """Payloads of one layout are summed in one flat buffer; a payload of another layout (here the same tensors in
     another key order) switches the sum to per-key accumulators. Both give the same hi and lo, bit for bit, for
-    weights whose product with a float32 is exact and for others, for float64 entries, and through merges."""
+    weights whose product with a float32 is exact and for others, for float64 entries, and through merges; with
+    torch's adds (the flat sum swapping its hi with a spare buffer) and with the compiled loop."""
+    from fedsim.runtime import twosum
+
+    monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
+    monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.0 if compiled else float("inf"))
     g = torch.Generator().manual_seed(3)
 
     def payload() -> dict[str, torch.Tensor]:

@@ -32,7 +32,15 @@ def _merge_written_out(hi: np.ndarray, lo: np.ndarray, ohi: np.ndarray, olo: np.
     hi[...] = s
 
 
-def test_the_fused_loops_give_the_bits_of_the_written_out_arithmetic():
+@pytest.fixture(params=["torch", "compiled"])
+def way(request, monkeypatch) -> str:
+    """Each way a process adds: torch operations (before its adds have taken LOAD_SECONDS), or the compiled loop."""
+    monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
+    monkeypatch.setattr(twosum, "LOAD_SECONDS", float("inf") if request.param == "torch" else 0.0)
+    return request.param
+
+
+def test_both_ways_of_adding_give_the_bits_of_the_written_out_arithmetic(way):
     """Weights whose product with a float32 is exact and others (0.1, 1e-3: the product rounds first), terms over
     30 binades with signed zeros; then a merge. hi and lo match bit for bit, and the sum is exact where it can be."""
     rng = np.random.default_rng(7)
@@ -41,10 +49,9 @@ def test_the_fused_loops_give_the_bits_of_the_written_out_arithmetic():
     ref_hi, ref_lo = np.zeros(n), np.zeros(n)
     for w in (3.0, 17.0, 0.1, 2.0 ** 40, 1.0, 1e-3, 4095.0, -5.0):
         term = _values(rng, n)
-        kept = term.copy()
-        twosum.add_scaled(hi, lo, torch.from_numpy(term), w)
         _add_written_out(ref_hi, ref_lo, term, w)
-        assert np.array_equal(term, kept)  # the term is read, not written
+        twosum.add_scaled(hi, lo, torch.from_numpy(term), w)
+    assert twosum.compiled() == (way == "compiled")
     assert hi.numpy().tobytes() == ref_hi.tobytes() and lo.numpy().tobytes() == ref_lo.tobytes()
 
     other_hi, other_lo = torch.from_numpy(_values(rng, n)), torch.from_numpy(_values(rng, n) * 2.0 ** -60)
@@ -59,18 +66,42 @@ def test_the_fused_loops_give_the_bits_of_the_written_out_arithmetic():
     assert (hi + lo).tolist() == [2.0 ** -60, 2.0 ** -70]
 
 
-def test_buffers_the_loops_cannot_take_are_refused_before_anything_is_written():
+def test_a_process_loads_the_loop_once_its_torch_adds_have_taken_as_long_as_loading_it(monkeypatch):
+    """Ski rental: torch adds until they have cost LOAD_SECONDS, the compiled loop after that (their buffers
+    dropped); the sum's bits do not show where the switch fell."""
+    monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
+    monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.02)
+    rng = np.random.default_rng(1)
+    n = 50_000
+    hi, lo = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    ref_hi, ref_lo = np.zeros(n), np.zeros(n)
+    torch_adds = 0
+    for i in range(10_000):
+        if twosum.compiled():
+            break
+        term = _values(rng, n)
+        _add_written_out(ref_hi, ref_lo, term, 3.0 + i % 5)
+        twosum.add_scaled(hi, lo, torch.from_numpy(term), 3.0 + i % 5)
+        torch_adds += 1
+    assert twosum.compiled() and torch_adds > 1 and twosum._scratch  # the buffers stay until the next add
+    for i in range(3):
+        term = _values(rng, n)
+        _add_written_out(ref_hi, ref_lo, term, 0.1 * (i + 1))
+        twosum.add_scaled(hi, lo, torch.from_numpy(term), 0.1 * (i + 1))
+    assert not twosum._scratch
+    assert hi.numpy().tobytes() == ref_hi.tobytes() and lo.numpy().tobytes() == ref_lo.tobytes()
+
+
+def test_buffers_the_loops_cannot_take_are_refused_before_anything_is_written(way):
     hi, lo = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
     with pytest.raises(ValueError, match="differ in size"):
         twosum.add_scaled(hi, lo, torch.ones(3, dtype=torch.float64), 1.0)
     with pytest.raises(TypeError, match="float64"):
         twosum.add_scaled(hi, lo, torch.ones(4), 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        twosum.add_scaled(hi, lo, torch.ones(4, 2, dtype=torch.float64).t()[0], 1.0)
     strided = torch.zeros(4, 2, dtype=torch.float64).t()
     with pytest.raises(ValueError, match="contiguous"):
         twosum.merge(strided, torch.zeros(2, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64),
                      torch.zeros(2, 4, dtype=torch.float64))
     assert not hi.any() and not lo.any() and not strided.any()
-    # a read-only operand may be strided: it is read through a contiguous copy
-    hi, lo = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, dtype=torch.float64)
-    twosum.add_scaled(hi, lo, torch.arange(8, dtype=torch.float64).view(4, 2).t(), 2.0)
-    assert torch.equal(hi, 2.0 * torch.arange(8, dtype=torch.float64).view(4, 2).t())
