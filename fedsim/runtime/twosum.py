@@ -12,6 +12,7 @@ and stay torch operations.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 Kernel = Callable[..., None]
+log = logging.getLogger("fedsim.twosum")
 
 LOAD_SECONDS = 0.4  # what loading the compiled loop costs a process (numba's imports, LLVM), measured warm
 _torch_seconds = 0.0  # what this process has spent in torch adds so far
@@ -36,17 +38,22 @@ def _add_scaled(hi: np.ndarray, lo: np.ndarray, term: np.ndarray, weight: float)
 
 
 @functools.cache
-def _kernel() -> Kernel:
+def _kernel() -> Kernel | None:
     """The loop compiled for contiguous float64 buffers, once per process (numba's cache keeps the machine code
     beside this file, or under the user's cache folder, so later processes load it: about 0.4 s, mostly numba's
-    own imports)."""
-    import numba
-
+    own imports). None, said once, where it cannot be had: the torch operations then go on, with the same bits."""
     signature = "void(f8[::1], f8[::1], f8[::1], f8)"
     try:
-        return numba.njit(signature, nogil=True, cache=True)(_add_scaled)
-    except RuntimeError:  # no writable cache folder: compiled for this process only
-        return numba.njit(signature, nogil=True)(_add_scaled)
+        import numba
+
+        try:
+            return numba.njit(signature, nogil=True, cache=True)(_add_scaled)
+        except RuntimeError:  # no writable cache folder: compiled for this process only
+            return numba.njit(signature, nogil=True)(_add_scaled)
+    except Exception as exc:  # numba missing or unable to compile here: exact adds stay torch operations
+        log.warning("exact sums stay torch operations: the compiled loop could not be loaded (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
 
 
 def _buffer(t: torch.Tensor, written: bool = False) -> np.ndarray:
@@ -74,7 +81,8 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
     arrays = (_buffer(hi, True), _buffer(lo, True), _buffer(term, True)) + ((_buffer(out, True),) if out is not None
                                                                            else ())
     _same_size(*arrays)
-    if _torch_seconds < LOAD_SECONDS:
+    kernel = _kernel() if _torch_seconds >= LOAD_SECONDS else None
+    if kernel is None:
         start = time.perf_counter()
         flat = hi.view(-1)
         s = _scratch_buffer(flat, 1) if out is None else out.view(-1)
@@ -85,7 +93,7 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
         _torch_seconds += time.perf_counter() - start
         return hi if out is None else out
     _scratch.clear()
-    _kernel()(*arrays[:3], float(weight))
+    kernel(*arrays[:3], float(weight))
     return hi
 
 
@@ -97,8 +105,9 @@ def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def compiled() -> bool:
-    """Whether this process adds with the compiled loop (it has spent LOAD_SECONDS in torch adds)."""
-    return _torch_seconds >= LOAD_SECONDS
+    """Whether this process adds with the compiled loop (it has spent LOAD_SECONDS in torch adds, and the loop
+    could be loaded)."""
+    return _torch_seconds >= LOAD_SECONDS and _kernel() is not None
 
 
 def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weight: float, product_exact: bool,

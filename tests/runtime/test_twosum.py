@@ -105,3 +105,29 @@ def test_buffers_the_loops_cannot_take_are_refused_before_anything_is_written(wa
         twosum.merge(strided, torch.zeros(2, 4, dtype=torch.float64), torch.ones(2, 4, dtype=torch.float64),
                      torch.zeros(2, 4, dtype=torch.float64))
     assert not hi.any() and not lo.any() and not strided.any()
+
+
+def test_where_the_loop_cannot_be_loaded_the_adds_stay_torch_operations_said_once(monkeypatch, caplog):
+    """numba missing (or unable to compile) costs speed, not a client: the adds go on with the same bits."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
+    monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.0)
+    twosum._kernel.cache_clear()
+    try:
+        rng = np.random.default_rng(3)
+        n = 999
+        hi, lo = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        ref_hi, ref_lo = np.zeros(n), np.zeros(n)
+        with caplog.at_level("WARNING", logger="fedsim.twosum"):
+            for w in (3.0, 0.1, 7.0):
+                term = _values(rng, n)
+                _add_written_out(ref_hi, ref_lo, term, w)
+                twosum.add_scaled(hi, lo, torch.from_numpy(term), w)
+        assert not twosum.compiled()
+        assert hi.numpy().tobytes() == ref_hi.tobytes() and lo.numpy().tobytes() == ref_lo.tobytes()
+        said = [r.getMessage() for r in caplog.records if r.name == "fedsim.twosum"]
+        assert len(said) == 1 and "ModuleNotFoundError" in said[0]
+    finally:
+        twosum._kernel.cache_clear()  # later tests load the real loop
