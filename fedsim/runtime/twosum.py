@@ -1,12 +1,13 @@
 """Knuth's TwoSum accumulation: hi + lo += w·term elementwise, and the merge of two (hi, lo) pairs.
 
-As whole-buffer torch operations, one exact add is nine passes over the model's weights: 300 µs of a 200k-weight
-MLP's ~1 ms client (bench config C). Compiled by numba into one loop it reads each buffer once (52 µs), but loading
-numba costs a process about 0.4 s and 120 MB. So a process adds with torch until those adds have taken as long as
-the load (runs with few or large clients never load it), then loads the loop: at most twice the best choice's time
-(ski rental). Both give the same bits: the loop is strict IEEE (no fast-math, so nothing is reassociated or
-contracted) and does the torch operations' arithmetic in their order. Merges are few (one per worker and round)
-and stay torch operations.
+As whole-buffer torch operations, one exact add is nine passes over the model's weights: 0.31 ms per upload of a
+200k-weight MLP on one thread (bench config C, `python -m bench.sum_cost`). Compiled by numba into one loop it
+reads each buffer once (0.10-0.12 ms), but loading numba costs a process about 0.4 s and 120 MB. So a process adds
+with torch until those adds have taken as long as the load (runs with few or large clients never load it), then
+loads the loop: at most twice the best choice's time (ski rental). Only a process with one torch thread (a Ray
+worker by default) does: on more, torch spreads each operation over them and the serial loop gains nothing. Both
+give the same bits: the loop is strict IEEE (no fast-math, so nothing is reassociated or contracted) and does the
+torch operations' arithmetic in their order. Merges are few (one per worker and round) and stay torch operations.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
     arrays = (_buffer(hi, True), _buffer(lo, True), _buffer(term, True)) + ((_buffer(out, True),) if out is not None
                                                                            else ())
     _same_size(*arrays)
-    kernel = _kernel() if _torch_seconds >= LOAD_SECONDS else None
+    kernel = _kernel() if _loop_pays() else None
     if kernel is None:
         start = time.perf_counter()
         flat = hi.view(-1)
@@ -105,9 +106,14 @@ def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def compiled() -> bool:
-    """Whether this process adds with the compiled loop (it has spent LOAD_SECONDS in torch adds, and the loop
-    could be loaded)."""
-    return _torch_seconds >= LOAD_SECONDS and _kernel() is not None
+    """Whether this process adds with the compiled loop now."""
+    return _loop_pays() and _kernel() is not None
+
+
+def _loop_pays() -> bool:
+    """The torch adds have cost as much as loading the loop, and run on one thread: with more, torch spreads each
+    operation over them, and the serial loop gained nothing (0.19 ms per C upload either way on two threads)."""
+    return _torch_seconds >= LOAD_SECONDS and torch.get_num_threads() == 1
 
 
 def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weight: float, product_exact: bool,

@@ -116,6 +116,7 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
 
     monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
     monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.0 if compiled else float("inf"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     g = torch.Generator().manual_seed(3)
 
     def payload() -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ def way(request, monkeypatch) -> str:
     """Each way a process adds: torch operations (before its adds have taken LOAD_SECONDS), or the compiled loop."""
     monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
     monkeypatch.setattr(twosum, "LOAD_SECONDS", float("inf") if request.param == "torch" else 0.0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     return request.param
 
 
@@ -68,9 +69,17 @@ def test_both_ways_of_adding_give_the_bits_of_the_written_out_arithmetic(way):
 
 def test_a_process_loads_the_loop_once_its_torch_adds_have_taken_as_long_as_loading_it(monkeypatch):
     """Ski rental: torch adds until they have cost LOAD_SECONDS, the compiled loop after that (their buffers
-    dropped); the sum's bits do not show where the switch fell."""
+    dropped), on one torch thread only; the sum's bits do not show where the switch fell."""
     monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
     monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.02)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    rng = np.random.default_rng(0)
+    hi, lo = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    twosum.add_scaled(hi, lo, torch.from_numpy(_values(rng, 4)), 1.0)
+    monkeypatch.setattr(twosum, "_torch_seconds", 1.0)
+    assert not twosum.compiled()  # two threads: the budget is spent, but torch's adds stay
+    monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     rng = np.random.default_rng(1)
     n = 50_000
     hi, lo = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
@@ -114,6 +123,7 @@ def test_where_the_loop_cannot_be_loaded_the_adds_stay_torch_operations_said_onc
     monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
     monkeypatch.setattr(twosum, "_torch_seconds", 0.0)
     monkeypatch.setattr(twosum, "LOAD_SECONDS", 0.0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     twosum._kernel.cache_clear()
     try:
         rng = np.random.default_rng(3)
