@@ -57,18 +57,18 @@ def _kernel() -> Kernel | None:
         return None
 
 
-def _buffer(t: torch.Tensor, written: bool = False) -> np.ndarray:
-    """A CPU float64 tensor as the flat array the kernels take (the tensor's own memory when it is written to)."""
+def _flat(t: torch.Tensor, written: bool = False) -> torch.Tensor:
+    """`t` as one flat run of memory, checked: a CPU float64 tensor (its own memory when it is written to)."""
     if t.dtype != torch.float64 or t.device.type != "cpu":
         raise TypeError(f"TwoSum buffers are CPU float64 tensors, got {t.dtype} on {t.device}")
     if written and not t.is_contiguous():
         raise ValueError("TwoSum accumulators must be contiguous (they are written in place)")
-    return t.detach().contiguous().view(-1).numpy()
+    return t.detach().contiguous().view(-1)
 
 
-def _same_size(*arrays: np.ndarray) -> None:
-    if len({a.shape[0] for a in arrays}) != 1:  # the loops do not check bounds
-        raise ValueError(f"TwoSum buffers differ in size: {[a.shape[0] for a in arrays]}")
+def _same_size(*flats: torch.Tensor) -> None:
+    if len({t.numel() for t in flats}) != 1:  # the loop does not check bounds
+        raise ValueError(f"TwoSum buffers differ in size: {[t.numel() for t in flats]}")
 
 
 def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: float, product_exact: bool = False,
@@ -79,22 +79,20 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
     caller knows weight·term is exact in float64 (a term from float32 and a weight of few significant bits), so
     the torch operations may fold the product into the sums."""
     global _torch_seconds
-    arrays = (_buffer(hi, True), _buffer(lo, True), _buffer(term, True)) + ((_buffer(out, True),) if out is not None
-                                                                           else ())
-    _same_size(*arrays)
+    flats = (_flat(hi, True), _flat(lo, True), _flat(term, True))
+    spare = None if out is None else _flat(out, True)
+    _same_size(*flats, *(() if spare is None else (spare,)))
     kernel = _kernel() if _loop_pays() else None
     if kernel is None:
         start = time.perf_counter()
-        flat = hi.view(-1)
-        s = _scratch_buffer(flat, 1) if out is None else out.view(-1)
-        _add_scaled_torch(flat, lo.view(-1), term.view(-1), float(weight), product_exact, s,
-                          _scratch_buffer(flat, 0))
-        if out is None:
-            flat.copy_(s)
+        s = _scratch_buffer(flats[0], 1) if spare is None else spare
+        _add_scaled_torch(*flats, float(weight), product_exact, s, _scratch_buffer(flats[0], 0))
+        if spare is None:
+            flats[0].copy_(s)
         _torch_seconds += time.perf_counter() - start
         return hi if out is None else out
     _scratch.clear()
-    kernel(*arrays[:3], float(weight))
+    kernel(*(t.numpy() for t in flats), float(weight))
     return hi
 
 
@@ -137,7 +135,7 @@ def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weigh
 def merge(hi: torch.Tensor, lo: torch.Tensor, other_hi: torch.Tensor, other_lo: torch.Tensor) -> None:
     """hi + lo += other_hi + other_lo, elementwise (another partial sum folded in). Torch operations: a round merges
     one partial sum per worker, so the driver need not load the compiled loop for it."""
-    _same_size(_buffer(hi, True), _buffer(lo, True), _buffer(other_hi), _buffer(other_lo))
+    _same_size(_flat(hi, True), _flat(lo, True), _flat(other_hi), _flat(other_lo))
     s = hi + other_hi
     bp = s - hi
     lo += ((hi - (s - bp)) - (bp - other_hi)) + other_lo

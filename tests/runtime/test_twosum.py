@@ -1,4 +1,5 @@
-"""The fused TwoSum kernels against the same arithmetic written out one numpy operation at a time."""
+"""Both ways of adding (torch operations, the compiled loop) against the same arithmetic written out one numpy
+operation at a time."""
 
 from __future__ import annotations
 
