@@ -141,9 +141,9 @@ class RuntimeConfig:
                                  "default: the run folder")
     exact_sum: bool = knob(True, doc="workers add clients' uploads exactly (double-double), so the numbers do not "
                            "depend on the worker count; false adds in plain float64, but a weight's last bit may then "
-                           "change with the worker count (per upload of a 200k-weight MLP on one thread: 0.31 ms "
-                           "exact, 0.10-0.12 ms once the process has spent 0.4 s on exact adds and loaded their "
-                           "compiled loop, 0.08-0.10 ms plain: `python -m bench.sum_cost`)")
+                           "change with the worker count (per upload of a 200k-weight MLP on one thread: 0.10 ms "
+                           "exact with the loop each process compiles at its first add, 0.29 ms where it cannot be "
+                           "compiled, 0.08 ms plain: `python -m bench.sum_cost`)")
     batch_clients: bool | Literal["auto", "on", "off"] = knob(
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")

@@ -1,58 +1,89 @@
 """Knuth's TwoSum accumulation: hi + lo += w·term elementwise, and the merge of two (hi, lo) pairs.
 
-As whole-buffer torch operations, one exact add is nine passes over the model's weights: 0.31 ms per upload of a
-200k-weight MLP on one thread (bench config C, `python -m bench.sum_cost`). Compiled by numba into one loop it
-reads each buffer once (0.10-0.12 ms), but loading numba costs a process about 0.4 s and 120 MB. So a process adds
-with torch until those adds have taken as long as the load (runs with few or large clients never load it), then
-loads the loop: at most twice the best choice's time (ski rental). Only a process with one torch thread (a Ray
-worker by default) does: on more, torch spreads each operation over them and the serial loop gains nothing. Both
-give the same bits: the loop is strict IEEE (no fast-math, so nothing is reassociated or contracted) and does the
-torch operations' arithmetic in their order. Merges are few (one per worker and round) and stay torch operations.
+As whole-buffer torch operations, one exact add is nine passes over the model's weights: 0.29 ms per upload of a
+200k-weight MLP on one thread (bench config C, `python -m bench.sum_cost`). The same arithmetic as one loop, built
+with llvmlite for this machine's CPU when a process first adds (about 0.03 s and 75 MB: LLVM's library), reads each
+buffer once. Both give the same bits: the loop is strict IEEE (no fast-math flags, so LLVM neither reassociates nor
+fuses a multiply into an add; vectorising an elementwise loop changes no result) and does the torch operations'
+arithmetic in their order. Where the loop cannot be built, the torch operations go on. Merges are few (one per
+worker and round) and stay torch operations. The machine code lives in the process only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
-import time
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
-Kernel = Callable[..., None]
+Kernel = Callable[[int, int, int, float, int], None]  # (hi, lo, term addresses, weight, length)
 log = logging.getLogger("fedsim.twosum")
 
-LOAD_SECONDS = 0.4  # what loading the compiled loop costs a process (numba's imports, LLVM), measured warm
-_torch_seconds = 0.0  # what this process has spent in torch adds so far
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # the torch adds' buffers, by element count and use
+_engines: list = []  # the LLVM engines that own the loaded machine code, kept for the process's life
 
 
-def _add_scaled(hi: np.ndarray, lo: np.ndarray, term: np.ndarray, weight: float) -> None:
-    for i in range(hi.shape[0]):
-        a = hi[i]
-        b = weight * term[i]
-        s = a + b
-        bp = s - a
-        lo[i] += (a - (s - bp)) - (bp - b)
-        hi[i] = s
+def _loop_ir() -> str:
+    """add_scaled(hi, lo, term, w, n) as LLVM IR: for i < n, b = w·term[i]; s = hi[i] + b; bp = s - hi[i];
+    lo[i] += (hi[i] - (s - bp)) - (bp - b); hi[i] = s. The three buffers never overlap (noalias)."""
+    from llvmlite import ir
+
+    f64, i64 = ir.DoubleType(), ir.IntType(64)
+    module = ir.Module(name="fedsim_twosum")
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [f64.as_pointer()] * 3 + [f64, i64]), name="add_scaled")
+    hi, lo, term, weight, n = fn.args
+    for pointer in (hi, lo, term):
+        pointer.add_attribute("noalias")
+    entry, body, done = (fn.append_basic_block(name) for name in ("entry", "body", "done"))
+    b = ir.IRBuilder(entry)
+    b.cbranch(b.icmp_signed(">", n, ir.Constant(i64, 0)), body, done)
+    b.position_at_end(body)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), entry)
+    at_hi, at_lo = b.gep(hi, [i]), b.gep(lo, [i])
+    a = b.load(at_hi)
+    scaled = b.fmul(weight, b.load(b.gep(term, [i])))
+    s = b.fadd(a, scaled)
+    bp = b.fsub(s, a)
+    error = b.fsub(b.fsub(a, b.fsub(s, bp)), b.fsub(bp, scaled))
+    b.store(b.fadd(b.load(at_lo), error), at_lo)
+    b.store(s, at_hi)
+    following = b.add(i, ir.Constant(i64, 1))
+    i.add_incoming(following, body)
+    b.cbranch(b.icmp_signed("<", following, n), body, done)
+    b.position_at_end(done)
+    b.ret_void()
+    return str(module)
 
 
 @functools.cache
 def _kernel() -> Kernel | None:
-    """The loop compiled for contiguous float64 buffers, once per process (numba's cache keeps the machine code
-    beside this file, or under the user's cache folder, so later processes load it: about 0.4 s, mostly numba's
-    own imports). None, said once, where it cannot be had: the torch operations then go on, with the same bits."""
-    signature = "void(f8[::1], f8[::1], f8[::1], f8)"
+    """The loop compiled for this machine, once per process. None, said once, where it cannot be had (llvmlite
+    missing, no native target): the torch operations then go on, with the same bits."""
     try:
-        import numba
+        import llvmlite.binding as llvm
 
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        module = llvm.parse_assembly(_loop_ir())
+        module.verify()
         try:
-            return numba.njit(signature, nogil=True, cache=True)(_add_scaled)
-        except RuntimeError:  # no writable cache folder: compiled for this process only
-            return numba.njit(signature, nogil=True)(_add_scaled)
-    except Exception as exc:  # numba missing or unable to compile here: exact adds stay torch operations
-        log.warning("exact sums stay torch operations: the compiled loop could not be loaded (%s: %s)",
+            cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+        except RuntimeError:  # the host's features are unknown to LLVM here: its generic target
+            cpu, features = "", ""
+        machine = llvm.Target.from_default_triple().create_target_machine(opt=3, cpu=cpu, features=features)
+        passes = llvm.create_pass_builder(machine, llvm.create_pipeline_tuning_options(speed_level=3))
+        passes.getModulePassManager().run(module, passes)
+        engine = llvm.create_mcjit_compiler(module, machine)
+        engine.finalize_object()
+        _engines.append(engine)
+        signature = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,
+                                     ctypes.c_int64)  # a foreign call: the GIL is released while it runs
+        return signature(engine.get_function_address("add_scaled"))
+    except Exception as exc:  # llvmlite missing or unable to compile here: exact adds stay torch operations
+        log.warning("exact sums stay torch operations: the compiled loop could not be built (%s: %s)",
                     type(exc).__name__, exc)
         return None
 
@@ -71,6 +102,13 @@ def _same_size(*flats: torch.Tensor) -> None:
         raise ValueError(f"TwoSum buffers differ in size: {[t.numel() for t in flats]}")
 
 
+def _apart(*flats: torch.Tensor) -> None:
+    """The buffers share no memory (the loop reads each once and writes hi and lo in place)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in flats)
+    if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+        raise ValueError("TwoSum buffers overlap: hi, lo, the term and the spare must be separate memory")
+
+
 def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: float, product_exact: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """hi + lo += weight·term, elementwise: the new hi takes the rounded sum and lo adds its rounding error; returns
@@ -78,22 +116,19 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
     operations ran: then it is `out`, and `hi` is left as scratch. `term` is scratch too. `product_exact`: the
     caller knows weight·term is exact in float64 (a term from float32 and a weight of few significant bits), so
     the torch operations may fold the product into the sums."""
-    global _torch_seconds
     flats = (_flat(hi, True), _flat(lo, True), _flat(term, True))
     spare = None if out is None else _flat(out, True)
     _same_size(*flats, *(() if spare is None else (spare,)))
-    kernel = _kernel() if _loop_pays() else None
-    if kernel is None:
-        start = time.perf_counter()
-        s = _scratch_buffer(flats[0], 1) if spare is None else spare
-        _add_scaled_torch(*flats, float(weight), product_exact, s, _scratch_buffer(flats[0], 0))
-        if spare is None:
-            flats[0].copy_(s)
-        _torch_seconds += time.perf_counter() - start
-        return hi if out is None else out
-    _scratch.clear()
-    kernel(*(t.numpy() for t in flats), float(weight))
-    return hi
+    _apart(*flats, *(() if spare is None else (spare,)))
+    kernel = _kernel()
+    if kernel is not None:
+        kernel(flats[0].data_ptr(), flats[1].data_ptr(), flats[2].data_ptr(), float(weight), flats[0].numel())
+        return hi
+    s = _scratch_buffer(flats[0], 1) if spare is None else spare
+    _add_scaled_torch(*flats, float(weight), product_exact, s, _scratch_buffer(flats[0], 0))
+    if spare is None:
+        flats[0].copy_(s)
+    return hi if out is None else out
 
 
 def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
@@ -104,14 +139,8 @@ def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 def compiled() -> bool:
-    """Whether this process adds with the compiled loop now."""
-    return _loop_pays() and _kernel() is not None
-
-
-def _loop_pays() -> bool:
-    """The torch adds have cost as much as loading the loop, and run on one thread: with more, torch spreads each
-    operation over them, and the serial loop gained nothing (0.19 ms per C upload either way on two threads)."""
-    return _torch_seconds >= LOAD_SECONDS and torch.get_num_threads() == 1
+    """Whether this process adds with the compiled loop (else with torch operations)."""
+    return _kernel() is not None
 
 
 def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weight: float, product_exact: bool,
