@@ -77,3 +77,49 @@ def test_a_failure_inside_ray_init_reaches_the_waiting_thread_as_one_line(monkey
     started.stop(60)
     started.stop(60)  # again: nothing left to stop
     assert shutdowns == [True]  # the half-started Ray is shut down once
+
+
+def test_a_local_start_asks_for_its_raylet_until_it_is_listed_then_hands_over_to_rays_own_wait(monkeypatch):
+    """Ray's wait for a new raylet sleeps a whole second between questions; fedsim polls the node table first and
+    lets Ray's call (now answered at once) return the node. A node table that cannot be read changes nothing."""
+    from actors import boot
+
+    monkeypatch.setattr(boot, "NODE_POLL_S", 0.0)
+    reads, calls = [], []
+    tables = [[], [{"NodeID": "other", "Alive": True}], [{"NodeID": "n1", "Alive": False}],
+              [{"NodeID": "n1", "Alive": True}]]
+
+    def connect(address: str):
+        assert address == "gcs:1"
+
+        def node_table() -> list[dict]:
+            reads.append(1)
+            return tables[min(len(reads), len(tables)) - 1]
+
+        return node_table
+
+    def get_node(address: str, node_id: str) -> dict:
+        calls.append((address, node_id, len(reads)))
+        return {"NodeID": node_id}
+
+    assert boot.registered_first(get_node, connect)("gcs:1", "n1") == {"NodeID": "n1"}
+    assert calls == [("gcs:1", "n1", 4)]  # asked Ray only once the fourth read listed the node alive
+
+    def unreadable(address: str):
+        raise RuntimeError("no GCS client here")
+
+    calls.clear()
+    assert boot.registered_first(get_node, unreadable)("gcs:1", "n1") == {"NodeID": "n1"}
+    assert len(calls) == 1
+
+
+def test_rays_own_wait_is_put_back_after_the_start_even_when_it_fails():
+    from ray._private import services
+
+    from actors.boot import prompt_local_start
+
+    original = services.get_node
+    with pytest.raises(KeyError), prompt_local_start():
+        assert services.get_node is not original
+        raise KeyError("ray.init failed")
+    assert services.get_node is original
