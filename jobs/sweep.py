@@ -362,9 +362,9 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
         yield
     finally:
         if started:
-            import ray
+            from actors.boot import shutdown_ray
 
-            ray.shutdown()
+            shutdown_ray()
 
 
 def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:

@@ -1,6 +1,7 @@
 """Ray's background start (actors/boot.py): an address where no cluster listens is refused in one line at once,
 where Ray itself would retry it for many minutes."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -123,3 +124,34 @@ def test_rays_own_wait_is_put_back_after_the_start_even_when_it_fails():
         assert services.get_node is not original
         raise KeyError("ray.init failed")
     assert services.get_node is original
+
+
+SHUTDOWN = """
+import psutil, ray
+from actors.boot import init_ray, shutdown_ray
+init_ray(None)
+from ray._private import ray_constants
+node = ray._private.worker._global_node
+monitor = node.all_processes[ray_constants.PROCESS_TYPE_MONITOR][0].process.pid
+daemons = [i.process.pid for infos in node.all_processes.values() for i in infos]
+monitor_process = node.all_processes[ray_constants.PROCESS_TYPE_MONITOR][0].process
+rays_own, seen = ray.shutdown, []
+def shutdown():
+    seen.append(monitor_process.poll() is not None)  # the monitor already gone when Ray's shutdown begins
+    rays_own()
+ray.shutdown = shutdown
+shutdown_ray()
+alive = [p for p in daemons if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+print(monitor in daemons, seen, ray.is_initialized(), alive)
+"""
+
+
+def test_a_local_ray_is_shut_down_whole_its_autoscaler_monitor_stopped_first(tmp_path):
+    """The monitor is killed before Ray's own shutdown (which would wait a second on its SIGTERM handler); every
+    daemon of the node is gone after, and nothing is said about the monitor."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", SHUTDOWN], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "True [True] False []"
+    assert "monitor" not in out.stderr.lower() and "autoscaler" not in out.stderr.lower()
