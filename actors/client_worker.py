@@ -26,10 +26,11 @@ def keep_freed_blocks() -> bool:
     """Let glibc's malloc reuse a round's freed blocks in this worker process: each client allocates and frees the
     same few-hundred-KB tensors (its upload, gradients, optimizer buffers), and by default glibc maps blocks over
     128 KB afresh and gives the heap's top back, so every client pays page faults for them again. Skipped where
-    the user set glibc's MALLOC_ variables or the C library has no mallopt; returns whether it was set."""
+    the user tuned glibc's malloc (MALLOC_ variables, GLIBC_TUNABLES) or the C library has no mallopt; returns
+    whether it was set."""
     import ctypes
 
-    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+    if any(k.startswith("MALLOC_") for k in os.environ) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

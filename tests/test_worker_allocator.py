@@ -39,8 +39,10 @@ def test_a_worker_reuses_freed_blocks_instead_of_faulting_in_fresh_pages():
     assert default > 20_000 and kept < default / 10, (default, kept)
 
 
-def test_glibc_variables_the_user_set_are_left_alone(monkeypatch):
+@pytest.mark.parametrize("variable, value", [("MALLOC_TRIM_THRESHOLD_", "1000000"), ("MALLOC_ARENA_MAX", "2"),
+                                             ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")])
+def test_glibc_settings_the_user_made_are_left_alone(monkeypatch, variable, value):
     from actors.client_worker import keep_freed_blocks
 
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    monkeypatch.setenv(variable, value)
     assert keep_freed_blocks() is False
