@@ -18,7 +18,9 @@ from fedsim.errors import ConfigError, FedsimError
 
 PROBE_TIMEOUT_S = 5.0
 NODE_POLL_S = 0.02  # how often a local start asks the GCS whether its raylet has registered
-NODE_WAIT_S = 30.0  # Ray's own limit for that (raylet_start_wait_time_s)
+# how long it asks before Ray's own wait (raylet_start_wait_time_s, 30 s) takes over: a raylet that never registers
+# delays Ray's error by this, not by another 30 s
+NODE_WAIT_S = 5.0
 
 _THREAD_WARNING = "SIGTERM handler is not set"
 
