@@ -51,7 +51,7 @@ class _Flat:
     def __init__(self, layout: Layout, hi: torch.Tensor, lo: torch.Tensor) -> None:
         self.layout, self.hi, self.lo = layout, hi, lo
         self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
-        self._term: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None = None  # term, spare, term's views
+        self._term: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None  # term, spare, views
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
@@ -85,9 +85,10 @@ class _Flat:
     def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
         """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
         weight·payload, rounded)."""
-        if self._term is None:
+        if self._term is None:  # a spare for hi only where the torch operations add (the compiled loop needs none)
             term = torch.empty_like(self.hi)
-            self._term = (term, torch.empty_like(self.hi), self.views(term))
+            spare = torch.empty_like(self.hi) if exact and not twosum.compiled() else None
+            self._term = (term, spare, self.views(term))
         term, spare, views = self._term
         self.load(term, payload, views)
         if exact:
