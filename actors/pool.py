@@ -224,6 +224,7 @@ class RayBackend:
         self.server_placement: dict = {}
         self._where: WorkerPlacement | None = None  # how workers are placed (runtime.placement)
         self._host: list[int] = []  # the slot whose actor serves each slot: itself, or a survivor after a node loss
+        self._holds: list[bool] = []  # whether each slot's actor may hold personal states (as its last reply said)
 
     @property
     def num_workers(self) -> int:
@@ -249,7 +250,7 @@ class RayBackend:
         await_workers(cfg, self._requested)
         n = pool_size(cfg, self._requested)
         self.cfg = cfg
-        self._where, self._host = WorkerPlacement.make(rt, n), list(range(n))
+        self._where, self._host, self._holds = WorkerPlacement.make(rt, n), list(range(n)), [True] * n
         self._spill = str(spill_folder(cfg, run_dir))
         self.workers = [self._create(i) for i in range(n)]  # they boot while the data is shared and the server built
         self._refs = (ray.put(arrays), ray.put(part), meta)
@@ -325,8 +326,10 @@ class RayBackend:
             if ref in pending:  # hung: the loop replaces (kills) this worker
                 failed[w] = WorkerFailure("TimeoutError", f"no reply within runtime.round_timeout_s={timeout}")
                 continue
+            self._holds[w] = True  # until a reply says otherwise
             try:
                 replies[w] = ray.get(ref, timeout=timeout)  # ready: returns at once
+                self._holds[w] = replies[w].info.get("states", 1) > 0
             except RayTaskError as exc:  # the worker itself raised
                 cause = getattr(exc, "cause", None)
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
@@ -340,7 +343,7 @@ class RayBackend:
         if self._node_failure(index, None) is not None:
             return self._replace_lost(index)
         ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = self._create(index)
+        self.workers[index], self._holds[index] = self._create(index), True
         self.placement[index] = self._attach([index])[0]
         return None
 
@@ -388,8 +391,13 @@ class RayBackend:
         return wait_for(refs, what, self.cfg.runtime.round_timeout_s, "runtime.round_timeout_s")
 
     def export_states(self) -> dict[int, Any]:
+        """Every client's personal state; actors whose last reply said they hold none are not asked (a checkpoint
+        of a method without personal state then costs no round trip)."""
+        holding = sorted({self._host[i] for i, h in enumerate(self._holds) if h}) if self._host else \
+            range(len(self.workers))
         out: dict[int, Any] = {}
-        for part in self._get([w.export_states.remote() for w in self._actors()], "collecting client states"):
+        for part in self._get([self.workers[i].export_states.remote() for i in holding],
+                              "collecting client states"):
             out.update(part)
         return out
 
@@ -397,6 +405,9 @@ class RayBackend:
         from fedsim.runtime.loop import owner
 
         targets = workers if workers is not None else range(self.num_workers)
+        for i in targets:
+            if i < len(self._holds):
+                self._holds[i] = True
         shared = {h for h in self._host if self._host.count(h) > 1}  # an actor serving several slots keeps the rest
         self._get([getattr(self.workers[i], "merge_states" if self._host and self._host[i] in shared
                            else "load_states").remote({c: s for c, s in states.items()

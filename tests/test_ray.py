@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from actors.pool import RayBackend, RemoteServer, size_pool
+from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import ResourceError
 from fedsim.results import load
 from fedsim.runtime.local import LocalBackend
@@ -40,10 +41,20 @@ def test_pool_sizing_counts_node_by_node(make_config):
         size_pool(make_config("runtime.client_cpus=4"), [{"CPU": 2}])
 
 
-def test_fractional_gpu_placement(ray_local, make_config):
+def test_fractional_gpu_placement(ray_local, make_config, monkeypatch):
     cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
     backend = RayBackend()
+    asked: list[int] = []  # workers asked for personal states, per checkpoint
+    get = RayBackend._get
+
+    def counted(self, refs, what):
+        if what == "collecting client states":
+            asked.append(len(refs))
+        return get(self, refs, what)
+
+    monkeypatch.setattr(RayBackend, "_get", counted)
     run_dir = run(cfg, backend)
+    assert asked == [0]  # FedAvg's clients keep nothing: its checkpoint asks no worker
 
     placement = json.loads((run_dir / "meta.json").read_text())["placement"]
     assert len(placement) == 4
@@ -64,8 +75,12 @@ def test_ray_matches_local(ray_local, make_config):
     assert on_ray["meta"]["num_workers"] == 3
     assert not (ray_dir / "spill").exists()  # each worker removed its spilled states when the run stopped
     cfg.results.run_id = None
-    local = load(run(cfg, LocalBackend()))
+    local_dir = run(cfg, LocalBackend())
+    local = load(local_dir)
     pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    # the workers that hold momentum are asked for it: the last checkpoint has every trained client's, as locally
+    kept = [load_run_checkpoint(d / "checkpoints" / "last.pt")["client_states"] for d in (ray_dir, local_dir)]
+    assert sorted(kept[0]) == sorted(kept[1]) == sorted(on_ray["clients"].query("status == 'ok'")["client"].unique())
 
 
 def _alive(pid: int) -> bool:

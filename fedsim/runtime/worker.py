@@ -158,7 +158,8 @@ class ClientWorker:
             outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,
                                          phase.name)
         return WorkerReply([outcomes[cid] for cid in ids], summed, time.perf_counter() - start,
-                           info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills})
+                           info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills,
+                                 "states": len(self.store)})
 
     def _settle(self, cid: int, status: str, res: ClientResult | None, exc: BaseException | None, t0: float,
                 summed: WeightedSum | None, round: int, phase: str) -> ClientOutcome:
