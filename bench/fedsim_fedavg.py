@@ -3,9 +3,10 @@
     python -m bench.fedsim_fedavg --workload <folder from bench.prepare> [--workers 2] [--backend ray] [-o KEY=VALUE]
 
 Total seconds count from before the heavy imports, so imports and Ray's start are included, as for the other
-programs. A round's time runs from the end of the previous one (tables and checkpoint written) to the end of
-this one, as Flower's does; peak RSS is summed over this process and all its descendants (Ray's daemons and
-workers included).
+programs. A round's time runs from the end of the previous one to the end of this one, as Flower's does (a
+round ends with its rows handed to fedsim's writer thread, which writes the tables and checkpoint while the next
+round trains; the last round's are written within the shutdown time); peak RSS is summed over this process and
+all its descendants (Ray's daemons and workers included).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class BenchClock(Callback):
-    """The callback that timestamps each round's end (its tables and checkpoint written) and prints its line."""
+    """The callback that timestamps each round's end (its files handed to the writer thread) and prints its line."""
 
     def __init__(self) -> None:
         self.t_loop = time.perf_counter()

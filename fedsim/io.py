@@ -63,6 +63,11 @@ def atomic_write_text(path: Location, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def atomic_write_bytes(path: Location, data: bytes | memoryview) -> None:
+    """Write bytes atomically."""
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 def atomic_torch_save(obj: Any, path: Location) -> None:
     """torch.save atomically."""
     import torch

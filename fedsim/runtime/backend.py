@@ -7,6 +7,7 @@ dataclass with named fields.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -85,9 +86,10 @@ class Backend(Protocol):
         """Facts for meta.json: each worker's placement (pid, device, ...) and the server's."""
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int],
-                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        """Run a phase on the assigned workers; replies by worker, and the workers that returned none."""
+                  assignments: dict[int, list[int]], late: list[int], timeout: float,
+                  idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+        """Run a phase on the assigned workers; replies by worker, and the workers that returned none. A backend
+        whose workers run elsewhere calls `idle` once the work is handed out (the driver's files are written then)."""
 
     def restart_worker(self, index: int) -> list[int] | None:
         """Start worker `index` again; the slots whose clients' states it lost (None: just `index`)."""

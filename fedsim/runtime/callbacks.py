@@ -4,14 +4,15 @@ A callback sees three moments: `on_setup_end(run)` once data, backend and run fo
 first round it will run), `on_round_end(round, rows)` after every round (a true return value stops the run
 after that round), and `on_run_end(run, status)` whatever way the run ended, before the backend shuts down.
 The run's own files are callbacks too, and run first: `MetaWriter` (meta.json) and `ResultsWriter` (tables,
-then the checkpoint); `ProgressBar` is the CLI's bar. A callback that raises stops the run with a
-CallbackError naming it, the hook and the round.
+then the checkpoint, written while the next round trains); `ProgressBar` is the CLI's bar. A callback that
+raises stops the run with a CallbackError naming it, the hook and the round.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
     from fedsim.config import RunConfig
     from fedsim.runtime.backend import Backend
+    from fedsim.runtime.writes import BackgroundWrites
     from fedsim.storage import Location
 
 RunStatus = Literal["completed", "stopped", "interrupted", "failed"]
@@ -141,17 +143,30 @@ class MetaWriter(Callback):
             atomic_write_text(path, json.dumps({**meta, "status": status}, indent=2, default=str))
 
 
+IN_MEMORY_CHECKPOINT_BYTES = 256 * 2**20
+"""A checkpoint up to this size is serialized in memory and written in the background; a larger one is written by
+the driver itself, in place, so that it never takes twice its size in memory."""
+
+
 class ResultsWriter(Callback):
     """rounds.parquet and clients.parquet after every round, then the checkpoint every results.checkpoint_every
     rounds and after the last round run (also when a callback stopped the run early).
 
-    Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones); Ctrl-C and
-    SIGTERM wait until both are written, so an interrupted run keeps its last round."""
+    The driver hands each round's new rows (copies) and its checkpoint (serialized, a snapshot) to `writes`
+    (fedsim.runtime.writes), which writes them while the next round trains: during round r's callbacks the files
+    hold round r - 1, and once the run has ended they are complete. Tables first, then the checkpoint, so a
+    resume never misses rows (it truncates extra ones); Ctrl-C and SIGTERM wait until both are written, so an
+    interrupted run keeps its last round. A write that fails stops the run at the next round's end (or at its
+    end), naming the round."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, writes: BackgroundWrites | None = None) -> None:
+        from fedsim.runtime.writes import BackgroundWrites
+
         self.backend = backend
+        self.writes = writes if writes is not None else BackgroundWrites(background=False)
         self.saved: int | None = None  # the round the checkpoint holds
-        self.written: tuple[int, float] | None = None  # the last round written, and its virtual time
+        self.written: tuple[int, float] | None = None  # the last round handed to the writes, and its virtual time
+        self._handed = [0, 0]  # rows of each table handed to the writes so far
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter
@@ -164,31 +179,59 @@ class ResultsWriter(Callback):
         from fedsim.runtime.signals import shielded
 
         every = self.run.cfg.results.checkpoint_every
+        where = f"on_round_end (round {round})"
         with shielded():
-            self.tables[0].write(rows.all_rounds)
-            self.tables[1].write(rows.all_clients)
+            self.writes.wait()  # the last round's files first: never more than one round behind, or in memory
+            for i, (table, every_row) in enumerate(zip(self.tables, (rows.all_rounds, rows.all_clients),
+                                                       strict=True)):
+                new = [dict(r) for r in every_row[self._handed[i]:]]  # later callbacks may change the dicts
+                self._handed[i] = len(every_row)
+                self._queue(functools.partial(table.append, new), where)
             self.written = (round, float(rows.row["virtual_time"]))
             if every and ((round + 1) % every == 0 or rows.last):
-                self.save()
+                self.save(where)
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
         from fedsim.runtime.signals import shielded
 
-        if status == "stopped" and run.cfg.results.checkpoint_every and self.written and \
-                self.saved != self.written[0]:
-            with shielded():
-                self.save()
+        with shielded():
+            if status == "stopped" and run.cfg.results.checkpoint_every and self.written and \
+                    self.saved != self.written[0]:
+                self.save("on_run_end")
+            self.writes.wait()
 
-    def save(self) -> None:
-        """The checkpoint of the last round written: server state and every client's personal state."""
-        from fedsim.checkpoint import save_checkpoint
+    def save(self, where: str) -> None:
+        """The checkpoint of the last round handed over: server state and every client's personal state."""
+        from fedsim.checkpoint import checkpoint_bytes, save_checkpoint
+        from fedsim.io import atomic_write_bytes
+        from fedsim.runtime.store import state_nbytes
 
         assert self.written is not None
         round, virtual_time = self.written
-        save_checkpoint(self.run.checkpoint, {"round": round, "virtual_time": virtual_time,
-                                              "server_state": self.backend.server.get_state(),
-                                              "client_states": self.backend.export_states()})
+        path = self.run.checkpoint
+        payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
+                   "client_states": self.backend.export_states()}
+        if state_nbytes(payload) > IN_MEMORY_CHECKPOINT_BYTES:
+            self.writes.wait()  # its tables first
+            save_checkpoint(path, payload)
+        else:
+            data = checkpoint_bytes(payload)
+            self._queue(lambda: atomic_write_bytes(path, data), where)
         self.saved = round
+
+    def _queue(self, write: Callable[[], None], where: str) -> None:
+        """Queue a write whose failure names this callback, the hook and the round, as Callbacks would."""
+        def job() -> None:
+            try:
+                write()
+            except FedsimError:
+                raise
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0][:300]
+                raise CallbackError(f"callback {type(self).__name__}.{where} raised {type(exc).__name__}: "
+                                    f"{first}") from exc
+
+        self.writes.submit(job)
 
 
 class ProgressBar(Callback):
@@ -215,6 +258,7 @@ class ProgressBar(Callback):
             self.bar.close()
 
 
-def default_callbacks(backend: Backend) -> list[Callback]:
-    """The callbacks every run has, first: meta.json, then the tables and checkpoints."""
-    return [MetaWriter(), ResultsWriter(backend)]
+def default_callbacks(backend: Backend, writes: BackgroundWrites | None = None) -> list[Callback]:
+    """The callbacks every run has, first: meta.json, then the tables and checkpoints (written by `writes`, at once
+    when it is None)."""
+    return [MetaWriter(), ResultsWriter(backend, writes)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -65,9 +66,9 @@ class LocalBackend:
                                                                           "device": str(self.server.device)}}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int],
-                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        replies, failed = {}, {}
+                  assignments: dict[int, list[int]], late: list[int], timeout: float,
+                  idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+        replies, failed = {}, {}  # the driver trains: it is never idle
         with torch_threads(self._threads):
             for w, cids in sorted(assignments.items()):
                 per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}

@@ -34,6 +34,7 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
+from fedsim.runtime.writes import BackgroundWrites
 from fedsim.storage import Location, StorePath, location
 
 log = logging.getLogger("fedsim.loop")
@@ -100,9 +101,11 @@ class RunState:
 class Simulation:
     """One run of a config on a backend: setup, restore, and the rounds; `run()` below drives it."""
 
-    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None) -> None:
+    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None,
+                 writes: BackgroundWrites | None = None) -> None:
         self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
         self.inputs = inputs or Inputs()
+        self.writes = writes or BackgroundWrites(background=False)  # the run's files, perhaps still being written
         self.ckpt_path = run_dir / "checkpoints" / "last.pt"
 
     def setup(self) -> None:
@@ -216,8 +219,9 @@ class Simulation:
         assignments = assign(clients, W, cost)
         t0 = time.perf_counter()
         replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
-                                                 self.cfg.runtime.round_timeout_s)
+                                                 self.cfg.runtime.round_timeout_s, idle=self.writes.start)
         rec.clients_s += time.perf_counter() - t0
+        self.writes.start()  # a backend that trains in this process was never idle
 
         def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:
             rec.status[(pi, c)] = status
@@ -252,6 +256,7 @@ class Simulation:
         """Restart a dead worker; its clients get their states back from the last checkpoint, if any (the clients
         of every slot the backend says the dead worker served: after a node loss, one worker may serve several)."""
         slots = self.backend.restart_worker(w) or [w]
+        self.writes.wait()  # the last checkpoint queued
         if self.ckpt_path.exists():
             ck = load_run_checkpoint(self.ckpt_path)
             for slot in slots:
@@ -299,14 +304,15 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             backend.shutdown()
         raise
     backend = backend or LocalBackend()
-    sim = Simulation(cfg, backend, run_dir, inputs)
+    writes = BackgroundWrites()
+    sim = Simulation(cfg, backend, run_dir, inputs, writes)
     hooks = Callbacks([])
     created: NewRunDir | None = None
     info: RunInfo | None = None
     status: RunStatus = "failed"
     try:
         # first: a tracking library that is not installed fails the run before anything starts
-        hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
+        hooks = Callbacks([*default_callbacks(backend, writes), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
         if resume is None:
             created = NewRunDir(run_dir, cfg)
@@ -321,8 +327,9 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         with shielded():
             try:
                 if info is not None:
-                    _end(hooks, info, status)
+                    _end(hooks, info, status)  # ResultsWriter waits for the queued writes there
             finally:
+                writes.close()
                 backend.shutdown()
                 if created is not None and not created.has_rounds():
                     created.remove()

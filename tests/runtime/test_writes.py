@@ -1,0 +1,118 @@
+"""The run's files written in the background: nothing before the driver idles, everything in order, a failure that
+stops the later writes and reaches the driver naming its round, and files that lag exactly one round in a run."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fedsim.checkpoint import load_run_checkpoint
+from fedsim.errors import CallbackError
+from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo
+from fedsim.runtime.local import LocalBackend
+from fedsim.runtime.loop import run
+from fedsim.runtime.writes import BackgroundWrites
+
+
+def test_writes_wait_for_start_then_land_in_order_on_another_thread():
+    writes, done, threads = BackgroundWrites(), [], set()
+
+    def write(i: int) -> None:
+        threads.add(threading.current_thread().name)
+        done.append(i)
+
+    for i in range(5):
+        writes.submit(lambda i=i: write(i))
+    assert done == []  # queued until the driver idles
+    writes.start()
+    writes.submit(lambda: write(5))
+    writes.wait()
+    assert done == [0, 1, 2, 3, 4, 5]
+    assert threads and threading.current_thread().name not in threads
+    writes.close()
+
+
+def test_a_failed_write_stops_the_later_ones_and_is_raised_once_on_the_driver():
+    writes, done = BackgroundWrites(), []
+
+    def fail() -> None:
+        raise OSError("No space left on device")
+
+    writes.submit(lambda: done.append("table"))
+    writes.submit(fail)
+    writes.submit(lambda: done.append("checkpoint"))  # must not get ahead of the failed write
+    with pytest.raises(OSError, match="No space left"):
+        writes.wait()
+    assert done == ["table"]
+    writes.submit(lambda: done.append("later"))
+    writes.wait()  # raised once; nothing after a failure is written
+    assert done == ["table"]
+    writes.close()
+
+
+def test_without_a_thread_writes_happen_at_once():
+    writes, done = BackgroundWrites(background=False), []
+    writes.submit(lambda: done.append(1))
+    assert done == [1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_thread_takes_the_lowest_cpu_priority():
+    writes, seen = BackgroundWrites(), []
+    writes.submit(lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    writes.wait()
+    writes.close()
+    assert seen == [19]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19  # the driver's own thread is untouched
+
+
+class FilesSeen(Callback):
+    """The rounds in rounds.parquet and in the checkpoint, as a callback after the results writer sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int], int | None]] = []
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.run = run
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        table = self.run.run_dir / "rounds.parquet"
+        on_disk = pd.read_parquet(table)["round"].tolist() if table.exists() else []
+        ck = load_run_checkpoint(self.run.checkpoint)["round"] if self.run.checkpoint.exists() else None
+        self.seen.append((round, on_disk, ck))
+
+
+def test_during_a_round_the_files_hold_the_round_before_and_at_the_end_every_round(make_config):
+    files = FilesSeen()
+    run_dir = run(make_config(rounds=3), LocalBackend(num_workers=2), callbacks=[files])
+    assert files.seen == [(0, [], None), (1, [0], 0), (2, [0, 1], 1)]
+    assert pd.read_parquet(run_dir / "rounds.parquet")["round"].tolist() == [0, 1, 2]
+    assert pd.read_parquet(run_dir / "clients.parquet")["round"].max() == 2
+    assert load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 2
+
+
+def test_a_table_that_cannot_be_written_fails_the_run_naming_its_round_and_the_checkpoint_stays_behind(
+        make_config, monkeypatch):
+    from fedsim.results import TableWriter
+
+    append = TableWriter.append
+
+    def full_at_round_1(self, rows):
+        if self.path.name == "clients.parquet" and any(r["round"] == 1 for r in rows):
+            raise OSError(28, "No space left on device")
+        append(self, rows)
+
+    monkeypatch.setattr(TableWriter, "append", full_at_round_1)
+    cfg = make_config("results.run_id=full", rounds=4)
+    with pytest.raises(CallbackError, match=r"^callback ResultsWriter.on_round_end \(round 1\) raised OSError: "
+                                            r".*No space left on device$"):
+        run(cfg, LocalBackend(num_workers=2))
+    run_dir = Path(cfg.results.root) / "full"
+    assert pd.read_parquet(run_dir / "clients.parquet")["round"].max() == 0
+    assert load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 0  # not ahead of the tables
+    assert not list(run_dir.rglob("*.tmp"))
