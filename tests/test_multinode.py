@@ -110,7 +110,8 @@ def _states_equal(a, b) -> bool:
 
 
 class KeepCheckpoints(Callback):
-    """A copy of the checkpoint after every round, to compare clients' personal states round by round."""
+    """A copy of every round's checkpoint, to compare clients' personal states round by round (during a round's
+    callbacks the checkpoint holds the round before; once the run has ended, its last round)."""
 
     def __init__(self) -> None:
         self.states: dict[int, dict] = {}
@@ -119,7 +120,15 @@ class KeepCheckpoints(Callback):
         self.path = run.checkpoint
 
     def on_round_end(self, round, rows) -> None:
-        self.states[round] = load_run_checkpoint(self.path)["client_states"]
+        if round > 0:
+            self._keep()
+
+    def on_run_end(self, run, status) -> None:
+        self._keep()
+
+    def _keep(self) -> None:
+        ck = load_run_checkpoint(self.path)
+        self.states[ck["round"]] = ck["client_states"]
 
 
 def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
