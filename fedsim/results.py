@@ -51,6 +51,9 @@ class TableWriter:
     O(R²)). A column a later round adds (a failure's `error`) or widens (int to float) is promoted as pandas would."""
 
     def __init__(self, path: Location, columns: list[str]) -> None:
+        import pyarrow.parquet  # noqa: F401  (here, before the rounds: imported by a writer thread in the middle of
+        # a round, its import would hold the interpreter lock while the driver hands out work)
+
         self.path, self.columns = path, columns
         self._table: Any = None  # pyarrow Table of the rows converted so far
         self._converted = 0  # how many rows that is
