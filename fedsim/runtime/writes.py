@@ -2,12 +2,15 @@
 
 A round's tables and checkpoint cost the driver milliseconds (far more on a network file system or a store), during
 which every worker would idle. The driver takes what the files must hold (copies of the new rows, the checkpoint
-serialized) and queues the writes; `start()`, called once the next phase's work is handed out, lets one thread write
-them while the driver only waits (so they do not hold up the dispatch, as a thread competing for the interpreter
-would). They are written in the order queued, each atomically, so the files are at most one round behind and never
-inconsistent: a round's checkpoint is never written before its rows. After a failed write nothing queued later is
-written, and the failure is raised on the driver by its next `submit` or `wait`. The run waits for every queued
-write before it ends, and before it reads its own checkpoint back.
+serialized) and queues the writes; `start()`, called once the next phase's work is handed out to workers in other
+processes, lets one thread write them while the driver only waits (so they do not hold up the dispatch, as a thread
+competing for the interpreter would). Where the driver trains the clients itself (the local backend) it is never
+idle: the writes then start once the phase is over, beside the server's step and evaluation.
+
+They are written in the order queued, each atomically, so the files are never inconsistent: a round's checkpoint is
+never written before its rows. After a failed write nothing queued later is written, and the failure is raised on
+the driver by its next `submit` or `wait`. The run waits for every queued write before it ends, and before it reads
+its own checkpoint back.
 """
 
 from __future__ import annotations

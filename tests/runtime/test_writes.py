@@ -116,3 +116,14 @@ def test_a_table_that_cannot_be_written_fails_the_run_naming_its_round_and_the_c
     assert pd.read_parquet(run_dir / "clients.parquet")["round"].max() == 0
     assert load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 0  # not ahead of the tables
     assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_a_checkpoint_too_large_for_memory_is_written_in_place_after_its_tables(make_config, monkeypatch):
+    import fedsim.runtime.callbacks as callbacks
+
+    monkeypatch.setattr(callbacks, "IN_MEMORY_CHECKPOINT_BYTES", 0)  # every checkpoint is "large"
+    files = FilesSeen()
+    run(make_config(rounds=3), LocalBackend(num_workers=2), callbacks=[files])
+    # written by the driver before the callbacks after it run: the checkpoint holds this round, and the tables
+    # (waited for first) hold it too
+    assert files.seen == [(0, [0], 0), (1, [0, 1], 1), (2, [0, 1, 2], 2)]
