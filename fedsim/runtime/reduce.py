@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedsim.errors import AggregationError
@@ -196,16 +197,22 @@ class WeightedSum:
     def __getstate__(self) -> dict:
         """A partial sum travels without its term buffer, its accumulators as numpy arrays: pickle protocol 5 (Ray's
         transport) hands those over as raw buffers, where a tensor goes through torch's own serializer, which cost a
-        worker 2.5-18 ms per 3 MB reply (bench config C)."""
+        worker 2.5-18 ms per 3 MB reply (bench config C). A flat lo that is all +0.0 (every product and sum exact,
+        the usual case for float32 payloads) is left out: half the bytes."""
         state: dict[str, Any] = {**self.__dict__, "_hi": _to_numpy(self._hi), "_lo": _to_numpy(self._lo)}
         if self._flat is not None:
-            state["_flat"] = (self._flat.layout, self._flat.hi.numpy(), self._flat.lo.numpy())
+            lo = self._flat.lo.numpy()  # sent only when some entry's bits are not +0.0's (a -0.0 is kept as it is)
+            state["_flat"] = (self._flat.layout, self._flat.hi.numpy(), lo if lo.view(np.int64).any() else None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         flat = state.pop("_flat")
         self.__dict__.update(state, _hi=_from_numpy(state["_hi"]), _lo=_from_numpy(state["_lo"]))
-        self._flat = None if flat is None else _Flat(flat[0], _tensor(flat[1]), _tensor(flat[2]))
+        if flat is not None:  # a low-order part left all zero (every product and sum exact, as is usual) is not sent
+            lo = torch.zeros(len(flat[1]), dtype=torch.float64) if flat[2] is None else _tensor(flat[2])
+            self._flat = _Flat(flat[0], _tensor(flat[1]), lo)
+        else:
+            self._flat = None
 
     def totals(self) -> dict[str, torch.Tensor]:
         """The sums as float64 tensors."""

@@ -83,15 +83,19 @@ def test_a_partial_sum_travels_as_raw_buffers_and_arrives_writable():
     import pickle
 
     one = {"w": torch.arange(6.0).view(2, 3), "b": torch.ones(3)}
-    flat, by_key = WeightedSum(), WeightedSum()
-    for s in (flat, by_key):
+    flat, by_key, exact, signed = WeightedSum(), WeightedSum(), WeightedSum(), WeightedSum()
+    for s in (flat, by_key, exact, signed):
         s.add(one, 2.0)
         s.add({k: v * 0.1 for k, v in one.items()}, 3.0)
+    flat.add({"w": torch.full((2, 3), 2.0 ** -60), "b": torch.zeros(3)}, 1.0)  # 2 + 2^-60: lo holds the 2^-60
     by_key.add({"w": torch.ones(2, 3)}, 1.0)  # another layout: the sum is kept key by key
-    for s in (flat, by_key):
+    assert not exact.lo["w"].view(torch.int64).any()  # every product and sum exact: lo is all +0.0
+    signed._flat.lo[0] = -0.0  # a -0.0 in lo is sent as it is
+    # flat and key by key: hi and lo (float64), the exact sum's +0.0 lo is not sent
+    for s, sent in ((flat, 2 * 9), (by_key, 2 * 9), (exact, 9), (signed, 2 * 9)):
         buffers: list[pickle.PickleBuffer] = []
         data = pickle.dumps(s, protocol=5, buffer_callback=buffers.append)
-        assert sum(b.raw().nbytes for b in buffers) == 2 * 9 * 8 and len(data) < 2000  # hi and lo, float64
+        assert sum(b.raw().nbytes for b in buffers) == sent * 8 and len(data) < 2000
         frozen = [bytes(b.raw()) for b in buffers]
         kept = [bytearray(f) for f in frozen]
         got = pickle.loads(data, buffers=[memoryview(f) for f in frozen])
