@@ -13,7 +13,6 @@ only add its start-up (~3 CPU-seconds of imports) and memory (~1 GB of torch) an
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from actors.autoscale import await_workers
@@ -31,6 +29,7 @@ from actors.node_loss import NodeLostError, await_marked_dead, log, node_gone, n
 from actors.placement import WorkerPlacement, alive_nodes
 from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
+from actors.wire import for_the_wire
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
@@ -313,10 +312,10 @@ class RayBackend:
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int], timeout: float,
                   idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        common = ray.put(compact(bc.common))
+        common = ray.put(for_the_wire(bc.common))
         futures = {}
         for w, cids in sorted(assignments.items()):
-            per = {c: compact(bc.per_client[c]) for c in cids if bc.per_client and c in bc.per_client}
+            per = {c: for_the_wire(bc.per_client[c]) for c in cids if bc.per_client and c in bc.per_client}
             futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late)
         if idle is not None:
             idle()
@@ -455,25 +454,6 @@ class RayBackend:
         wait_released(before, share, 5.0)
         if self._boot is not None:
             self._boot.stop(self._startup_limit)
-
-
-def compact(obj: Any) -> Any:
-    """The message with every tensor that views a larger storage cloned to its own elements.
-
-    Pickling a tensor sends its whole storage: K per-client rows sliced from one K×N×C tensor cost K times
-    the full tensor (FedGDKD's leave-one-out teachers: 950 MiB per worker per round at K=1000, not 1 MiB).
-    """
-    if isinstance(obj, torch.Tensor):
-        whole = obj.untyped_storage().nbytes()
-        return obj.clone() if whole > obj.numel() * obj.element_size() else obj
-    if isinstance(obj, dict):
-        return {k: compact(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(compact(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: compact(getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
-    return obj
 
 
 def _cause(exc: RayTaskError) -> str:
