@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     from fedsim.errors import FedsimError
 
     args = parse(argv)
+    from fedsim.runtime.allocator import keep_freed_blocks
+
+    keep_freed_blocks()  # as the `fedsim` command does in its own process
     boot = None
     if args.backend == "ray":  # as `fedsim run` does: Ray starts while torch imports and the workload loads
         from actors.boot import RayBoot

@@ -13,6 +13,7 @@ import sys
 from typing import NoReturn
 
 from fedsim.errors import ConfigError, FedsimError
+from fedsim.runtime.allocator import keep_freed_blocks
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
 from fedsim.storage import Location, location
@@ -263,7 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
+    """The `fedsim` command. `own_process` (default: when `argv` is the command line's) lets it tune the process it
+    runs in (glibc keeps freed blocks for the next round: fedsim.runtime.allocator)."""
+    if (argv is None) if own_process is None else own_process:
+        keep_freed_blocks()
     argv = sys.argv[1:] if argv is None else list(argv)
     with catch_sigterm():
         if argv[:1] == ["stress"]:  # its own parser (jobs.stress) reads everything after the word, --help included

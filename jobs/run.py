@@ -10,4 +10,4 @@ import sys
 from jobs.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["run", *sys.argv[1:]]))
+    sys.exit(main(["run", *sys.argv[1:]], own_process=True))

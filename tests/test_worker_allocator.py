@@ -1,4 +1,5 @@
-"""A Ray worker process keeps its freed blocks for the next client instead of faulting fresh pages in each time."""
+"""A process fedsim owns (a Ray worker, the `fedsim` command's) keeps its freed blocks for the next client instead
+of faulting fresh pages in each time."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ CHURN = """
 import resource, sys
 import numpy as np
 if sys.argv[1] == "kept":
-    from actors.client_worker import keep_freed_blocks
+    from fedsim.runtime.allocator import keep_freed_blocks
     assert keep_freed_blocks()
 blocks = [np.ones(2**18) for _ in range(3)]  # 2 MB each: what a client's upload and buffers look like
 del blocks
@@ -42,7 +43,21 @@ def test_a_worker_reuses_freed_blocks_instead_of_faulting_in_fresh_pages():
 @pytest.mark.parametrize("variable, value", [("MALLOC_TRIM_THRESHOLD_", "1000000"), ("MALLOC_ARENA_MAX", "2"),
                                              ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")])
 def test_glibc_settings_the_user_made_are_left_alone(monkeypatch, variable, value):
-    from actors.client_worker import keep_freed_blocks
+    from fedsim.runtime.allocator import keep_freed_blocks
 
     monkeypatch.setenv(variable, value)
     assert keep_freed_blocks() is False
+
+
+def test_the_fedsim_command_tunes_its_own_process_and_a_library_call_does_not(monkeypatch, capsys):
+    import jobs.cli as cli
+
+    calls: list[int] = []
+    monkeypatch.setattr(cli, "keep_freed_blocks", lambda: calls.append(1) or True)
+    monkeypatch.setattr(sys, "argv", ["fedsim", "config-reference"])
+    assert cli.main() == 0  # the command line's own process (the console script calls main())
+    assert calls == [1]
+    assert cli.main(["config-reference"]) == 0  # called from someone else's process
+    assert calls == [1]
+    assert cli.main(["config-reference"], own_process=True) == 0  # jobs.run, the Ray job's entry point
+    assert calls == [1, 1]
