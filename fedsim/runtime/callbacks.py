@@ -84,6 +84,12 @@ class Callback:
         """The run ended (see RunStatus); the backend is still up."""
 
 
+def callback_error(cb: Callback, where: str, exc: Exception) -> CallbackError:
+    """The one line naming the callback, the hook (and round) and what it raised."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return CallbackError(f"callback {type(cb).__name__}.{where} raised {type(exc).__name__}: {first}")
+
+
 class Callbacks:
     """Several callbacks called in order; an exception from one becomes a CallbackError naming it."""
 
@@ -96,9 +102,7 @@ class Callbacks:
         except FedsimError:
             raise
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            raise CallbackError(f"callback {type(cb).__name__}.{hook}{where} raised {type(exc).__name__}: {first}") \
-                from exc
+            raise callback_error(cb, f"{hook}{where}", exc) from exc
 
     def setup_end(self, run: RunInfo) -> None:
         for cb in self.items:
@@ -227,9 +231,7 @@ class ResultsWriter(Callback):
             except FedsimError:
                 raise
             except Exception as exc:
-                first = (str(exc).strip().splitlines() or [""])[0][:300]
-                raise CallbackError(f"callback {type(self).__name__}.{where} raised {type(exc).__name__}: "
-                                    f"{first}") from exc
+                raise callback_error(self, where, exc) from exc
 
         self.writes.submit(job)
 
