@@ -5,8 +5,9 @@ Each term w·x (integer-ish weight, float32 value) is exact in float64; accumula
 does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
-accumulators are one flat float64 buffer each, so a client costs a copy and one TwoSum over the whole buffer
-instead of one of each per tensor. The arithmetic is elementwise either way, so both layouts give the same bits.
+accumulators are one flat float64 buffer each: with the compiled loop a client costs one pass over its own tensors
+(read where they lie), else a copy and one TwoSum over the whole buffer instead of one of each per tensor. The
+arithmetic is elementwise either way, so every layout gives the same bits.
 
 `WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
 rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
@@ -85,12 +86,12 @@ class _Flat:
 
     def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
         """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
-        weight·payload, rounded)."""
-        if self._term is None:  # a spare for hi only where the torch operations add (the compiled loop needs none)
-            term = torch.empty_like(self.hi)
-            spare = torch.empty_like(self.hi) if exact and not twosum.compiled() else None
-            self._term = (term, spare, self.views(term))
-        term, spare, views = self._term
+        weight·payload, rounded). With the compiled loop, each tensor is added where it lies, one key after
+        another (the same elementwise arithmetic, so the same bits)."""
+        if exact and twosum.compiled():
+            self._add_in_place(payload, weight)
+            return
+        term, spare, views = self._scratch(exact)
         self.load(term, payload, views)
         if exact:
             new = twosum.add_scaled(self.hi, self.lo, term, weight, self.narrow and exact_product(weight), out=spare)
@@ -98,6 +99,25 @@ class _Flat:
                 self._term, self.hi = (term, self.hi, views), new
         else:
             self.hi.add_(term, alpha=weight)
+
+    def _scratch(self, exact: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """The term buffer (its per-key views), and a spare for hi where the torch operations add."""
+        if self._term is None:
+            term = torch.empty_like(self.hi)
+            spare = torch.empty_like(self.hi) if exact and not twosum.compiled() else None
+            self._term = (term, spare, self.views(term))
+        return self._term
+
+    def _add_in_place(self, payload: dict[str, torch.Tensor], weight: float) -> None:
+        """The compiled loop over each tensor of the payload: read in place when it is a contiguous CPU float32
+        or float64 tensor (an upload costs no copy), else widened into the term buffer first."""
+        offset = 0
+        for i, v in enumerate(payload.values()):
+            if not twosum.add_scaled_at(self.hi, self.lo, offset, v, weight):
+                view = self._scratch(True)[2][i]
+                view.copy_(v.detach())
+                twosum.add_scaled_at(self.hi, self.lo, offset, view, weight)
+            offset += v.numel()
 
     def merge(self, other: _Flat) -> None:
         """Fold in another partial sum of the same layout, as the per-key merge does."""

@@ -119,14 +119,17 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
     from fedsim.runtime import twosum
 
     if not compiled:  # as where the loop cannot be built
-        monkeypatch.setattr(twosum, "_kernel", lambda: None)
+        monkeypatch.setattr(twosum, "_kernels", lambda: None)
     assert twosum.compiled() == compiled
     g = torch.Generator().manual_seed(3)
 
     def payload() -> dict[str, torch.Tensor]:
         w = torch.randn(40, 7, generator=g) * 10.0 ** torch.randint(-7, 7, (40, 7), generator=g)
         w[torch.rand(40, 7, generator=g) < 0.1] = -0.0
-        return {"m/w": w, "m/b": torch.randn(7, generator=g).double() * 1e-3, "m/__weight__": torch.ones(())}
+        return {"m/w": w, "m/b": torch.randn(7, generator=g).double() * 1e-3,
+                "m/t": torch.randn(5, 3, generator=g).t(),  # not contiguous: widened into the term buffer first
+                "m/n": torch.randint(0, 1000, (), generator=g), "m/h": torch.randn(4, generator=g).half(),
+                "m/__weight__": torch.ones(())}
 
     items = [(payload(), w) for w in (3.0, 17.0, 0.1, 2.0 ** 40, 1.0, 1e-3, 4095.0, 5.0)]
     flat, by_key = WeightedSum(), WeightedSum()
@@ -149,7 +152,8 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
         merged_by_key.merge(s)
     assert merged_flat._flat is not None and merged_by_key._flat is None
     assert _bits(merged_flat) == _bits(merged_by_key)
-    assert {k: v.shape for k, v in merged_flat.totals().items()} == {"m/w": (40, 7), "m/b": (7,), "m/__weight__": ()}
+    assert {k: v.shape for k, v in merged_flat.totals().items()} == {
+        "m/w": (40, 7), "m/b": (7,), "m/t": (3, 5), "m/n": (), "m/h": (4,), "m/__weight__": ()}
 
 
 def test_store_spills_and_reloads_bit_for_bit(tmp_path):

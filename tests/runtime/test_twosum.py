@@ -38,7 +38,7 @@ def way(request, monkeypatch) -> str:
     """Each way a process adds: the compiled loop (llvmlite is a dependency, so it must build here), or torch
     operations (where it cannot be built)."""
     if request.param == "torch":
-        monkeypatch.setattr(twosum, "_kernel", lambda: None)
+        monkeypatch.setattr(twosum, "_kernels", lambda: None)
     return request.param
 
 
@@ -88,12 +88,39 @@ def test_buffers_the_loops_cannot_take_are_refused_before_anything_is_written(wa
     assert not hi.any() and not lo.any() and not strided.any() and not whole.any()
 
 
+def test_a_term_added_where_it_lies_gives_the_bits_of_the_widened_term():
+    """add_scaled_at reads a float32 (or float64) term in place at an offset of the accumulators: the same bits as
+    widening it to float64 first; it declines (False, nothing written) what the loop cannot read, and refuses a
+    term that does not fit or lies in the accumulators."""
+    if not twosum.compiled():
+        pytest.skip("llvmlite could not build the loop here")  # a dependency: never the case where the suite runs
+    rng = np.random.default_rng(11)
+    n, at = 4001, 17
+    hi, lo = torch.zeros(n + 40, dtype=torch.float64), torch.zeros(n + 40, dtype=torch.float64)
+    ref_hi, ref_lo = np.zeros(n + 40), np.zeros(n + 40)
+    for w in (3.0, 0.1, 2.0 ** 40, -5.0, 1e-3):
+        term = _values(rng, n)
+        _add_written_out(ref_hi[at:at + n], ref_lo[at:at + n], term, w)
+        narrow = torch.from_numpy(term.astype(np.float32))  # exact: _values are float32 values
+        assert twosum.add_scaled_at(hi, lo, at, narrow if w != -5.0 else torch.from_numpy(term), w)
+    assert hi.numpy().tobytes() == ref_hi.tobytes() and lo.numpy().tobytes() == ref_lo.tobytes()
+
+    before = hi.clone(), lo.clone()
+    for declined in (torch.ones(4, dtype=torch.float16), torch.ones(4, dtype=torch.int64), torch.ones(4, 2).t()):
+        assert not twosum.add_scaled_at(hi, lo, 0, declined, 1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        twosum.add_scaled_at(hi, lo, n + 39, torch.ones(2), 1.0)
+    with pytest.raises(ValueError, match="overlap"):
+        twosum.add_scaled_at(hi, lo, 0, hi[1:4], 1.0)
+    assert torch.equal(hi, before[0]) and torch.equal(lo, before[1])
+
+
 def test_where_the_loop_cannot_be_loaded_the_adds_stay_torch_operations_said_once(monkeypatch, caplog):
     """llvmlite missing (or unable to compile) costs speed, not a client: the adds go on with the same bits."""
     import sys
 
     monkeypatch.setitem(sys.modules, "llvmlite.binding", None)  # `import llvmlite.binding` raises ImportError
-    twosum._kernel.cache_clear()
+    twosum._kernels.cache_clear()
     try:
         rng = np.random.default_rng(3)
         n = 999
@@ -109,4 +136,4 @@ def test_where_the_loop_cannot_be_loaded_the_adds_stay_torch_operations_said_onc
         said = [r.getMessage() for r in caplog.records if r.name == "fedsim.twosum"]
         assert len(said) == 1 and "ModuleNotFoundError" in said[0]
     finally:
-        twosum._kernel.cache_clear()  # later tests load the real loop
+        twosum._kernels.cache_clear()  # later tests load the real loop
