@@ -187,7 +187,7 @@ def test_a_model_that_cannot_be_batched_runs_one_by_one_and_is_logged_once(caplo
     for _ in range(2):
         with torch.random.fork_rng():
             torch.manual_seed(7)  # the clients' channel dropout draws from torch's global stream, one by one
-            done = batcher.train({0: plan(net, 10, 1), 1: plan(net, 7, 2)}, {0: 0.0, 1: 0.0})
+            done = dict(batcher.train({0: plan(net, 10, 1), 1: plan(net, 7, 2)}, {0: 0.0, 1: 0.0}))
             torch.manual_seed(7)
             alone = [plan(net, 10, 1).run(), plan(net, 7, 2).run()]
         assert all(err is None and res is not None and seconds >= 0 for res, err, seconds in done.values())

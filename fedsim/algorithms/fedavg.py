@@ -29,7 +29,7 @@ from fedsim.algorithms.base import (
     SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models
+from fedsim.algorithms.toolkit import GlobalModels, evaluate_models, init_global_models
 from fedsim.configtools import knob
 from fedsim.local_training import LocalTraining
 
@@ -68,7 +68,8 @@ class FedAvg(Algorithm):
         keep = ctx.env.config.train.keep_optimizer_state
 
         def finish(model: torch.nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
-            return ClientResult(payload=as_summable(ctx.arch, clone_state(model)), weight=self.client_weight(ctx),
+            # the model's own tensors, not a copy: the worker adds them to its sum before the next client trains
+            return ClientResult(payload=as_summable(ctx.arch, model.state_dict()), weight=self.client_weight(ctx),
                                 metrics=metrics, state={"optimizer": optimizer} if keep else None)
 
         saved = state.get("optimizer") if keep and state else None

@@ -91,33 +91,36 @@ class ClientBatcher:
                         continue
                     if plan is not None:
                         plans[cid], seconds[cid] = plan, time.perf_counter() - t0
-                yield from self.train(plans, seconds).items()
+                yield from self.train(plans, seconds)
 
-    def train(self, plans: dict[int, LocalTraining], seconds: dict[int, float]) -> dict[int, Done]:
-        """Train `plans` together and finish each; one by one when they cannot be trained together."""
+    def train(self, plans: dict[int, LocalTraining], seconds: dict[int, float]) -> Iterator[tuple[int, Done]]:
+        """Train `plans` together and finish each, yielding each client's outcome as soon as it is finished (a
+        finished client's payload may view the shared model, which the next one's finish overwrites); one by one
+        when they cannot be trained together."""
         if not plans:
-            return {}
+            return
         t0 = time.perf_counter()
         try:
             trained = train_together(list(plans.values()))
         except Exception as exc:
             self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
-            return {cid: _alone(plan, seconds[cid]) for cid, plan in plans.items()}
+            for cid, plan in plans.items():
+                yield cid, _alone(plan, seconds[cid])
+            return
         elapsed = time.perf_counter() - t0
         total = sum(t.samples for t in trained)
-        done: dict[int, Done] = {}
         for (cid, plan), t in zip(plans.items(), trained):
             t1 = time.perf_counter()
             share = elapsed * (t.samples / total if total else 1 / len(trained))
+            res: ClientResult | None = None
+            err: BaseException | None = None
             try:
                 if t.error is not None:
                     raise t.error
-                done[cid] = (plan.complete(t.state, t.metrics, t.momentum), None, 0.0)
+                res = plan.complete(t.state, t.metrics, t.momentum)
             except Exception as exc:
-                done[cid] = (None, exc, 0.0)
-            res, err, _ = done[cid]
-            done[cid] = (res, err, seconds[cid] + share + time.perf_counter() - t1)
-        return done
+                err = exc
+            yield cid, (res, err, seconds[cid] + share + time.perf_counter() - t1)
 
 
 def _alone(plan: LocalTraining, seconds: float) -> Done:

@@ -59,6 +59,12 @@ class ModelPool:
                 self._models[key] = build().to(self.device)
         return self._models[key]
 
+    def storages(self) -> set[int]:
+        """Where the pooled modules' parameters and buffers live (storage addresses): what a client's result may
+        view but the worker must copy before it keeps it, since the next client trains in the same tensors."""
+        return {t.untyped_storage().data_ptr() for m in self._models.values()
+                for t in (*m.parameters(), *m.buffers())}
+
 
 @dataclass
 class ClientOutcome:
@@ -176,11 +182,15 @@ class ClientWorker:
             return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
         up = state_nbytes(res.payload)
+        lent: set[int] | None = None  # a result may view the pooled models: what the worker keeps is copied
         if status == "ok":
             if res.state is not None:
-                self.store.put(cid, res.state)
+                lent = self.models.storages()
+                self.store.put(cid, own_copy(res.state, lent))
             if summed is not None:
                 res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
+        if res.payload is not None:
+            res.payload = own_copy(res.payload, self.models.storages() if lent is None else lent)
         res.state = None
         return ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0)
 
@@ -198,6 +208,23 @@ class ClientWorker:
         if self.store.spill_dir is not None:
             with contextlib.suppress(OSError):  # not empty yet: the last worker to close removes it
                 self.store.spill_dir.parent.rmdir()
+
+
+def own_copy(value: Any, lent: set[int]) -> Any:
+    """`value` with every tensor that lives in `lent` storage (in dicts, lists and tuples) replaced by a CPU copy
+    of its own; what holds no such tensor is returned as it is."""
+    if isinstance(value, torch.Tensor):
+        viewed = value.layout == torch.strided and value.untyped_storage().data_ptr() in lent
+        return value.detach().to("cpu", copy=True) if viewed else value
+    if isinstance(value, dict):
+        items = {k: own_copy(v, lent) for k, v in value.items()}
+        return items if any(items[k] is not v for k, v in value.items()) else value
+    if isinstance(value, (list, tuple)):
+        parts = [own_copy(v, lent) for v in value]
+        if all(p is v for p, v in zip(parts, value)):
+            return value
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    return value
 
 
 def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Message:
