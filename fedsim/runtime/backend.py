@@ -88,8 +88,9 @@ class Backend(Protocol):
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int], timeout: float,
                   idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        """Run a phase on the assigned workers; replies by worker, and the workers that returned none. A backend
-        whose workers run elsewhere calls `idle` once the work is handed out (the driver's files are written then)."""
+        """Run a phase on the assigned workers; replies by worker, and the workers that returned none. The backend
+        calls `idle` once the work is handed out (one that trains in this process: as it starts); the driver's files
+        are written from then on."""
 
     def restart_worker(self, index: int) -> list[int] | None:
         """Start worker `index` again; the slots whose clients' states it lost (None: just `index`)."""

@@ -68,7 +68,9 @@ class LocalBackend:
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int], timeout: float,
                   idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        replies, failed = {}, {}  # the driver trains: it is never idle
+        replies, failed = {}, {}
+        if idle is not None:  # the driver trains: its files are written beside the training
+            idle()
         with torch_threads(self._threads):
             for w, cids in sorted(assignments.items()):
                 per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}

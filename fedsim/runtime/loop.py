@@ -221,7 +221,7 @@ class Simulation:
         replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
                                                  self.cfg.runtime.round_timeout_s, idle=self.writes.start)
         rec.clients_s += time.perf_counter() - t0
-        self.writes.start()  # a backend that trains in this process was never idle: they overlap the server's step
+        self.writes.start()  # for a backend that never called `idle`
 
         def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:
             rec.status[(pi, c)] = status

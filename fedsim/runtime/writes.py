@@ -4,8 +4,10 @@ A round's tables and checkpoint cost the driver milliseconds (far more on a netw
 which every worker would idle. The driver takes what the files must hold (copies of the new rows, the checkpoint
 serialized) and queues the writes; `start()`, called once the next phase's work is handed out to workers in other
 processes, lets one thread write them while the driver only waits (so they do not hold up the dispatch, as a thread
-competing for the interpreter would). Where the driver trains the clients itself (the local backend) it is never
-idle: the writes then start once the phase is over, beside the server's step and evaluation.
+competing for the interpreter would). Where the driver trains the clients itself (the local backend) they start as
+the phase does: written beside the training, they cost C's round 2 less than after the phase, where they would
+compete with the two-thread evaluation and hold up the round's end (0.070-0.077 s against 0.075-0.083 s in five
+pairs of `python -m bench.fedsim_fedavg --backend local` on C).
 
 They are written in the order queued, each atomically, so the files are never inconsistent: a round's checkpoint is
 never written before its rows. After a failed write nothing queued later is written, and the failure is raised on

@@ -127,3 +127,28 @@ def test_a_checkpoint_too_large_for_memory_is_written_in_place_after_its_tables(
     # written by the driver before the callbacks after it run: the checkpoint holds this round, and the tables
     # (waited for first) hold it too
     assert files.seen == [(0, [0], 0), (1, [0, 1], 1), (2, [0, 1, 2], 2)]
+
+
+def test_the_local_backend_writes_the_last_round_while_it_trains(make_config, monkeypatch):
+    """The driver trains the clients itself: the previous round's files are written beside that training, not
+    after it (where they would compete with the evaluation and hold up the round's end)."""
+    from fedsim.results import TableWriter
+    from fedsim.runtime.worker import ClientWorker
+
+    append, train = TableWriter.append, ClientWorker.run_phase
+    landed, waited = threading.Event(), []
+
+    def noting(self, rows):
+        append(self, rows)
+        if self.path.name == "rounds.parquet" and any(r["round"] == 0 for r in rows):
+            landed.set()
+
+    def training(self, round, *args, **kwargs):
+        if round == 1:  # round 0's rows are written while round 1 trains, or never before it ends
+            waited.append(landed.wait(timeout=30))
+        return train(self, round, *args, **kwargs)
+
+    monkeypatch.setattr(TableWriter, "append", noting)
+    monkeypatch.setattr(ClientWorker, "run_phase", training)
+    run(make_config(rounds=2), LocalBackend(num_workers=1))
+    assert waited == [True]
