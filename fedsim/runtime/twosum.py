@@ -31,6 +31,7 @@ class Kernels(NamedTuple):
     f64: Kernel
     f32: Kernel
 
+
 _scratch: dict[tuple[int, int], torch.Tensor] = {}  # the torch adds' buffers, by element count and use
 _engines: list = []  # the LLVM engines that own the loaded machine code, kept for the process's life
 
