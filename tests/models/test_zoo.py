@@ -135,7 +135,7 @@ def test_resnet_init_he_or_torch_defaults() -> None:
     def conv_std(init: str) -> float:
         torch.manual_seed(0)
         m = build_model("resnet8", in_channels=3, num_classes=10, image_size=32, init=init)
-        return float(m.layers[2].conv2.weight.std())
+        return float(m.layers[2].conv2.weight.detach().std())
 
     fan_out = 64 * 9  # He-normal, fan_out mode: std = sqrt(2 / fan_out); PyTorch's default is ~3x smaller
     assert conv_std("he") == pytest.approx((2 / fan_out) ** 0.5, rel=0.05)
