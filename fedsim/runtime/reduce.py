@@ -28,6 +28,7 @@ from fedsim.runtime import twosum
 
 Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
 
+IN_PLACE_ELEMENTS = 16384  # a tensor this large is added where it lies; a smaller one costs less copied than called
 # values of these dtypes have at most 24 significant bits, so times a weight of at most 29 they are exact in float64
 NARROW_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
                            torch.int16})
@@ -54,6 +55,7 @@ class _Flat:
         self.layout, self.hi, self.lo = layout, hi, lo
         self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
         self._term: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None  # term, spare, views
+        self._cuts: list[tuple[int, int, int, int, bool]] | None = None  # `_segments`, once asked for
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
@@ -109,15 +111,36 @@ class _Flat:
         return self._term
 
     def _add_in_place(self, payload: dict[str, torch.Tensor], weight: float) -> None:
-        """The compiled loop over each tensor of the payload: read in place when it is a contiguous CPU float32
-        or float64 tensor (an upload costs no copy), else widened into the term buffer first."""
-        offset = 0
-        for i, v in enumerate(payload.values()):
-            if not twosum.add_scaled_at(self.hi, self.lo, offset, v, weight):
-                view = self._scratch(True)[2][i]
-                view.copy_(v.detach())
-                twosum.add_scaled_at(self.hi, self.lo, offset, view, weight)
-            offset += v.numel()
+        """The compiled loop over the payload segment by segment (`_segments`): a large contiguous CPU float32 or
+        float64 tensor is read where it lies (an upload costs no copy); a run of small tensors, or one that cannot
+        be read in place, is widened into the term buffer first and added in one call."""
+        values = list(payload.values())
+        term = self._scratch(True)[0]
+        views = self._term[2] if self._term is not None else []
+        for first, stop, offset, count, large in self._segments():
+            if large and twosum.add_scaled_at(self.hi, self.lo, offset, values[first], weight):
+                continue
+            for i in range(first, stop):
+                views[i].copy_(values[i].detach())
+            twosum.add_scaled_at(self.hi, self.lo, offset, term[offset:offset + count], weight)
+
+    def _segments(self) -> list[tuple[int, int, int, int, bool]]:
+        """This layout cut for `_add_in_place`: (first key, key after the last, offset, elements, large). A tensor of
+        at least IN_PLACE_ELEMENTS float32 or float64 elements is a segment of its own; consecutive smaller ones share
+        one, so that a model of many small tensors (ResNet-8: 57) costs few calls of the loop."""
+        if self._cuts is None:
+            cuts: list[list] = []
+            offset = 0
+            for i, (_, shape, dtype) in enumerate(self.layout):
+                n = math.prod(shape)
+                large = n >= IN_PLACE_ELEMENTS and dtype in (torch.float32, torch.float64)
+                if cuts and not large and not cuts[-1][4]:
+                    cuts[-1][1], cuts[-1][3] = i + 1, cuts[-1][3] + n
+                else:
+                    cuts.append([i, i + 1, offset, n, large])
+                offset += n
+            self._cuts = [tuple(c) for c in cuts]
+        return self._cuts
 
     def merge(self, other: _Flat) -> None:
         """Fold in another partial sum of the same layout, as the per-key merge does."""

@@ -156,11 +156,15 @@ def add_scaled_at(hi: torch.Tensor, lo: torch.Tensor, offset: int, term: torch.T
     if kernels is None or term.dtype not in (torch.float32, torch.float64) or term.device.type != "cpu" \
             or not term.is_contiguous():
         return False
-    hi, lo = _flat(hi, True), _flat(lo, True)
-    n = term.numel()
-    if offset < 0 or offset + n > hi.numel() or lo.numel() != hi.numel():
-        raise ValueError(f"TwoSum: {n} elements from {offset} do not fit accumulators of {hi.numel()}")
-    width = hi.element_size()
+    for t in (hi, lo):  # as _flat checks them, without making views: this runs once per key of every upload
+        if t.dtype != torch.float64 or t.device.type != "cpu":
+            raise TypeError(f"TwoSum buffers are CPU float64 tensors, got {t.dtype} on {t.device}")
+        if not t.is_contiguous():
+            raise ValueError("TwoSum accumulators must be contiguous (they are written in place)")
+    n, size = term.numel(), hi.numel()
+    if offset < 0 or offset + n > size or lo.numel() != size:
+        raise ValueError(f"TwoSum: {n} elements from {offset} do not fit accumulators of {size}")
+    width = 8  # float64
     at_hi, at_lo = hi.data_ptr() + offset * width, lo.data_ptr() + offset * width
     term_end = term.data_ptr() + n * term.element_size()
     for start in (at_hi, at_lo):

@@ -128,7 +128,9 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
         w[torch.rand(40, 7, generator=g) < 0.1] = -0.0
         return {"m/w": w, "m/b": torch.randn(7, generator=g).double() * 1e-3,
                 "m/t": torch.randn(5, 3, generator=g).t(),  # not contiguous: widened into the term buffer first
+                "m/big": torch.randn(130, 130, generator=g),  # large enough to be added where it lies
                 "m/n": torch.randint(0, 1000, (), generator=g), "m/h": torch.randn(4, generator=g).half(),
+                "m/bigt": torch.randn(200, 100, generator=g).t(),  # large, but must be widened first
                 "m/__weight__": torch.ones(())}
 
     items = [(payload(), w) for w in (3.0, 17.0, 0.1, 2.0 ** 40, 1.0, 1e-3, 4095.0, 5.0)]
@@ -153,7 +155,11 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
     assert merged_flat._flat is not None and merged_by_key._flat is None
     assert _bits(merged_flat) == _bits(merged_by_key)
     assert {k: v.shape for k, v in merged_flat.totals().items()} == {
-        "m/w": (40, 7), "m/b": (7,), "m/t": (3, 5), "m/n": (), "m/h": (4,), "m/__weight__": ()}
+        "m/w": (40, 7), "m/b": (7,), "m/t": (3, 5), "m/big": (130, 130), "m/n": (), "m/h": (4,),
+        "m/bigt": (100, 200), "m/__weight__": ()}
+    if compiled:  # runs of small tensors, and each large one on its own
+        assert [(first, stop, large) for first, stop, _, _, large in flat._flat._segments()] == [
+            (0, 3, False), (3, 4, True), (4, 6, False), (6, 7, True), (7, 8, False)]
 
 
 def test_store_spills_and_reloads_bit_for_bit(tmp_path):

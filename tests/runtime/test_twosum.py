@@ -92,8 +92,7 @@ def test_a_term_added_where_it_lies_gives_the_bits_of_the_widened_term():
     """add_scaled_at reads a float32 (or float64) term in place at an offset of the accumulators: the same bits as
     widening it to float64 first; it declines (False, nothing written) what the loop cannot read, and refuses a
     term that does not fit or lies in the accumulators."""
-    if not twosum.compiled():
-        pytest.skip("llvmlite could not build the loop here")  # a dependency: never the case where the suite runs
+    assert twosum.compiled(), "llvmlite is a dependency: the loop must build wherever the suite runs"
     rng = np.random.default_rng(11)
     n, at = 4001, 17
     hi, lo = torch.zeros(n + 40, dtype=torch.float64), torch.zeros(n + 40, dtype=torch.float64)
