@@ -5,9 +5,10 @@ Each term w·x (integer-ish weight, float32 value) is exact in float64; accumula
 does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
-accumulators are one flat float64 buffer each: with the compiled loop a client costs one pass over its own tensors
-(read where they lie), else a copy and one TwoSum over the whole buffer instead of one of each per tensor. The
-arithmetic is elementwise either way, so every layout gives the same bits.
+accumulators are one flat float64 buffer each. With the compiled loop a client's large tensors are read where
+they lie and its small ones are copied together, a few calls of the loop in all; without it, a copy and one TwoSum
+over the whole buffer instead of one of each per tensor. The arithmetic is elementwise either way, so every layout
+gives the same bits.
 
 `WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
 rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
@@ -47,6 +48,23 @@ def _layout(payload: dict[str, torch.Tensor]) -> Layout:
     return tuple((k, v.shape, v.dtype) for k, v in payload.items())
 
 
+def _segments(layout: Layout) -> list[tuple[int, int, int, int, bool]]:
+    """`layout` cut for the compiled adds: (first key, key after the last, offset, elements, large). A tensor of at
+    least IN_PLACE_ELEMENTS float32 or float64 elements is a segment of its own; consecutive smaller ones share one,
+    so that a model of many small tensors (ResNet-8: 57) costs few calls of the loop."""
+    cuts: list[list] = []
+    offset = 0
+    for i, (_, shape, dtype) in enumerate(layout):
+        n = math.prod(shape)
+        large = n >= IN_PLACE_ELEMENTS and dtype in (torch.float32, torch.float64)
+        if cuts and not large and not cuts[-1][4]:
+            cuts[-1][1], cuts[-1][3] = i + 1, cuts[-1][3] + n
+        else:
+            cuts.append([i, i + 1, offset, n, large])
+        offset += n
+    return [tuple(c) for c in cuts]
+
+
 class _Flat:
     """The hi/lo accumulators of one payload layout as one float64 buffer each, with a buffer for the incoming term
     and its per-key views."""
@@ -55,7 +73,7 @@ class _Flat:
         self.layout, self.hi, self.lo = layout, hi, lo
         self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
         self._term: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None  # term, spare, views
-        self._cuts: list[tuple[int, int, int, int, bool]] | None = None  # `_segments`, once asked for
+        self.segments = _segments(layout)
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
@@ -88,8 +106,8 @@ class _Flat:
 
     def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
         """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
-        weight·payload, rounded). With the compiled loop, each tensor is added where it lies, one key after
-        another (the same elementwise arithmetic, so the same bits)."""
+        weight·payload, rounded). With the compiled loop, segment by segment (the same elementwise arithmetic, so
+        the same bits)."""
         if exact and twosum.compiled():
             self._add_in_place(payload, weight)
             return
@@ -115,32 +133,13 @@ class _Flat:
         float64 tensor is read where it lies (an upload costs no copy); a run of small tensors, or one that cannot
         be read in place, is widened into the term buffer first and added in one call."""
         values = list(payload.values())
-        term = self._scratch(True)[0]
-        views = self._term[2] if self._term is not None else []
-        for first, stop, offset, count, large in self._segments():
+        term, _, views = self._scratch(True)
+        for first, stop, offset, count, large in self.segments:
             if large and twosum.add_scaled_at(self.hi, self.lo, offset, values[first], weight):
                 continue
             for i in range(first, stop):
                 views[i].copy_(values[i].detach())
             twosum.add_scaled_at(self.hi, self.lo, offset, term[offset:offset + count], weight)
-
-    def _segments(self) -> list[tuple[int, int, int, int, bool]]:
-        """This layout cut for `_add_in_place`: (first key, key after the last, offset, elements, large). A tensor of
-        at least IN_PLACE_ELEMENTS float32 or float64 elements is a segment of its own; consecutive smaller ones share
-        one, so that a model of many small tensors (ResNet-8: 57) costs few calls of the loop."""
-        if self._cuts is None:
-            cuts: list[list] = []
-            offset = 0
-            for i, (_, shape, dtype) in enumerate(self.layout):
-                n = math.prod(shape)
-                large = n >= IN_PLACE_ELEMENTS and dtype in (torch.float32, torch.float64)
-                if cuts and not large and not cuts[-1][4]:
-                    cuts[-1][1], cuts[-1][3] = i + 1, cuts[-1][3] + n
-                else:
-                    cuts.append([i, i + 1, offset, n, large])
-                offset += n
-            self._cuts = [tuple(c) for c in cuts]
-        return self._cuts
 
     def merge(self, other: _Flat) -> None:
         """Fold in another partial sum of the same layout, as the per-key merge does."""

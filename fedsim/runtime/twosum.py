@@ -104,12 +104,17 @@ def _kernels() -> Kernels | None:
         return None
 
 
-def _flat(t: torch.Tensor, written: bool = False) -> torch.Tensor:
-    """`t` as one flat run of memory, checked: a CPU float64 tensor (its own memory when it is written to)."""
+def _check(t: torch.Tensor, written: bool) -> None:
+    """A buffer the loop may take: a CPU float64 tensor, contiguous when it is written to."""
     if t.dtype != torch.float64 or t.device.type != "cpu":
         raise TypeError(f"TwoSum buffers are CPU float64 tensors, got {t.dtype} on {t.device}")
     if written and not t.is_contiguous():
         raise ValueError("TwoSum accumulators must be contiguous (they are written in place)")
+
+
+def _flat(t: torch.Tensor, written: bool = False) -> torch.Tensor:
+    """`t` as one flat run of memory, checked (its own memory when it is written to)."""
+    _check(t, written)
     return t.detach().contiguous().view(-1)
 
 
@@ -156,11 +161,8 @@ def add_scaled_at(hi: torch.Tensor, lo: torch.Tensor, offset: int, term: torch.T
     if kernels is None or term.dtype not in (torch.float32, torch.float64) or term.device.type != "cpu" \
             or not term.is_contiguous():
         return False
-    for t in (hi, lo):  # as _flat checks them, without making views: this runs once per key of every upload
-        if t.dtype != torch.float64 or t.device.type != "cpu":
-            raise TypeError(f"TwoSum buffers are CPU float64 tensors, got {t.dtype} on {t.device}")
-        if not t.is_contiguous():
-            raise ValueError("TwoSum accumulators must be contiguous (they are written in place)")
+    _check(hi, True)  # without _flat's views: this runs for every segment of every upload
+    _check(lo, True)
     n, size = term.numel(), hi.numel()
     if offset < 0 or offset + n > size or lo.numel() != size:
         raise ValueError(f"TwoSum: {n} elements from {offset} do not fit accumulators of {size}")

@@ -158,7 +158,7 @@ def test_one_buffer_per_layout_adds_as_the_per_key_sum(compiled, monkeypatch):
         "m/w": (40, 7), "m/b": (7,), "m/t": (3, 5), "m/big": (130, 130), "m/n": (), "m/h": (4,),
         "m/bigt": (100, 200), "m/__weight__": ()}
     if compiled:  # runs of small tensors, and each large one on its own
-        assert [(first, stop, large) for first, stop, _, _, large in flat._flat._segments()] == [
+        assert [(first, stop, large) for first, stop, _, _, large in flat._flat.segments] == [
             (0, 3, False), (3, 4, True), (4, 6, False), (6, 7, True), (7, 8, False)]
 
 
