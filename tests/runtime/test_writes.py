@@ -1,5 +1,6 @@
 """The run's files written in the background: nothing before the driver idles, everything in order, a failure that
-stops the later writes and reaches the driver naming its round, and files that lag exactly one round in a run."""
+stops the later writes and reaches the driver naming its round, files that lag exactly one round in a run, and
+large tables rewritten as they grow (in full at a checkpoint and at the end)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.writes import BackgroundWrites
+from tests.runtime.test_loop import deterministic
 
 
 def test_writes_wait_for_start_then_land_in_order_on_another_thread():
@@ -152,3 +154,85 @@ def test_the_local_backend_writes_the_last_round_while_it_trains(make_config, mo
     monkeypatch.setattr(ClientWorker, "run_phase", training)
     run(make_config(rounds=2), LocalBackend(num_workers=1))
     assert waited == [True]
+
+
+def test_a_large_table_is_rewritten_as_it_grows_by_a_share_and_in_full_when_flushed(tmp_path, monkeypatch):
+    """Past `fresh_rows` a table's file is rewritten once the table has grown by `growth` since the last rewrite
+    (rewriting it whole every round made a long run's rounds slower and slower); `flush` writes the rest, once."""
+    import fedsim.results as results
+    from fedsim.results import CLIENT_COLUMNS, TableWriter
+
+    rewrites = []
+    atomic_write = results.atomic_write
+    monkeypatch.setattr(results, "atomic_write", lambda path, fn: (rewrites.append(path), atomic_write(path, fn)))
+    path = tmp_path / "clients.parquet"
+    writer, rows, on_disk = TableWriter(path, CLIENT_COLUMNS, fresh_rows=8, growth=0.5), [], []
+    for r in range(9):
+        new = [{"round": r, "client": c, "status": "ok", "samples": 10 + c} for c in range(4)]
+        rows += new
+        writer.append(new)
+        on_disk.append(len(pd.read_parquet(path)))
+    # every round while at most 8 rows, then once the table is half as large again as the file
+    assert on_disk == [4, 8, 12, 12, 20, 20, 20, 32, 32]
+    writer.flush()
+    pd.testing.assert_frame_equal(pd.read_parquet(path), pd.DataFrame(rows)[["round", "client", "samples", "status"]],
+                                  check_dtype=False)
+    assert len(rewrites) == 6
+    assert writer._table.column("round").num_chunks == 1  # a chunk a round made each rewrite slower
+    writer.flush()  # the file holds every row: nothing to rewrite
+    assert len(rewrites) == 6
+
+
+class ClientRoundsSeen(Callback):
+    """The rounds in clients.parquet and in the checkpoint, as a callback after the results writer sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[int], int | None]] = []
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        self.run = run
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        table = self.run.run_dir / "clients.parquet"
+        on_disk = sorted(set(pd.read_parquet(table)["round"])) if table.exists() else []
+        ck = load_run_checkpoint(self.run.checkpoint)["round"] if self.run.checkpoint.exists() else None
+        self.seen.append((round, on_disk, ck))
+
+
+def test_a_large_table_lags_but_holds_every_row_of_a_checkpoint_and_the_end(make_config, monkeypatch):
+    import fedsim.results as results
+
+    monkeypatch.setattr(results, "FRESH_ROWS", 4)  # 4 clients a round: past it from round 1 on
+    monkeypatch.setattr(results, "REWRITE_GROWTH", 1.0)
+    files = ClientRoundsSeen()
+    cfg = make_config("results.run_id=throttled", "results.checkpoint_every=3", rounds=6)
+    run_dir = run(cfg, LocalBackend(num_workers=2), callbacks=[files])
+    # rewritten at rounds 0 and 1 (grown by 100%), at the checkpoint of round 2 (only 50%), then held back
+    assert files.seen == [(0, [], None), (1, [0], None), (2, [0, 1], None), (3, [0, 1, 2], 2),
+                          (4, [0, 1, 2], 2), (5, [0, 1, 2], 2)]
+    monkeypatch.undo()
+    cfg.results.run_id = "every_round"
+    full = run(cfg, LocalBackend(num_workers=2))
+    for name in ("clients.parquet", "rounds.parquet"):
+        pd.testing.assert_frame_equal(deterministic(pd.read_parquet(run_dir / name)),
+                                      deterministic(pd.read_parquet(full / name)))
+
+
+def test_an_interrupted_run_flushes_the_rows_a_large_table_held_back(make_config, monkeypatch):
+    import fedsim.results as results
+
+    monkeypatch.setattr(results, "FRESH_ROWS", 4)
+    monkeypatch.setattr(results, "REWRITE_GROWTH", 1.0)
+    files = ClientRoundsSeen()
+
+    class Interrupt(Callback):
+        def on_round_end(self, round: int, rows: RoundRows) -> None:
+            if round == 2:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(make_config("results.checkpoint_every=0", rounds=5), LocalBackend(num_workers=2),
+            callbacks=[files, Interrupt()])
+    assert files.seen[-1] == (2, [0, 1], None)  # round 2's rows were held back ...
+    table = files.run.run_dir / "clients.parquet"
+    assert sorted(set(pd.read_parquet(table)["round"])) == [0, 1, 2]  # ... and written as the run ended
