@@ -2,8 +2,9 @@
 
 <results.root>/<run_id>/ (a local folder, or one in a store: fedsim.storage) holds config.yaml (resolved),
 meta.json (versions, git sha, hardware), rounds.parquet (one row per round and global model), clients.parquet
-(one row per client, phase and round) and checkpoints/. Timing columns measured on the wall clock end in `_s`;
-`virtual_*` columns are the deterministic virtual clock (seconds).
+(one row per client, phase and round), while a long run is on their tail files (TableWriter), and checkpoints/.
+Timing columns measured on the wall clock end in `_s`; `virtual_*` columns are the deterministic virtual clock
+(seconds).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
@@ -46,42 +47,56 @@ def failure_columns(error_type: str, message: str, traceback: str = "") -> dict[
 
 
 FRESH_ROWS = 10_000
-"""A table of up to this many rows is rewritten with every round's rows (a few milliseconds)."""
+"""A table of up to this many rows is rewritten whole with every round's rows (a few milliseconds)."""
 REWRITE_GROWTH = 0.05
-"""A larger one is rewritten once it has grown by this share since its last rewrite, or when flushed."""
+"""A larger one is rewritten whole once it has grown by this share; the rows since go to its tail file."""
+FOLLOWS_ROWS = b"fedsim.follows_rows"
+"""The tail file's metadata key: how many rows of the main file the tail's rows come after."""
+
+
+def tail_of(path: Location) -> Location:
+    """The tail file of a table (clients.parquet: clients.tail.parquet): its latest rows while a long run is on."""
+    return path.parent / path.name.replace(".parquet", ".tail.parquet")
+
+
+def table_columns(path: Location) -> list[str]:
+    """The columns a run's table puts first, in this order (the rest follow in first-seen order)."""
+    return {"rounds.parquet": ROUND_COLUMNS, "clients.parquet": CLIENT_COLUMNS}.get(path.name, [])
 
 
 class TableWriter:
-    """One growing table, kept converted to Arrow, whose file is rewritten as rows arrive: rows already converted
-    stay converted, so a round costs its own rows' conversion and, while the table is small, one columnar write.
+    """One growing table, kept converted to Arrow, written as rows arrive: rows already converted stay converted,
+    so a round costs its own rows' conversion and one columnar write of a size that does not grow with the run.
 
-    A rewrite costs the whole table, so rewriting after every round made a long run's rounds slower and slower
-    (the bench's C, 100 clients a round: 0.063 s a round at first, 0.133 s after 1,250 rounds). Past FRESH_ROWS
-    the file is rewritten once the table has grown by REWRITE_GROWTH, which bounds all rewrites together to about
-    21 times the last one; `flush` rewrites it now (before a checkpoint, and at the run's end). A column a later
-    round adds (a failure's `error`) or widens (int to float) is promoted as pandas would."""
+    Rewriting the whole table every round made a long run's rounds slower and slower (the bench's C, 100 clients
+    a round: 0.063 s a round at first, 0.133 s after 1,250 rounds). Up to FRESH_ROWS rows the file is rewritten
+    whole; past it, once the table has grown by REWRITE_GROWTH since the last rewrite (all rewrites together cost
+    about 21 times the last one), and the rows since then are written to the tail file instead (at most that
+    share of the table). `read_table` joins the two; `flush` (at the run's end) leaves the main file alone, whole.
+    A column a later round adds (a failure's `error`) or widens (int to float) is promoted as pandas would."""
 
     def __init__(self, path: Location, columns: list[str], fresh_rows: int | None = None,
                  growth: float | None = None) -> None:
         import pyarrow.parquet  # noqa: F401  (here, before the rounds: imported by a writer thread in the middle of
         # a round, its import would hold the interpreter lock while the driver hands out work)
 
-        self.path, self.columns = path, columns
+        self.path, self.tail, self.columns = path, tail_of(path), columns
         self.fresh_rows = FRESH_ROWS if fresh_rows is None else fresh_rows
         self.growth = REWRITE_GROWTH if growth is None else growth
         self._table: Any = None  # pyarrow Table of the rows converted so far
         self._converted = 0  # how many rows that is
-        self._on_disk: int | None = None  # how many rows the file holds (None: not written yet)
+        self._on_disk: int | None = None  # how many rows the main file holds (None: not written by this writer)
+        self._tail_rows = 0  # how many the tail file holds after them
 
     def write(self, rows: list[dict]) -> None:
-        """Write `rows` (every row so far; the ones before the last call's are taken as unchanged) now."""
+        """Write `rows` (every row so far; the ones before the last call's are taken as unchanged) to the main file."""
         if len(rows) < self._converted:  # not the rows this writer has seen: start again
             self._table, self._converted, self._on_disk = None, 0, None
         self.append(rows[self._converted:])
         self.flush()
 
     def append(self, rows: list[dict]) -> None:
-        """Add `rows` (new ones) to the table; rewrite the file if it is due (see the class)."""
+        """Add `rows` (new ones) to the table and write them: a rewrite of the main file or of the tail."""
         import pyarrow as pa
 
         if rows or self._table is None:
@@ -96,19 +111,35 @@ class TableWriter:
         if self._on_disk is None or self._converted <= self.fresh_rows or \
                 self._converted - self._on_disk >= self.growth * self._on_disk:
             self.flush()
+        elif self._converted > self._on_disk + self._tail_rows:
+            on_disk = self._on_disk
+            tail = self._ordered(self._table.slice(on_disk)).replace_schema_metadata({FOLLOWS_ROWS: str(on_disk)})
+            atomic_write(self.tail, lambda tmp: _write_parquet(tail, tmp))
+            self._tail_rows = self._converted - on_disk
 
     def flush(self) -> None:
-        """Rewrite the file with every row converted so far, unless it holds them already."""
-        import pyarrow.parquet as pq
-
-        if self._table is None or self._on_disk == self._converted:
+        """Rewrite the main file with every row converted so far (unless it holds them already); no tail is left."""
+        if self._table is None or (self._on_disk == self._converted and not self._tail_rows):
             return
+        first = self._on_disk is None
         # one chunk per column again: a table of a thousand one-round chunks took 15 ms to write, 0.8 ms combined
-        table = self._table = self._table.combine_chunks()
-        names = table.column_names
-        table = table.select([c for c in self.columns if c in names] + [c for c in names if c not in self.columns])
-        atomic_write(self.path, lambda tmp: pq.write_table(table, tmp))
+        table = self._ordered(self._table.combine_chunks())
+        self._table = table
+        atomic_write(self.path, lambda tmp: _write_parquet(table, tmp))
         self._on_disk = self._converted
+        if first or self._tail_rows:  # a tail left by an earlier process must not be joined to this file
+            self.tail.unlink(missing_ok=True)
+            self._tail_rows = 0
+
+    def _ordered(self, table: Any) -> Any:
+        names = table.column_names
+        return table.select([c for c in self.columns if c in names] + [c for c in names if c not in self.columns])
+
+
+def _write_parquet(table: Any, path: str) -> None:
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path)
 
 
 def run_meta() -> dict:
@@ -141,13 +172,46 @@ def write_meta(run_dir: Location, extra: dict) -> None:
 
 
 def read_table(path: Location) -> pd.DataFrame:
-    """A parquet table of a run, with a one-line CheckpointError naming the file if it is missing or corrupt."""
+    """A parquet table of a run (with its tail file's rows while a long run is on: TableWriter), with a one-line
+    CheckpointError naming the file if it is missing or corrupt."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if not path.is_file():
         raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
+    main = _read_bytes(path)  # the main file first: a tail read after it follows this file or a later one
+    tail = tail_of(path)
+    rest = _parquet(tail, pq.read_table, _read_bytes(tail)) if tail.is_file() else None
+    if rest is None or (rest.schema.metadata or {}).get(FOLLOWS_ROWS) != \
+            str(_parquet(path, lambda f: pq.ParquetFile(f).metadata.num_rows, main)).encode():
+        return _parquet(path, pd.read_parquet, main)
     try:
-        with path.open("rb") as f:  # one open: a table that a live run replaces meanwhile is still read whole
-            data = _arrow_owned(f.read())
-        return pd.read_parquet(data)
+        table = pa.concat_tables([_parquet(path, pq.read_table, main), rest.replace_schema_metadata(None)],
+                                 promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise CheckpointError(f"{tail}: does not fit {path.name} ({_first_line(exc)})") from None
+    names, first = table.column_names, table_columns(path)
+    table = table.select([c for c in first if c in names] + [c for c in names if c not in first])
+    sink = pa.BufferOutputStream()  # read back as the main file would be, had it every row
+    pq.write_table(table, sink)
+    return pd.read_parquet(pa.BufferReader(sink.getvalue()))
+
+
+def _read_bytes(path: Location) -> bytes:
+    """A run's file in one read (a table that a live run replaces meanwhile is still read whole)."""
+    try:
+        with path.open("rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (the run folder is incomplete)") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def _parquet(path: Location, read: Callable[[Any], Any], data: bytes) -> Any:
+    """`read` (a parquet reader) of `data`, the bytes of `path`, naming the file in one line if it is not a table."""
+    try:
+        return read(_arrow_owned(data))
     except Exception as exc:  # truncated, foreign or corrupt file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable table ({type(exc).__name__}: {_first_line(exc)})") from None
 

@@ -155,12 +155,12 @@ the driver itself, in place, so that it never takes twice its size in memory."""
 class ResultsWriter(Callback):
     """rounds.parquet and clients.parquet after every round, then the checkpoint every results.checkpoint_every
     rounds and after the last round run (also when a callback stopped the run early). A table past
-    fedsim.results.FRESH_ROWS rows (clients.parquet of a long run) is rewritten less often, as it grows by
-    REWRITE_GROWTH, and always before a checkpoint and at the run's end.
+    fedsim.results.FRESH_ROWS rows (clients.parquet of a long run) is rewritten whole as it grows by
+    REWRITE_GROWTH, its rows since then going to its tail file, and whole at the run's end (TableWriter).
 
     The driver hands each round's new rows (copies) and its checkpoint (serialized, a snapshot) to `writes`
     (fedsim.runtime.writes), which writes them while the next round trains: during round r's callbacks the files
-    hold round r - 1 (a large table, as above, may hold less), and once the run has ended they are complete.
+    hold round r - 1 (a large table's together with its tail), and once the run has ended they are complete.
     Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones); Ctrl-C and SIGTERM
     wait until both are written, so an interrupted run keeps its last round. A write that fails stops the run at
     the next round's end (or at its end), naming the round."""
@@ -218,7 +218,6 @@ class ResultsWriter(Callback):
         path = self.run.checkpoint
         payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
                    "client_states": self.backend.export_states()}
-        self._flush_tables(where)  # every row up to the checkpoint's round: a resume must find them
         if state_nbytes(payload) > IN_MEMORY_CHECKPOINT_BYTES:
             self.writes.wait()  # its tables first
             save_checkpoint(path, payload)
@@ -228,7 +227,7 @@ class ResultsWriter(Callback):
         self.saved = round
 
     def _flush_tables(self, where: str) -> None:
-        """Queue a rewrite of each table that holds rows its file does not (see fedsim.results.TableWriter)."""
+        """Queue a rewrite of each table whose rows are partly in its tail file (fedsim.results.TableWriter)."""
         for table in getattr(self, "tables", ()):
             self._queue(table.flush, where)
 
