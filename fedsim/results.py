@@ -72,7 +72,8 @@ class TableWriter:
     a round: 0.063 s a round at first, 0.133 s after 1,250 rounds). Up to FRESH_ROWS rows the file is rewritten
     whole; past it, once the table has grown by REWRITE_GROWTH since the last rewrite (all rewrites together cost
     about 21 times the last one), and the rows since then are written to the tail file instead (at most that
-    share of the table). `read_table` joins the two; `flush` (at the run's end) leaves the main file alone, whole.
+    share of the table). `read_table` joins the two; `flush` (at the run's end) writes the main file whole and
+    removes the tail.
     A column a later round adds (a failure's `error`) or widens (int to float) is promoted as pandas would."""
 
     def __init__(self, path: Location, columns: list[str], fresh_rows: int | None = None,
@@ -181,7 +182,12 @@ def read_table(path: Location) -> pd.DataFrame:
         raise CheckpointError(f"{path}: missing (the run folder is incomplete)")
     main = _read_bytes(path)  # the main file first: a tail read after it follows this file or a later one
     tail = tail_of(path)
-    rest = _parquet(tail, pq.read_table, _read_bytes(tail)) if tail.is_file() else None
+    try:
+        rest = _parquet(tail, pq.read_table, _read_bytes(tail)) if tail.is_file() else None
+    except CheckpointError:
+        if tail.exists():
+            raise
+        rest = None  # removed meanwhile: the main file was rewritten whole after this one was read
     if rest is None or (rest.schema.metadata or {}).get(FOLLOWS_ROWS) != \
             str(_parquet(path, lambda f: pq.ParquetFile(f).metadata.num_rows, main)).encode():
         return _parquet(path, pd.read_parquet, main)

@@ -196,13 +196,15 @@ def test_a_large_table_is_rewritten_as_it_grows_by_a_share_with_the_rows_since_i
     assert written.count("clients.parquet") == 6
 
 
-def test_a_tail_that_does_not_follow_the_main_file_is_left_out_and_a_bad_one_is_named(tmp_path):
+def test_a_tail_that_does_not_follow_the_main_file_is_left_out_and_a_bad_one_is_named(tmp_path, monkeypatch):
     """A tail is joined only to the main file it follows: a main file rewritten since (the process stopped before
-    it removed the tail) already holds its rows, and a writer's first main file removes any tail it finds. A tail
-    that is not a table, or does not fit, is one line."""
+    it removed the tail) already holds its rows, and a writer's first main file removes any tail it finds; a tail
+    removed while it is read was joined to a later main file. A tail that is not a table, or does not fit, is one
+    line."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    import fedsim.results as results
     from fedsim.errors import CheckpointError
     from fedsim.results import FOLLOWS_ROWS, ROUND_COLUMNS, TableWriter, read_table
 
@@ -219,6 +221,17 @@ def test_a_tail_that_does_not_follow_the_main_file_is_left_out_and_a_bad_one_is_
     assert not tail.exists() and read_table(path)["round"].tolist() == [0, 1, 2]
     write_tail(2, round=[2], accuracy=[0.3])
     assert read_table(path)["round"].tolist() == [0, 1, 2]
+    write_tail(3, round=[3], accuracy=[0.4])
+    read_bytes = results._read_bytes
+
+    def removed_meanwhile(p):  # the live run rewrote the main file whole and removed the tail since it was read
+        if p == tail:
+            tail.unlink()
+        return read_bytes(p)
+
+    monkeypatch.setattr(results, "_read_bytes", removed_meanwhile)
+    assert read_table(path)["round"].tolist() == [0, 1, 2]
+    monkeypatch.undo()
     write_tail(3, round=["three"], accuracy=[0.4])
     with pytest.raises(CheckpointError, match=rf"^{tail}: does not fit rounds.parquet \("):
         read_table(path)
