@@ -101,11 +101,7 @@ class TableWriter:
         import pyarrow as pa
 
         if rows or self._table is None:
-            names = list(dict.fromkeys(k for r in rows for k in r))  # every key, in first-seen order, as pandas
-            chunk = pa.table({k: [r.get(k) for r in rows] for k in names})  # (a tenth of a DataFrame's cost)
-            # float32 metrics become float64, as pandas makes them once a later round leaves the column empty
-            chunk = chunk.cast(pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_floating(f.type) else f
-                                          for f in chunk.schema])).replace_schema_metadata(None)
+            chunk = _arrow_rows(rows)
             self._table = chunk if self._table is None else \
                 pa.concat_tables([self._table, chunk], promote_options="permissive")
             self._converted += len(rows)
@@ -137,10 +133,30 @@ class TableWriter:
         return table.select([c for c in self.columns if c in names] + [c for c in names if c not in self.columns])
 
 
-def _write_parquet(table: Any, path: str) -> None:
+def _arrow_rows(rows: list[dict]) -> Any:
+    """`rows` as an Arrow table: every key a column, in first-seen order, as pandas would make them."""
+    import pyarrow as pa
+
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    chunk = pa.table({k: [r.get(k) for r in rows] for k in names})  # (a tenth of a DataFrame's cost)
+    # float32 metrics become float64, as pandas makes them once a later round leaves the column empty
+    return chunk.cast(pa.schema([pa.field(f.name, pa.float64()) if pa.types.is_floating(f.type) else f
+                                 for f in chunk.schema])).replace_schema_metadata(None)
+
+
+def _write_parquet(table: Any, path: Any) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(table, path)
+
+
+def warm_up_tables() -> None:
+    """Convert and write a row of each kind once, in memory: the first conversion and write of a process cost
+    milliseconds of CPU, under the interpreter lock, which would otherwise fall in the first round's writes."""
+    import pyarrow as pa
+
+    table = _arrow_rows([{"round": 0, "status": "ok", "accuracy": 0.5, "error": None}, {"round": 1}])
+    _write_parquet(pa.concat_tables([table, table], promote_options="permissive"), pa.BufferOutputStream())
 
 
 def run_meta() -> dict:

@@ -175,8 +175,9 @@ class ResultsWriter(Callback):
         self._handed = [0, 0]  # rows of each table handed to the writes so far
 
     def on_setup_end(self, run: RunInfo) -> None:
-        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter
+        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter, warm_up_tables
 
+        warm_up_tables()
         self.run = run
         self.tables = (TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS),
                        TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS))
