@@ -138,6 +138,8 @@ class Env:
     num_samples: np.ndarray  # train samples per client id
     device: torch.device = torch.device("cpu")
     extras: dict[str, Any] = field(default_factory=dict)  # dataset extras (embedding tables, ...)
+    evaluation_models: dict[tuple[str, str], torch.nn.Module] = field(
+        default_factory=dict, init=False, repr=False, compare=False)  # fedsim.algorithms.toolkit.evaluation_model's
 
     @property
     def archs(self) -> list[str]:

@@ -51,6 +51,19 @@ def loaded_model(env: Env, arch: str, weights: Mapping[str, torch.Tensor],
     return model
 
 
+def evaluation_model(env: Env, arch: str, weights: Mapping[str, torch.Tensor],
+                     device: torch.device | str | None = None) -> Classifier:
+    """`arch` holding `weights`, to evaluate with: one instance per architecture and device, reused until the next
+    call (a new one draws initial weights only to overwrite them: 1.5 ms for the MLP, 3.6 ms for the CNN)."""
+    key = (arch, str(torch.device(device if device is not None else env.device)))
+    model = env.evaluation_models.get(key)
+    if model is None:
+        model = env.evaluation_models[key] = loaded_model(env, arch, weights, device)
+    else:
+        model.load_state_dict(weights)
+    return model
+
+
 def clone_state(model: torch.nn.Module) -> State:
     """A detached CPU copy of a model's state dict (what a client uploads)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -72,6 +85,6 @@ def seeded_model(env: Env, arch: str, seed: int) -> Classifier:
 def evaluate_models(env: Env, models: Mapping[str, State], x_test: torch.Tensor, y_test: torch.Tensor,
                     device: torch.device) -> list[dict[str, Any]]:
     """One row per global model ({"model": arch, "accuracy", "loss"}) on the test set."""
-    return [{"model": arch, **evaluate_classifier(loaded_model(env, arch, weights, device), x_test, y_test,
+    return [{"model": arch, **evaluate_classifier(evaluation_model(env, arch, weights, device), x_test, y_test,
                                                   env.config.eval.batch_size)}
             for arch, weights in models.items()]
