@@ -30,14 +30,39 @@ KW = [dict(lr=0.1), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, wei
       dict(lr=0.05, momentum=0.5, dampening=0.3), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)]
 
 
+@pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("kw", KW)
-def test_sgd_equals_torch_sgd_bit_for_bit(kw):
+def test_sgd_equals_torch_sgd_bit_for_bit(kw, foreach):
     a, b = _model(), _model()
     _steps(a, SGD(a.parameters(), **kw), 7)
-    _steps(b, torch.optim.SGD(b.parameters(), foreach=False, **kw), 7)
+    _steps(b, torch.optim.SGD(b.parameters(), foreach=foreach, **kw), 7)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
+
+
+def test_sgd_leaves_a_parameter_without_gradient_and_the_gradients_alone():
+    kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    a, b = _model(), _model()
+    for m in (a, b):
+        m[0].bias.requires_grad_(False)  # never trained
+    opt_a, opt_b = SGD(a.parameters(), **kw), torch.optim.SGD(b.parameters(), foreach=False, **kw)
+    frozen = a[2].bias.detach().clone()
+    for step in range(4):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            loss = m(x).sum() if step % 2 else m[0](x).sum()  # odd steps: the last layer gets no gradient
+            loss.backward()
+            before = [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
+            opt.step()
+            if opt is opt_a:  # our step reads the gradients without changing them
+                assert all(g is None and p.grad is None or torch.equal(g, p.grad)
+                           for g, p in zip(before, m.parameters(), strict=True))
+        if step == 0:
+            assert torch.equal(a[2].bias, frozen)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
 
 
 @pytest.mark.parametrize("ours_first", [True, False])
