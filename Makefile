@@ -34,7 +34,7 @@ bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the ben
 	$(BIN)/python -m bench.report results/bench/fedavg.json --readme
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
-	$(BIN)/python -m bench.scale_bench
+	$(BIN)/python -m bench.scale_bench --repeat 2
 	$(BIN)/python -m bench.report results/bench/fedavg.json --readme
 
 reproduce: $(STAMP)  ## rerun every method table of README.md (hours; resumes) and paste them into it
