@@ -21,6 +21,7 @@ from fedsim.client_archs import ClientArchs
 if TYPE_CHECKING:
     from fedsim.config import RunConfig
     from fedsim.local_training import LocalTraining
+    from fedsim.models import Classifier
     from fedsim.runtime.worker import ModelPool
 
 Reduce = Literal["each", "sum"]
@@ -138,7 +139,7 @@ class Env:
     num_samples: np.ndarray  # train samples per client id
     device: torch.device = torch.device("cpu")
     extras: dict[str, Any] = field(default_factory=dict)  # dataset extras (embedding tables, ...)
-    evaluation_models: dict[tuple[str, str], torch.nn.Module] = field(
+    evaluation_models: dict[tuple[str, str], Classifier] = field(
         default_factory=dict, init=False, repr=False, compare=False)  # fedsim.algorithms.toolkit.evaluation_model's
 
     @property
