@@ -25,7 +25,8 @@ from torch import nn
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
-MODELS = ("resnet8", "mlp")
+MODELS = ("resnet8", "mlp", "cnn")
+PARTITIONS = ("dirichlet", "iid")
 FILES = ("workload.json", "partition.npz", "draws.npy", "seeds.npy", "init.pt")
 
 
@@ -46,6 +47,7 @@ class Workload:
     lr: float = 0.01
     momentum: float = 0.9
     alpha: float = 0.5
+    partition: str = "dirichlet"  # or "iid": equal shards, as pfl-research's CIFAR-10 benchmark
     seed: int = 0
     data_seed: int = 0
     n_train: int = 20000
@@ -59,7 +61,10 @@ class Workload:
 
     def key(self) -> str:
         """Name of this workload's folder: the headline knobs plus a digest of all of them."""
-        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        knobs = asdict(self)
+        if knobs["partition"] == "dirichlet":  # the knob's first value stays out: older folders keep their names
+            del knobs["partition"]
+        digest = hashlib.sha1(json.dumps(knobs, sort_keys=True).encode()).hexdigest()[:10]
         return f"{self.model}-N{self.num_clients}-K{self.clients_per_round}-R{self.rounds}-{digest}"
 
     def with_(self, **kw) -> Workload:
@@ -110,10 +115,11 @@ class Prepared:
         """(client id, shuffle seed) of every client drawn in round `rnd` (0-based), in id order."""
         return [(int(c), int(s)) for c, s in zip(self.draws[rnd], self.seeds[rnd], strict=True)]
 
-    def client_data(self, cid: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Client `cid`'s images and labels as tensors."""
+    def client_data(self, cid: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Client `cid`'s images and labels as tensors on `device`."""
         idx = self.shard(cid)
-        return torch.from_numpy(np.ascontiguousarray(self.x_train[idx])), torch.from_numpy(self.y_train[idx])
+        x, y = torch.from_numpy(np.ascontiguousarray(self.x_train[idx])), torch.from_numpy(self.y_train[idx])
+        return x.to(device), y.to(device)
 
     def test_data(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The test set as tensors (a view of the memory-mapped file)."""
@@ -237,12 +243,30 @@ class MLP(nn.Module):
         return self.fc(self.features(x))
 
 
+class CNN(nn.Module):
+    """fedsim's `cnn`: conv3×3(32)-ReLU-conv3×3(64)-ReLU-maxpool-flatten-linear(128)-ReLU, linear head. It is
+    pfl-research's `simple_cnn` of its CIFAR-10 benchmark without the two dropout layers."""
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        size = (IMAGE_SHAPE[1] - 4) // 2
+        self.features = nn.Sequential(
+            nn.Conv2d(IMAGE_SHAPE[0], 32, 3), nn.ReLU(inplace=True), nn.Conv2d(32, 64, 3), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * size * size, 128), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(128, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x))
+
+
 def build_model(name: str) -> nn.Module:
     """The workload's model by name (its weights come from the prepared init.pt)."""
     if name == "resnet8":
         return ResNet8()
     if name == "mlp":
         return MLP()
+    if name == "cnn":
+        return CNN()
     raise BenchError(f"model: unknown model {name!r}; choose one of {list(MODELS)}")
 
 
@@ -296,10 +320,11 @@ def sgd_step(params: list[torch.Tensor], buffers: list[torch.Tensor | None], lr:
 
 
 def client_update(model: nn.Module, global_state: dict[str, torch.Tensor], p: Prepared, cid: int,
-                  seed: int) -> tuple[dict[str, torch.Tensor], int, float]:
-    """Load the global weights into `model`, train client `cid`; returns (its new state, samples, loss)."""
+                  seed: int, device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], int, float]:
+    """Load the global weights into `model` (on `device`), train client `cid`; returns (its new state, samples,
+    loss)."""
     model.load_state_dict(global_state)
-    x, y = p.client_data(cid)
+    x, y = p.client_data(cid, device)
     n, loss = train_client(model, x, y, p.workload, seed)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, n, loss
 
@@ -426,6 +451,64 @@ class TreeMemSampler(threading.Thread):
                 "peak_nproc": self.peak_nproc, "cpu_seconds": self.cpu_summary(),
                 "peak_breakdown_mb": [[pid, lab, round(r / 2**20, 1)]
                                       for pid, lab, r in sorted(self.peak_breakdown, key=lambda t: -t[2])][:8]}
+
+
+class GpuSampler(threading.Thread):
+    """GPU utilisation (NVML's share of time a kernel ran) and used memory of GPU 0, sampled every `interval` s with
+    wall-clock stamps, so a program can average them over its steady rounds. Idle (no samples) without a GPU or
+    without `pynvml` (nvidia-ml-py)."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.samples: list[tuple[float, int, int]] = []  # (time.time(), utilisation %, used bytes)
+        self._halt = threading.Event()
+        self._nvml = None
+        self._handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = pynvml
+        except Exception:  # no driver, no GPU or no pynvml: nothing to sample
+            self._nvml = None
+
+    @property
+    def active(self) -> bool:
+        return self._nvml is not None
+
+    def run(self) -> None:
+        while self._nvml is not None and not self._halt.is_set():
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu
+                used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+            except Exception:
+                return
+            self.samples.append((time.time(), int(util), int(used)))
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=5)
+
+    def fields(self, t0: float | None, t1: float | None) -> dict:
+        """Mean utilisation over the wall-clock window [t0, t1] (the steady rounds) and peak memory over the run;
+        empty without samples."""
+        if not self.samples:
+            return {}
+        inside = [u for t, u, _ in self.samples if t0 is not None and t1 is not None and t0 <= t <= t1]
+        return {"gpu_util_mean": round(float(np.mean(inside)), 1) if inside else None,
+                "gpu_util_samples": len(inside),
+                "gpu_mem_peak_mb": round(max(m for _, _, m in self.samples) / 2**20, 1)}
+
+
+def steady_window(round_end_wall: list[float]) -> tuple[float | None, float | None]:
+    """The wall-clock window of the steady rounds (after the first): from the first round's end to the last's."""
+    if len(round_end_wall) >= 2:
+        return round_end_wall[0], round_end_wall[-1]
+    return None, None
 
 
 def pss_interval_from_env() -> float:

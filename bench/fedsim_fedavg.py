@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo  # noqa: E402
 
 if TYPE_CHECKING:
-    from bench.common import TreeMemSampler, Workload
+    from bench.common import GpuSampler, TreeMemSampler, Workload
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,13 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         from actors.boot import RayBoot
 
         boot = RayBoot(None)
-    from bench.common import BenchError, TreeMemSampler, load_prepared, pss_interval_from_env
+    from bench.common import BenchError, GpuSampler, TreeMemSampler, load_prepared, pss_interval_from_env
 
     try:
         sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
         sampler.start()
+        gpu = GpuSampler()
+        gpu.start()
         w = load_prepared(args.workload).workload
-        return _run(args, w, sampler, boot)
+        return _run(args, w, sampler, gpu, boot)
     except (BenchError, FedsimError) as exc:
         print(f"fedsim_fedavg: error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +76,7 @@ class BenchClock(Callback):
     def __init__(self) -> None:
         self.t_loop = time.perf_counter()
         self.marks: list[float] = []
+        self.marks_wall: list[float] = []
         self.rows: list[dict] = []
         self.backend: dict = {}
 
@@ -84,6 +87,7 @@ class BenchClock(Callback):
     def on_round_end(self, round: int, rows: RoundRows) -> None:
         since = self.marks[-1] if self.marks else self.t_loop
         self.marks.append(time.perf_counter())
+        self.marks_wall.append(time.time())
         row = rows.row
         self.rows.append(row)
         print(f"[fedsim] round {round + 1}: {self.marks[-1] - since:.3f}s "
@@ -92,9 +96,9 @@ class BenchClock(Callback):
               f"acc={row.get('accuracy', float('nan')):.4f}", flush=True)
 
 
-def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, boot: Any) -> int:
+def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: GpuSampler, boot: Any) -> int:
     """Run the prepared workload through fedsim's driver, every round, and print RESULT_JSON."""
-    from bench.common import emit_result, load_prepared, round_summary
+    from bench.common import emit_result, load_prepared, round_summary, steady_window
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
@@ -112,6 +116,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, boot: A
                   inputs=prepared_inputs(cfg, args.workload))
     t_done = time.perf_counter()
     sampler.stop()
+    gpu.stop()
     marks, rows, t_loop = clock.marks, clock.rows, clock.t_loop
     starts = [t_loop] + marks[:-1]
     round_times = [b - a for a, b in zip(starts, marks, strict=True)]
@@ -126,7 +131,8 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, boot: A
         **round_summary(round_times, samples, T_START, t_done),
         "client_compute_seconds": [round(float(r.get("wall_clients_s", 0)), 3) for r in rows],
         "eval_seconds": [round(float(r.get("wall_eval_s", 0)), 3) for r in rows],
-        **sampler.fields(),
+        **sampler.fields(), **gpu.fields(*steady_window(clock.marks_wall)),
+        "batch_clients": str(cfg.runtime.batch_clients), "client_gpus": cfg.runtime.client_gpus,
         "final_accuracy": round(float(rows[-1].get("accuracy", float("nan"))), 4) if rows else None,
         "final_loss": round(float(rows[-1].get("loss", float("nan"))), 4) if rows else None,
         "run_dir": str(run_dir), "pid": os.getpid(),

@@ -2,6 +2,7 @@
 aggregation backend and its PyTorchModel, doing the same math as the plain loop.
 
     .venv-pfl/bin/python -m bench.pfl_fedavg --workload <folder from bench.prepare> [--processes 1|2] [--threads N]
+                                             [--device cpu|cuda]
 
 Run it from the repository root. `--processes 2` starts two workers through `torchrun` (pfl's documented way to
 run a simulation on several processes: each takes a share of every cohort, and the statistics are summed over
@@ -41,8 +42,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    CNN,
     MLP,
     BenchError,
+    GpuSampler,
     Prepared,
     ResNet8,
     TreeMemSampler,
@@ -51,6 +54,7 @@ from bench.common import (  # noqa: E402
     load_prepared,
     pss_interval_from_env,
     round_summary,
+    steady_window,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,12 +127,18 @@ class PflMLP(PflHooks, MLP):
     """bench.common's MLP (same state names) with pfl's hooks."""
 
 
+class PflCNN(PflHooks, CNN):
+    """bench.common's CNN (same state names) with pfl's hooks."""
+
+
 def build_pfl_model(name: str) -> nn.Module:
     """The workload's model with pfl's `loss` and `metrics` methods."""
     if name == "resnet8":
         return PflResNet8()
     if name == "mlp":
         return PflMLP()
+    if name == "cnn":
+        return PflCNN()
     raise BenchError(f"model: unknown model {name!r}")
 
 
@@ -230,7 +240,8 @@ def run_pfl(p: Prepared, threads: int, stats: Stats, log=print) -> dict[str, tor
     model = PyTorchModel(module, lambda params, lr: local_optimizer(params, lr, w.momentum),
                          ApplyMean(variables.values()))
     model.variable_map.update(variables)  # BatchNorm buffers join the average
-    x_test, y_test = p.test_data()
+    device = next(module.parameters()).device  # pfl's default device (PFL_PYTORCH_DEVICE), where it put the model
+    x_test, y_test = (t.to(device) for t in p.test_data())
     is_main = distributed.global_rank == 0
 
     class CentralEvaluation(TrainingProcessCallback):
@@ -273,7 +284,7 @@ def result_fields(p: Prepared, stats: Stats) -> dict:
     w = p.workload
     ends = [stats.loop_start, *stats.round_end]
     return {"round_times": [b - a for a, b in zip(ends, ends[1:])], "loop_start": stats.loop_start,
-            "last_round_end": stats.round_end[-1] if stats.round_end else None,
+            "last_round_end": stats.round_end[-1] if stats.round_end else None, "round_end_wall": stats.round_end,
             "samples": [int(p.shard_sizes()[p.draws[r]].sum()) for r in range(len(stats.round_end))],
             "final_accuracy": round(stats.acc[-1], 4) if stats.acc else None,
             "final_loss": round(stats.loss[-1], 4) if stats.loss else None, "rounds_done": len(stats.round_end),
@@ -283,7 +294,9 @@ def result_fields(p: Prepared, stats: Stats) -> dict:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.pfl_fedavg", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
-    ap.add_argument("--processes", type=int, default=1, choices=[1, 2], help="1: one process; 2: torchrun workers")
+    ap.add_argument("--processes", type=int, default=1, choices=[1, 2, 4], help="1: one process; more: torchrun "
+                                                                                 "workers")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pfl's device (PFL_PYTORCH_DEVICE)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: 2 for one process, 1 each "
                                                             "for two)")
     ap.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)  # set by the launcher for its workers
@@ -304,7 +317,7 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace) -> dict:
-    """Start `torchrun` with two workers on this host and read the main worker's measurements back."""
+    """Start `torchrun` with `--processes` workers on this host and read the main worker's measurements back."""
     torchrun = Path(sys.executable).with_name("torchrun")
     if not torchrun.is_file():
         raise BenchError(f"{torchrun}: not found; --processes 2 needs pfl's venv with torch")
@@ -314,8 +327,8 @@ def launch(args: argparse.Namespace) -> dict:
                "bench.pfl_fedavg", "--workload", str(args.workload), "--threads", str(args.threads),
                "--worker-result", str(out)]
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PFL_PYTORCH_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
-               "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": path}
+        env = {**os.environ, "PFL_PYTORCH_DEVICE": args.device, "OMP_NUM_THREADS": str(args.threads),
+               "PYTHONPATH": path, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
         rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
         if rc != 0 or not out.is_file():
             raise BenchError(f"torchrun workers failed (exit {rc}); see the output above")
@@ -329,12 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
         sampler.start()
+        gpu = GpuSampler()
+        gpu.start()
         p = load_prepared(args.workload)
         w = p.workload
         print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
-              f"processes={args.processes} threads={args.threads}", flush=True)
+              f"processes={args.processes} threads={args.threads} device={args.device}", flush=True)
         if args.processes == 1:
-            os.environ.setdefault("PFL_PYTORCH_DEVICE", "cpu")
+            os.environ["PFL_PYTORCH_DEVICE"] = args.device
             stats = Stats()
             run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
             measured = result_fields(p, stats)
@@ -346,16 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     t_done = time.perf_counter()
     t_done_wall = time.time()
     sampler.stop()
+    gpu.stop()
     import pfl
 
     emit_result({
         "system": "pfl" if args.processes == 1 else "pfl_multiprocess", "tag": args.tag, "pfl": pfl.__version__,
         "N": w.num_clients, "K": w.clients_per_round, "R": w.rounds, "E": w.local_epochs, "model": w.model,
-        "processes": args.processes, "threads": args.threads,
+        "processes": args.processes, "threads": args.threads, "device": args.device,
         "startup_seconds": round(measured["loop_start"] - T_START_WALL, 3),
         "shutdown_seconds": round(t_done_wall - measured["last_round_end"], 3) if measured["last_round_end"] else None,
         **round_summary(measured["round_times"], measured["samples"], T_START, t_done),
-        **sampler.fields(),
+        **sampler.fields(), **gpu.fields(*steady_window(measured.get("round_end_wall", []))),
         "final_accuracy": measured["final_accuracy"], "final_loss": measured["final_loss"], "pid": os.getpid(),
     })
     return 0

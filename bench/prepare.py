@@ -3,8 +3,8 @@
     python -m bench.prepare [-N 100] [-K 10] [-R 5] [--model resnet8] [--cache results/bench/cache]
 
 Prints the workload folder. Everything is derived from the seeds with fedsim's own pieces: the synthetic
-images (`fedsim.data.synthetic`), the Dirichlet partition (`fedsim.data.partition`, at least one sample
-per client), the initial weights (fedsim's model, seeded by the run seed) and each drawn client's shuffle
+images (`fedsim.data.synthetic`), the partition (`fedsim.data.partition`: Dirichlet with at least one sample
+per client, or iid), the initial weights (fedsim's model, seeded by the run seed) and each drawn client's shuffle
 seed (`fedsim.runtime.setup.client_seed`, what fedsim's workers use). Per round, K of the N clients are
 drawn without replacement from `default_rng([seed, round])`. Files:
 
@@ -29,13 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import MODELS, BenchError, Workload
+from bench.common import MODELS, PARTITIONS, BenchError, Workload
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / "results" / "bench" / "cache"
 MIN_SAMPLES = 1  # 10,000 clients share 20,000 images: every client gets at least one
 # fedsim's options that give the workload's models: ResNet-8 with PyTorch's default layer init, a 3072-64-10 MLP
-MODEL_OPTIONS = {"resnet8": {"init": "torch"}, "mlp": {"hidden": 64, "layers": 1}}
+MODEL_OPTIONS: dict[str, dict] = {"resnet8": {"init": "torch"}, "mlp": {"hidden": 64, "layers": 1}, "cnn": {}}
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -44,7 +44,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     for f in fields(Workload):
         flags = [f"--{f.name.replace('_', '-')}"] + ([short[f.name]] if f.name in short else [])
         kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-        extra = {"choices": list(MODELS)} if f.name == "model" else {}
+        extra = {"choices": list(MODELS)} if f.name == "model" else {"choices": list(PARTITIONS)} \
+            if f.name == "partition" else {}
         ap.add_argument(*flags, type=kind, default=f.default, **extra)
 
 
@@ -66,6 +67,8 @@ def check(w: Workload) -> None:
     if w.num_clients * MIN_SAMPLES > w.n_train:
         raise BenchError(f"--num-clients: {w.num_clients} clients need at least {w.num_clients} training images, "
                          f"--n-train is {w.n_train}")
+    if w.partition not in PARTITIONS:
+        raise BenchError(f"--partition: unknown partition {w.partition!r}; choose one of {list(PARTITIONS)}")
     if w.alpha <= 0 or w.lr <= 0 or w.momentum < 0:
         raise BenchError("--alpha and --lr must be > 0 and --momentum >= 0")
 
@@ -137,7 +140,7 @@ def prepare(w: Workload, cache: str | Path = DEFAULT_CACHE, log: Callable[[str],
     if log:
         log(f"preparing {folder}")
     y_train = np.load(data_dir / "y_train.npy", allow_pickle=False)
-    parts = partition(y_train, w.num_clients, "dirichlet", w.seed, alpha=w.alpha, min_samples=MIN_SAMPLES)
+    parts = partition(y_train, w.num_clients, w.partition, w.seed, alpha=w.alpha, min_samples=MIN_SAMPLES)
     offsets = np.zeros(w.num_clients + 1, np.int64)
     np.cumsum([len(p) for p in parts], out=offsets[1:])
     state = initial_state(w)

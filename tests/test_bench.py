@@ -67,7 +67,7 @@ def test_a_folder_prepared_with_other_client_seeds_is_prepared_again(tmp_path):
     assert prepare(w, tmp_path, messages.append) == folder and len(messages) == 2  # current: reused as is
 
 
-@pytest.mark.parametrize("arch", ["mlp", "resnet8"])
+@pytest.mark.parametrize("arch", ["mlp", "resnet8", "cnn"])
 def test_bench_models_are_fedsims(arch):
     """Same parameter and buffer names, shapes and dtypes; the same state dict gives the same outputs."""
     from fedsim.models import build_model as fedsim_model
@@ -218,3 +218,82 @@ def test_every_venvs_shared_libraries_are_dropped_from_the_page_cache(tmp_path):
     said: list[str] = []
     assert drop_cached_libraries([tmp_path / "v", tmp_path / "absent"], said.append) == 3
     assert said == ["dropped 3 shared libraries of 2 venvs from the page cache"]
+
+
+def test_workload_partition_knob_keeps_older_folder_names_and_iid_gives_equal_shards(tmp_path):
+    """The partition knob's first value (Dirichlet) stays out of the folder's digest, so folders prepared before the
+    knob existed keep their names; iid (pfl-research's CIFAR-10 shape) gives every client the same shard size."""
+    import hashlib
+    from dataclasses import asdict
+
+    w = TINY["mlp"]
+    before = {k: v for k, v in asdict(w).items() if k != "partition"}
+    digest = hashlib.sha1(json.dumps(before, sort_keys=True).encode()).hexdigest()[:10]
+    assert w.key() == f"mlp-N6-K3-R3-{digest}"
+    iid = w.with_(partition="iid")
+    assert iid.key() != w.key()
+    p = load_prepared(prepare(iid, tmp_path))
+    assert p.shard_sizes().tolist() == [100] * 6
+    assert sorted(p.flat.tolist()) == list(range(600))  # every image once
+    with pytest.raises(BenchError, match="--partition: unknown partition 'shards'"):
+        prepare(w.with_(partition="shards"), tmp_path)
+
+
+def test_gpu_sampler_averages_over_the_steady_window_and_is_idle_without_nvml(monkeypatch):
+    from types import SimpleNamespace
+
+    from bench.common import GpuSampler, steady_window
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py: nothing is sampled, no fields
+    idle = GpuSampler()
+    assert not idle.active and idle.fields(0.0, 1.0) == {}
+    idle.start()
+    idle.stop()
+    assert idle.samples == []
+    readings = iter([(40, 3 * 2**20), (90, 5 * 2**20)])
+
+    def utilisation(handle):
+        util, _ = next(readings)
+        return SimpleNamespace(gpu=util)
+
+    fake = SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: "gpu0",
+                           nvmlDeviceGetUtilizationRates=utilisation,
+                           nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=7 * 2**20))
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    gpu = GpuSampler()
+    assert gpu.active
+    gpu.samples = [(1.0, 10, 2**20), (2.0, 40, 3 * 2**20), (3.0, 90, 5 * 2**20), (4.0, 0, 2**20)]
+    assert steady_window([1.5, 2.5, 3.5]) == (1.5, 3.5) and steady_window([1.5]) == (None, None)
+    fields = gpu.fields(*steady_window([1.5, 2.5, 3.5]))
+    assert fields == {"gpu_util_mean": 65.0, "gpu_util_samples": 2, "gpu_mem_peak_mb": 5.0}
+    assert gpu.fields(None, None)["gpu_util_mean"] is None
+    gpu.samples = []
+    gpu.run()  # samples until the fake runs out of readings (an NVML error ends the thread quietly)
+    assert [u for _, u, _ in gpu.samples] == [40, 90]
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
+    """`python -m bench.gpu_bench --device cpu` on a tiny pfl-shaped workload: the plain loop and fedsim, one client
+    after another and batched, each its own process; the same math (the plain loop's accuracy); the table, JSON and
+    CSV written."""
+    from bench import gpu_bench
+
+    out = tmp_path / "out"
+    rc = gpu_bench.main(["--configs", "P", "--rounds", "2", "--n-train", "1000", "--n-test", "100", "--device", "cpu",
+                         "--systems", "plain,fedsim_seq,fedsim_batched", "--out", str(out), "--cache",
+                         str(tmp_path / "cache"), "--timeout", "600"])
+    assert rc == 0
+    runs = json.loads((out / "gpu.json").read_text())["runs"]
+    assert [r["system"] for r in runs] == ["plain", "fedsim_seq", "fedsim_batched"]
+    assert [r["status"] for r in runs] == ["ok"] * 3, [r["log"] for r in runs]
+    plain, seq, batched = runs
+    assert seq["final_accuracy"] == plain["final_accuracy"]  # the same math, as on the GPU (0.824 in both)
+    assert abs(batched["final_accuracy"] - seq["final_accuracy"]) <= 0.02  # batched: to float rounding
+    assert (seq["batch_clients"], batched["batch_clients"]) == ("False", "True")
+    assert all(r["R"] == 2 and r["K"] == 50 and r["model"] == "cnn" and r["seconds_per_round"] > 0 for r in runs)
+    assert all("gpu_util_mean" not in r for r in runs)  # no GPU here: no utilisation is claimed
+    md = (out / "gpu.md").read_text()
+    assert "| P: N=1000, K=50, R=2, cnn, batch 10 | fedsim local, batched |" in md
+    assert len((out / "gpu.csv").read_text().splitlines()) == 4
+    assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
