@@ -13,6 +13,9 @@ gives the same bits.
 `WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
 rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
 Partial sums are still merged exactly.
+
+A worker whose clients train on a GPU sums there (`WeightedSum(device=...)`, the torch operations, the same bits) and
+hands the sum over on the CPU (`to_cpu`): a client's upload then never leaves the GPU.
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ class _Flat:
         self.segments = _segments(layout)
 
     @classmethod
-    def of(cls, payload: dict[str, torch.Tensor], weight: float) -> _Flat:
-        """The accumulators holding w·payload (hi) and zeros (lo)."""
-        hi = torch.empty(sum(v.numel() for v in payload.values()), dtype=torch.float64)
+    def of(cls, payload: dict[str, torch.Tensor], weight: float, device: torch.device | None = None) -> _Flat:
+        """The accumulators holding w·payload (hi) and zeros (lo), on `device` (default: the CPU)."""
+        hi = torch.empty(sum(v.numel() for v in payload.values()), dtype=torch.float64, device=device)
         flat = cls(_layout(payload), hi, torch.zeros_like(hi))
         flat.load(hi, payload)
         hi.mul_(weight)
@@ -108,7 +111,7 @@ class _Flat:
         """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
         weight·payload, rounded). With the compiled loop, segment by segment (the same elementwise arithmetic, so
         the same bits)."""
-        if exact and twosum.compiled():
+        if exact and self._compiled():
             self._add_in_place(payload, weight)
             return
         term, spare, views = self._scratch(exact)
@@ -120,11 +123,19 @@ class _Flat:
         else:
             self.hi.add_(term, alpha=weight)
 
+    def _compiled(self) -> bool:
+        """Whether the compiled loop adds here (it runs on the CPU only)."""
+        return self.hi.device.type == "cpu" and twosum.compiled()
+
+    def to_cpu(self) -> None:
+        """Move the accumulators to the CPU (the term buffers go: the next add makes new ones)."""
+        self.hi, self.lo, self._term = self.hi.cpu(), self.lo.cpu(), None
+
     def _scratch(self, exact: bool) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """The term buffer (its per-key views), and a spare for hi where the torch operations add."""
         if self._term is None:
             term = torch.empty_like(self.hi)
-            spare = torch.empty_like(self.hi) if exact and not twosum.compiled() else None
+            spare = torch.empty_like(self.hi) if exact and not self._compiled() else None
             self._term = (term, spare, self.views(term))
         return self._term
 
@@ -155,8 +166,9 @@ class WeightedSum:
     """Σ w_k·p_k over dicts of tensors, with hi/lo float64 accumulators per key (flat while the layout holds);
     `exact=False` rounds each flat addition (see the module's docstring)."""
 
-    def __init__(self, exact: bool = True) -> None:
+    def __init__(self, exact: bool = True, device: str | torch.device | None = None) -> None:
         self.exact = exact
+        self.device = torch.device(device) if device is not None else torch.device("cpu")  # where it accumulates
         self._hi: dict[str, torch.Tensor] = {}
         self._lo: dict[str, torch.Tensor] = {}
         self._flat: _Flat | None = None
@@ -189,20 +201,29 @@ class WeightedSum:
         if self._flat is not None and self._flat.fits(payload):
             self._flat.add(payload, weight, self.exact)
         elif self._empty():
-            self._flat = _Flat.of(payload, weight)
+            self._flat = _Flat.of(payload, weight, self.device)
         else:
             self._add_by_key(payload, weight, client)
         self.weight += weight
         self.count += 1
 
     def _add_by_key(self, payload: dict[str, torch.Tensor], weight: float, client: int | str) -> None:
-        terms = {k: v.detach().to("cpu", torch.float64, copy=True, memory_format=torch.contiguous_format).mul_(weight)
-                 for k, v in payload.items()}
+        terms = {k: v.detach().to(self.device, torch.float64, copy=True, memory_format=torch.contiguous_format)
+                 .mul_(weight) for k, v in payload.items()}
         self._fold_by_key(terms, None, lambda k, new, old: f"aggregate: client {client} sent {k!r} with shape "
                                                           f"{new}, the others {old}")
 
+    def to_cpu(self) -> WeightedSum:
+        """This sum with its accumulators on the CPU, where sums are merged and sent (returns itself)."""
+        if self._flat is not None:
+            self._flat.to_cpu()
+        self._hi = {k: v.cpu() for k, v in self._hi.items()}
+        self._lo = {k: v.cpu() for k, v in self._lo.items()}
+        self.device = torch.device("cpu")
+        return self
+
     def merge(self, other: WeightedSum) -> None:
-        """Fold in another partial sum (from another worker)."""
+        """Fold in another partial sum (from another worker); both on the same device."""
         if other._flat is not None and (self._empty() or (self._flat is not None
                                                           and self._flat.layout == other._flat.layout)):
             if self._flat is None:
@@ -241,14 +262,16 @@ class WeightedSum:
         transport) hands those over as raw buffers, where a tensor goes through torch's own serializer, which cost a
         worker 2.5-18 ms per 3 MB reply (bench config C). A flat lo that is all +0.0 (every product and sum exact,
         the usual case for float32 payloads) is left out: half the bytes."""
-        state: dict[str, Any] = {**self.__dict__, "_hi": _to_numpy(self._hi), "_lo": _to_numpy(self._lo)}
+        state: dict[str, Any] = {**self.__dict__, "_hi": _to_numpy(self._hi), "_lo": _to_numpy(self._lo),
+                                 "device": torch.device("cpu")}  # it arrives on the CPU, wherever it was summed
         if self._flat is not None:
-            lo = self._flat.lo.numpy()  # sent only when some entry's bits are not +0.0's (a -0.0 is kept as it is)
-            state["_flat"] = (self._flat.layout, self._flat.hi.numpy(), lo if lo.view(np.int64).any() else None)
+            lo = self._flat.lo.cpu().numpy()  # sent only when some entry's bits are not +0.0's (-0.0 is kept as is)
+            state["_flat"] = (self._flat.layout, self._flat.hi.cpu().numpy(), lo if lo.view(np.int64).any() else None)
         return state
 
     def __setstate__(self, state: dict) -> None:
         flat = state.pop("_flat")
+        state.setdefault("device", torch.device("cpu"))
         self.__dict__.update(state, _hi=_from_numpy(state["_hi"]), _lo=_from_numpy(state["_lo"]))
         if flat is not None:  # a low-order part left all zero (every product and sum exact, as is usual) is not sent
             lo = torch.zeros(len(flat[1]), dtype=torch.float64) if flat[2] is None else _tensor(flat[2])
@@ -268,7 +291,7 @@ def _tensor(a: Any) -> torch.Tensor:
 
 
 def _to_numpy(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {k: v.numpy() for k, v in tensors.items()}
+    return {k: v.cpu().numpy() for k, v in tensors.items()}
 
 
 def _from_numpy(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ class Kernels(NamedTuple):
     f32: Kernel
 
 
-_scratch: dict[tuple[int, int], torch.Tensor] = {}  # the torch adds' buffers, by element count and use
+_scratch: dict[tuple[int, int, str], torch.Tensor] = {}  # the torch adds' buffers: element count, use, device
 _engines: list = []  # the LLVM engines that own the loaded machine code, kept for the process's life
 
 
@@ -104,17 +104,19 @@ def _kernels() -> Kernels | None:
         return None
 
 
-def _check(t: torch.Tensor, written: bool) -> None:
-    """A buffer the loop may take: a CPU float64 tensor, contiguous when it is written to."""
-    if t.dtype != torch.float64 or t.device.type != "cpu":
-        raise TypeError(f"TwoSum buffers are CPU float64 tensors, got {t.dtype} on {t.device}")
+def _check(t: torch.Tensor, written: bool, device: torch.device | None = None) -> None:
+    """A buffer the adds may take: a float64 tensor (on `device` where given, else the CPU), contiguous when it is
+    written to."""
+    want = device if device is not None else torch.device("cpu")
+    if t.dtype != torch.float64 or t.device != want:
+        raise TypeError(f"TwoSum buffers are float64 tensors on {want}, got {t.dtype} on {t.device}")
     if written and not t.is_contiguous():
         raise ValueError("TwoSum accumulators must be contiguous (they are written in place)")
 
 
-def _flat(t: torch.Tensor, written: bool = False) -> torch.Tensor:
+def _flat(t: torch.Tensor, written: bool = False, device: torch.device | None = None) -> torch.Tensor:
     """`t` as one flat run of memory, checked (its own memory when it is written to)."""
-    _check(t, written)
+    _check(t, written, device)
     return t.detach().contiguous().view(-1)
 
 
@@ -136,12 +138,14 @@ def add_scaled(hi: torch.Tensor, lo: torch.Tensor, term: torch.Tensor, weight: f
     the tensor that holds the new hi. That is `hi`, unless `out` (a spare buffer like hi) is given and the torch
     operations ran: then it is `out`, and `hi` is left as scratch. `term` is scratch too. `product_exact`: the
     caller knows weight·term is exact in float64 (a term from float32 and a weight of few significant bits), so
-    the torch operations may fold the product into the sums."""
-    flats = (_flat(hi, True), _flat(lo, True), _flat(term, True))
-    spare = None if out is None else _flat(out, True)
+    the torch operations may fold the product into the sums. The buffers may lie on a GPU, all on the same one: the
+    torch operations add there, with the same bits (IEEE float64, one rounding per operation)."""
+    device = hi.device
+    flats = (_flat(hi, True, device), _flat(lo, True, device), _flat(term, True, device))
+    spare = None if out is None else _flat(out, True, device)
     _same_size(*flats, *(() if spare is None else (spare,)))
     _apart(*flats, *(() if spare is None else (spare,)))
-    kernels = _kernels()
+    kernels = _kernels() if device.type == "cpu" else None
     if kernels is not None:
         kernels.f64(flats[0].data_ptr(), flats[1].data_ptr(), flats[2].data_ptr(), float(weight), flats[0].numel())
         return hi
@@ -177,7 +181,7 @@ def add_scaled_at(hi: torch.Tensor, lo: torch.Tensor, offset: int, term: torch.T
 
 
 def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
-    key = (like.numel(), slot)
+    key = (like.numel(), slot, str(like.device))
     if key not in _scratch:
         _scratch[key] = torch.empty_like(like)
     return _scratch[key]
@@ -209,7 +213,9 @@ def _add_scaled_torch(hi: torch.Tensor, lo: torch.Tensor, b: torch.Tensor, weigh
 def merge(hi: torch.Tensor, lo: torch.Tensor, other_hi: torch.Tensor, other_lo: torch.Tensor) -> None:
     """hi + lo += other_hi + other_lo, elementwise (another partial sum folded in). Torch operations: a round merges
     one partial sum per worker, so the driver need not load the compiled loop for it."""
-    _same_size(_flat(hi, True), _flat(lo, True), _flat(other_hi), _flat(other_lo))
+    device = hi.device
+    _same_size(_flat(hi, True, device), _flat(lo, True, device), _flat(other_hi, False, device),
+               _flat(other_lo, False, device))
     s = hi + other_hi
     bp = s - hi
     lo += ((hi - (s - bp)) - (bp - other_hi)) + other_lo

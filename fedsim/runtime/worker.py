@@ -132,7 +132,8 @@ class ClientWorker:
         """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
         start = time.perf_counter()
         late_set = set(late or ())
-        summed = WeightedSum(exact=self.exact_sum) if phase.reduce == "sum" else None
+        # a GPU worker sums its clients' uploads where they were trained, and hands the sum over on the CPU
+        summed = WeightedSum(exact=self.exact_sum, device=self.device) if phase.reduce == "sum" else None
         ids = sorted(client_ids)
         for stream in (CLIENT_STREAM, DROPOUT_STREAM):  # each client's seeds of the phase, derived all at once
             rng.prefetch(self.seed, stream, round, ids, phase_index)
@@ -163,7 +164,8 @@ class ClientWorker:
                 res, exc = None, err
             outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,
                                          phase.name)
-        return WorkerReply([outcomes[cid] for cid in ids], summed, time.perf_counter() - start,
+        return WorkerReply([outcomes[cid] for cid in ids], summed.to_cpu() if summed is not None else None,
+                           time.perf_counter() - start,
                            info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills,
                                  "states": len(self.store)})
 

@@ -195,3 +195,35 @@ def test_partial_sums_of_different_shapes_do_not_merge_and_the_sum_is_untouched(
     with pytest.raises(AggregationError, match="partial sums disagree on the shape of 'w': \\(4,\\) vs \\(3,\\)"):
         a.merge(b)
     assert a.count == 2 and all(torch.equal(a.totals()[k], v) for k, v in before.items())
+
+
+def test_a_sum_kept_on_a_device_is_handed_over_on_the_cpu_with_the_same_bits(monkeypatch):
+    """A worker sums on its device (`WeightedSum(device=...)`, the torch operations) and hands the sum over with
+    `to_cpu`; here the device is the CPU with the compiled loop switched off, the arithmetic a GPU does (its bits
+    against the CPU's were checked on an H100: equal). Pickled, a sum arrives on the CPU, and a sum pickled before
+    sums had a device still loads."""
+    import pickle
+
+    from fedsim.runtime import twosum
+
+    g = torch.Generator().manual_seed(3)
+    payloads = [{"a": torch.randn(300, 7, generator=g), "b": torch.randint(0, 9, (4,), generator=g)} for _ in range(9)]
+    weights = [float(w) for w in torch.randint(1, 90, (9,), generator=g)] + [0.1]
+    payloads.append({"a": torch.randn(300, 7, generator=g), "b": torch.tensor([1, 2, 3, 4])})
+    compiled = WeightedSum()
+    for p, w in zip(payloads, weights):
+        compiled.add(p, w)
+    monkeypatch.setattr(twosum, "_kernels", lambda: None)  # the torch operations, as on a GPU
+    on_device = WeightedSum(device="cpu")
+    for p, w in zip(payloads, weights):
+        on_device.add(p, w)
+    assert on_device.to_cpu() is on_device and on_device.device == torch.device("cpu")
+    for k in ("a", "b"):
+        assert torch.equal(on_device.hi[k], compiled.hi[k]) and torch.equal(on_device.lo[k], compiled.lo[k])
+    back = pickle.loads(pickle.dumps(on_device))
+    assert back.device == torch.device("cpu") and torch.equal(back.totals()["a"], compiled.totals()["a"])
+    state = on_device.__getstate__()
+    del state["device"]  # as an older fedsim pickled it
+    old = WeightedSum.__new__(WeightedSum)
+    old.__setstate__(state)
+    assert old.device == torch.device("cpu") and torch.equal(old.totals()["b"], compiled.totals()["b"])

@@ -85,6 +85,11 @@ def test_buffers_the_loops_cannot_take_are_refused_before_anything_is_written(wa
         twosum.add_scaled(whole[:4], whole[2:6], torch.ones(4, dtype=torch.float64), 1.0)
     with pytest.raises(ValueError, match="overlap"):
         twosum.add_scaled(hi, lo, torch.ones(4, dtype=torch.float64), 1.0, out=hi)
+    meta = torch.empty(4, dtype=torch.float64, device="meta")  # a buffer on another device than hi's
+    with pytest.raises(TypeError, match="float64 tensors on cpu, got torch.float64 on meta"):
+        twosum.add_scaled(hi, lo, meta, 1.0)
+    with pytest.raises(TypeError, match="on cpu, got torch.float64 on meta"):
+        twosum.merge(hi, lo, meta, torch.zeros(4, dtype=torch.float64))
     assert not hi.any() and not lo.any() and not strided.any() and not whole.any()
 
 
