@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.report", description="print the speed table of a summary")
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
     ap.add_argument("--readme", nargs="?", const=str(REPO / "README.md"), default=None, metavar="FILE",
-                    help="write FILE's <!-- bench:fedavg --> block from the summary and <!-- bench:scale --> from "
-                         "scale.md beside it (default FILE: README.md)")
+                    help="write FILE's <!-- bench:fedavg --> block from the summary, and <!-- bench:scale --> and "
+                         "<!-- bench:gpu --> from scale.md and gpu.md beside it (default FILE: README.md)")
     args = ap.parse_args(argv)
     try:
         data = read_summary(args.summary)
@@ -346,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             path = Path(args.summary).resolve()
             source = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else args.summary
             blocks = {"fedavg": readme_block(data, source)}
-            scale = Path(args.summary).resolve().parent / "scale.md"
-            if scale.is_file():  # make bench-scale's report, when there is one beside the summary
-                blocks["scale"] = markdown_block(scale)
+            for name in ("scale", "gpu"):  # make bench-scale's and bench.gpu_bench's reports, when beside it
+                md = Path(args.summary).resolve().parent / f"{name}.md"
+                if md.is_file():
+                    blocks[name] = markdown_block(md)
             try:
                 paste_blocks(Path(args.readme), "bench", blocks)
             except FedsimError as exc:
