@@ -166,6 +166,15 @@ def check_finite(metrics: Mapping[str, float], state: Mapping[str, torch.Tensor]
     for k, v in metrics.items():
         if k.endswith("train_loss") and not math.isfinite(v):
             raise FloatingPointError(f"local training diverged: {k} is {v}")
-    for k, t in state.items():  # a finite sum means finite entries, and summing is far cheaper than isfinite
-        if t.is_floating_point() and not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
+    floats = [(k, t) for k, t in state.items() if t.is_floating_point()]
+    if floats and floats[0][1].device.type != "cpu" and all_finite_at_once([t for _, t in floats]):
+        return  # on a GPU one wait for all tensors instead of one per tensor
+    for k, t in floats:  # a finite sum means finite entries, and summing is far cheaper than isfinite
+        if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
             raise FloatingPointError(f"local training diverged: weight {k!r} is not finite")
+
+
+def all_finite_at_once(tensors: list[torch.Tensor]) -> bool:
+    """True when the sum of the tensors' sums is finite, which means every entry is (an inf or NaN entry makes its
+    sum, and so the total, inf or NaN); False says only that some sum overflowed or some entry is not finite."""
+    return math.isfinite(float(torch.stack([t.detach().sum().double() for t in tensors]).sum()))

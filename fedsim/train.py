@@ -71,7 +71,7 @@ def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: 
     """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), train)
-    total, count, steps = 0.0, 0, 0
+    total, count, steps = LossTotal(x.device), 0, 0
     for idx in batch_indices(len(y), train.batch_size, generator, train.epochs, train.steps, x.device):
         xb, yb = x.index_select(0, idx), y.index_select(0, idx)  # x[idx]'s rows at a third of its overhead
         loss = F.cross_entropy(model(xb), yb)
@@ -80,10 +80,30 @@ def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        total += float(loss.detach()) * len(idx)
+        total.add(loss, len(idx))
         count += len(idx)
         steps += 1
-    return {"train_loss": total / max(count, 1), "steps": float(steps)}
+    return {"train_loss": total.value() / max(count, 1), "steps": float(steps)}
+
+
+class LossTotal:
+    """Σ loss·samples over a client's steps, in float64. On a GPU it is kept there, so no step waits for the GPU
+    to finish the last one before queueing the next (`float(loss)` would); the arithmetic is the same float64
+    either way (a float32 loss widens exactly), so the total has the same bits on every device."""
+
+    def __init__(self, device: torch.device, on_device: bool | None = None) -> None:
+        self.on_device = device.type != "cpu" if on_device is None else on_device
+        self._sum: torch.Tensor | float = torch.zeros((), dtype=torch.float64, device=device) if self.on_device \
+            else 0.0
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        if isinstance(self._sum, torch.Tensor):
+            self._sum = self._sum + loss.detach().double() * samples
+        else:
+            self._sum += float(loss.detach()) * samples
+
+    def value(self) -> float:
+        return float(self._sum)
 
 
 @torch.no_grad()

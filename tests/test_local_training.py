@@ -47,3 +47,28 @@ def test_load_weights_leaves_anything_but_a_plain_copy_to_load_state_dict() -> N
     target.fc.register_load_state_dict_pre_hook(lambda module, state, prefix, *rest: seen.append(prefix))
     load_weights(target, start)
     assert seen == ["fc."] and torch.equal(target.fc.bias, start["fc.bias"].float())
+
+
+def test_a_gpu_clients_loss_total_and_finite_check_wait_once_with_the_same_answers() -> None:
+    """On a GPU, train_classifier keeps its loss total on the device and check_finite sums all weights before
+    reading one number; run here on CPU tensors, both give what the per-step and per-tensor reads give."""
+    from fedsim.local_training import all_finite_at_once
+    from fedsim.train import LossTotal
+
+    g = torch.Generator().manual_seed(5)
+    losses = [torch.rand((), generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)) for _ in range(40)]
+    sizes = [int(n) for n in torch.randint(1, 33, (40,), generator=g)]
+    kept, read = LossTotal(torch.device("cpu"), on_device=True), LossTotal(torch.device("cpu"))
+    assert kept.on_device and not read.on_device
+    for loss, n in zip(losses, sizes):
+        kept.add(loss, n)
+        read.add(loss, n)
+    assert kept.value() == read.value() and isinstance(kept.value(), float)
+    weights = [torch.randn(30, generator=g), torch.randn(4, 3, generator=g).double()]
+    assert all_finite_at_once(weights)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = [weights[0].clone(), weights[1]]
+        broken[0][7] = bad
+        assert not all_finite_at_once(broken)
+    huge = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows: not all finite "at once"
+    assert not all_finite_at_once([huge]) and bool(torch.isfinite(huge).all())
