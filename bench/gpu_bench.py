@@ -102,6 +102,15 @@ def gpu_name() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+def _cuda(python: str) -> bool:
+    """Whether the programs' interpreter sees a CUDA device."""
+    import subprocess
+
+    proc = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
+                          text=True, timeout=300)
+    return proc.stdout.strip() == "True"
+
+
 def versions(python: str) -> dict:
     import subprocess
 
@@ -126,14 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = [c.strip().upper() for c in args.configs.split(",") if c.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    bad = [c for c in names if c not in CONFIGS] + [s for s in systems if s not in SYSTEMS]
+    bad = [f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}" for c in names if c not in CONFIGS] + [
+        f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}" for s in systems if s not in SYSTEMS]
     if bad:
-        ap.error(f"unknown config or system {bad[0]!r}; configs {list(CONFIGS)}, systems {SYSTEMS}")
+        print(f"bench.gpu_bench: error: {bad[0]}", file=sys.stderr)
+        return 2
     over = {k: v for k, v in (("rounds", args.rounds), ("n_train", args.n_train), ("n_test", args.n_test))
             if v is not None}
     configs = {c: CONFIGS[c].with_(**over) for c in names}
+    if args.device == "cuda" and not _cuda(args.python):
+        print("bench.gpu_bench: error: --device cuda: no CUDA device here (--device cpu runs it on the CPU)",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     logs = out / "gpu-logs"
     argv_list = list(argv if argv is not None else sys.argv[1:])
     meta = {"command": "python -m bench.gpu_bench " + " ".join(shlex.quote(a) for a in argv_list),
@@ -145,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         print(f"bench.gpu_bench: error: {exc}", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)
     for name in configs:
         for system in systems:
             if system in P_ONLY and name != "P":

@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker_result:
         return worker(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pfl_fedavg: error: --device cuda: no CUDA device here", file=sys.stderr)
+        return 2
     try:
         sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
         sampler.start()

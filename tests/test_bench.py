@@ -297,3 +297,21 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
     assert "| P: N=1000, K=50, R=2, cnn, batch 10 | fedsim local, batched |" in md
     assert len((out / "gpu.csv").read_text().splitlines()) == 4
     assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
+
+
+def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(tmp_path, capsys):
+    from bench import gpu_bench
+
+    common = ["--out", str(tmp_path / "out"), "--cache", str(tmp_path / "cache")]
+    assert gpu_bench.main(["--configs", "P,Q", "--device", "cpu", *common]) == 2
+    assert gpu_bench.main(["--systems", "plain,flower", "--device", "cpu", *common]) == 2
+    assert gpu_bench.main(["--configs", "C", "--rounds", "0", "--device", "cpu", *common]) == 2
+    if not torch.cuda.is_available():
+        assert gpu_bench.main(["--configs", "C", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[:3] == ["bench.gpu_bench: error: --configs: unknown config 'Q'; choose from P, A, B, C",
+                       "bench.gpu_bench: error: --systems: unknown system 'flower'; choose from plain, pfl, pfl_2proc, "
+                       "fedsim_seq, fedsim_batched, fedsim_ray_seq, fedsim_ray_batched",
+                       "bench.gpu_bench: error: --rounds: must be >= 1, got 0"]
+    assert all(line.startswith("bench.gpu_bench: error: ") for line in err)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing prepared or written
