@@ -153,8 +153,8 @@ class _Flat:
             twosum.add_scaled_at(self.hi, self.lo, offset, term[offset:offset + count], weight)
 
     def merge(self, other: _Flat) -> None:
-        """Fold in another partial sum of the same layout, as the per-key merge does."""
-        twosum.merge(self.hi, self.lo, other.hi, other.lo)
+        """Fold in another partial sum of the same layout, as the per-key merge does (brought to this one's device)."""
+        twosum.merge(self.hi, self.lo, other.hi.to(self.hi.device), other.lo.to(self.hi.device))
 
     def unflatten(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The accumulators per key (views of the flat buffers)."""
@@ -223,17 +223,20 @@ class WeightedSum:
         return self
 
     def merge(self, other: WeightedSum) -> None:
-        """Fold in another partial sum (from another worker); both on the same device."""
+        """Fold in another partial sum (from another worker), on this sum's device."""
+        here = self.device
         if other._flat is not None and (self._empty() or (self._flat is not None
                                                           and self._flat.layout == other._flat.layout)):
             if self._flat is None:
-                self._flat = _Flat(other._flat.layout, other._flat.hi.clone(), other._flat.lo.clone())
+                self._flat = _Flat(other._flat.layout, other._flat.hi.to(here, copy=True),
+                                   other._flat.lo.to(here, copy=True))
             else:
                 self._flat.merge(other._flat)
         else:
-            terms = {k: v.clone(memory_format=torch.contiguous_format) for k, v in other.hi.items()}
-            self._fold_by_key(terms, other.lo, lambda k, new, old: f"aggregate: partial sums disagree on the shape "
-                                                                   f"of {k!r}: {new} vs {old}")
+            terms = {k: v.to(here, copy=True, memory_format=torch.contiguous_format) for k, v in other.hi.items()}
+            los = {k: v.to(here) for k, v in other.lo.items()}
+            self._fold_by_key(terms, los, lambda k, new, old: f"aggregate: partial sums disagree on the shape "
+                                                              f"of {k!r}: {new} vs {old}")
         self.weight += other.weight
         self.count += other.count
 
