@@ -454,9 +454,10 @@ class TreeMemSampler(threading.Thread):
 
 
 class GpuSampler(threading.Thread):
-    """GPU utilisation (NVML's share of time a kernel ran) and used memory of GPU 0, sampled every `interval` s with
-    wall-clock stamps, so a program can average them over its steady rounds. Idle (no samples) without a GPU or
-    without `pynvml` (nvidia-ml-py)."""
+    """GPU utilisation (NVML's share of time a kernel ran) and used memory of the program's first GPU (the first of
+    CUDA_VISIBLE_DEVICES, as NVML numbers the GPUs), sampled every `interval` s with wall-clock stamps, so a
+    program can average them over its steady rounds. Idle (no samples) without a GPU or without `pynvml`
+    (nvidia-ml-py)."""
 
     def __init__(self, interval: float = 0.05) -> None:
         super().__init__(daemon=True)
@@ -469,7 +470,9 @@ class GpuSampler(threading.Thread):
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith(("GPU-", "MIG-")) else \
+                pynvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
             self._nvml = pynvml
         except Exception:  # no driver, no GPU or no pynvml: nothing to sample
             self._nvml = None

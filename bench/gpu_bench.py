@@ -33,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 from bench.common import BenchError, Workload
-from bench.prepare import DEFAULT_CACHE, prepare
+from bench.prepare import DEFAULT_CACHE, check, prepare
 from bench.runner import REPO, load_average, run_program
 from bench.workload import BENCH_CONFIGS
 
@@ -106,8 +106,11 @@ def _cuda(python: str) -> bool:
     """Whether the programs' interpreter sees a CUDA device."""
     import subprocess
 
-    proc = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
-                          text=True, timeout=300)
+    try:
+        proc = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available())"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):  # no such interpreter, or one that hangs: no CUDA to run on
+        return False
     return proc.stdout.strip() == "True"
 
 
@@ -143,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     over = {k: v for k, v in (("rounds", args.rounds), ("n_train", args.n_train), ("n_test", args.n_test))
             if v is not None}
     configs = {c: CONFIGS[c].with_(**over) for c in names}
+    try:
+        for w in configs.values():  # every config's knobs before anything is prepared
+            check(w)
+    except BenchError as exc:
+        print(f"bench.gpu_bench: error: {exc}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not _cuda(args.python):
         print("bench.gpu_bench: error: --device cuda: no CUDA device here (--device cpu runs it on the CPU)",
               file=sys.stderr)

@@ -260,6 +260,7 @@ def test_gpu_sampler_averages_over_the_steady_window_and_is_idle_without_nvml(mo
                            nvmlDeviceGetUtilizationRates=utilisation,
                            nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=7 * 2**20))
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # GPU 0 as NVML numbers them
     gpu = GpuSampler()
     assert gpu.active
     gpu.samples = [(1.0, 10, 2**20), (2.0, 40, 3 * 2**20), (3.0, 90, 5 * 2**20), (4.0, 0, 2**20)]
@@ -306,12 +307,15 @@ def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(t
     assert gpu_bench.main(["--configs", "P,Q", "--device", "cpu", *common]) == 2
     assert gpu_bench.main(["--systems", "plain,flower", "--device", "cpu", *common]) == 2
     assert gpu_bench.main(["--configs", "C", "--rounds", "0", "--device", "cpu", *common]) == 2
+    assert gpu_bench.main(["--configs", "A,C", "--n-train", "5000", "--device", "cpu", *common]) == 2  # C's 10,000
     if not torch.cuda.is_available():
         assert gpu_bench.main(["--configs", "C", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[:3] == ["bench.gpu_bench: error: --configs: unknown config 'Q'; choose from P, A, B, C",
+    assert err[:4] == ["bench.gpu_bench: error: --configs: unknown config 'Q'; choose from P, A, B, C",
                        "bench.gpu_bench: error: --systems: unknown system 'flower'; choose from plain, pfl, pfl_2proc, "
                        "fedsim_seq, fedsim_batched, fedsim_ray_seq, fedsim_ray_batched",
-                       "bench.gpu_bench: error: --rounds: must be >= 1, got 0"]
+                       "bench.gpu_bench: error: --rounds: must be >= 1, got 0",
+                       "bench.gpu_bench: error: --num-clients: 10000 clients need at least 10000 training images, "
+                       "--n-train is 5000"]
     assert all(line.startswith("bench.gpu_bench: error: ") for line in err)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing prepared or written
