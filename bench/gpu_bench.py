@@ -34,6 +34,7 @@ from pathlib import Path
 
 from bench.common import BenchError, Workload
 from bench.prepare import DEFAULT_CACHE, check, prepare
+from bench.report import fmt
 from bench.runner import REPO, load_average, run_program
 from bench.workload import BENCH_CONFIGS
 
@@ -66,10 +67,6 @@ def command(system: str, folder: Path, python: str, device: str, runs: Path) -> 
         "fedsim_ray_batched": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
                                "-o", "runtime.batch_clients=on"],
     }[system]
-
-
-def fmt(x, nd: int = 2) -> str:
-    return "n/a" if x is None or x != x else f"{x:.{nd}f}"
 
 
 def table(rows: list[dict], configs: dict[str, Workload]) -> list[str]:
