@@ -129,7 +129,8 @@ class ClientWorker:
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, common: Any, per_client: dict[int, Any],
                   client_ids: list[int], late: list[int] | None = None) -> WorkerReply:
-        """Run `phase` for `client_ids` (sorted); clients in `late` run but their state is not committed."""
+        """Run `phase` for `client_ids` (sorted). Clients in `late` run (their time and metrics count), but their
+        state is not committed and their upload is dropped here: the server reads only the clients that arrived."""
         start = time.perf_counter()
         late_set = set(late or ())
         # a GPU worker sums its clients' uploads where they were trained, and hands the sum over on the CPU
@@ -185,12 +186,11 @@ class ClientWorker:
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
         up = state_nbytes(res.payload)
         lent: set[int] | None = None  # a result may view the pooled models: what the worker keeps is copied
-        if status == "ok":
-            if res.state is not None:
-                lent = self.models.storages()
-                self.store.put(cid, own_copy(res.state, lent))
-            if summed is not None:
-                res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
+        if status == "ok" and res.state is not None:
+            lent = self.models.storages()
+            self.store.put(cid, own_copy(res.state, lent))
+        if summed is not None or status != "ok":  # summed already, or a late upload that the server never reads
+            res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
         if res.payload is not None:
             res.payload = own_copy(res.payload, self.models.storages() if lent is None else lent)
         res.state = None

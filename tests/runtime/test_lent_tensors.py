@@ -57,24 +57,39 @@ def run(server: Server, worker: ClientWorker, ids: list[int], late: bool) -> lis
     return worker.run_phase(0, 0, phase, bc.common, bc.per_client or {}, ids, late=ids if late else None).outcomes
 
 
-@pytest.mark.parametrize("algorithm, late, batching", [
-    ("fedavg", True, "off"), ("fedavg", True, "on"), ("test_keeps_views", False, "off")])
-def test_each_kept_upload_is_the_clients_own(algorithm: str, late: bool, batching: str) -> None:
-    """Late FedAvg clients (uploads kept, one after another or trained together) and a reduce="each" method: every
-    upload equals the one the client makes alone and shares no memory with the worker's model."""
+@pytest.mark.parametrize("batching", ["off", "on"])
+def test_each_kept_upload_is_the_clients_own(batching: str) -> None:
+    """A reduce="each" method whose uploads view the worker's model: every upload equals the one the client makes
+    alone and shares no memory with the worker's model."""
     ids = list(range(len(SIZES)))
-    server, worker = make(algorithm, f"runtime.batch_clients={batching}")
-    together = run(server, worker, ids, late)
+    server, worker = make("test_keeps_views", f"runtime.batch_clients={batching}")
+    together = run(server, worker, ids, late=False)
     lent = worker.models.storages()
     assert lent
     for o in together:
-        alone = run(*make(algorithm, f"runtime.batch_clients={batching}"), [o.client_id], late)[0]
-        assert o.status == alone.status and o.status == ("late" if late else "ok")
+        alone = run(*make("test_keeps_views", f"runtime.batch_clients={batching}"), [o.client_id], False)[0]
+        assert o.status == alone.status == "ok"
         for k, v in alone.result.payload.items():
             torch.testing.assert_close(o.result.payload[k], v, rtol=1e-6, atol=1e-7)
             assert o.result.payload[k].untyped_storage().data_ptr() not in lent, (o.client_id, k)
     first, last = together[0].result.payload, together[-1].result.payload
     assert not torch.equal(first["mlp/fc.weight"], last["mlp/fc.weight"])
+
+
+@pytest.mark.parametrize("algorithm, batching", [("fedavg", "off"), ("fedavg", "on"), ("test_keeps_views", "off")])
+def test_a_late_client_trains_but_its_upload_stays_behind(algorithm: str, batching: str) -> None:
+    """The server reads arrived clients only, so a late client's upload is not sent: its outcome keeps the metrics
+    and upload size that the same client has when it arrives, and its state is not committed."""
+    ids = list(range(len(SIZES)))
+    late_worker = make(algorithm, f"runtime.batch_clients={batching}")[1]
+    late = run(make(algorithm)[0], late_worker, ids, late=True)
+    arrived = run(*make(algorithm, f"runtime.batch_clients={batching}"), ids, late=False)
+    for o, a in zip(late, arrived, strict=True):
+        assert (o.status, a.status) == ("late", "ok")
+        assert o.result is not None and o.result.payload is None and o.result.state is None
+        assert o.bytes_up == a.bytes_up > 0
+        assert o.result.metrics == a.result.metrics
+    assert late_worker.export_states() == {}
 
 
 def test_a_committed_state_that_views_the_model_is_copied() -> None:
