@@ -244,17 +244,22 @@ class WeightedSum:
                      mismatch: Callable[[str, tuple, tuple], str]) -> None:
         """hi + lo += terms (+ los, another sum's errors), key by key, in the per-key layout. The terms are this
         sum's to keep (contiguous). A key whose shape differs from the sum's is an AggregationError (`mismatch`
-        words it) and leaves the sum untouched."""
+        words it) and leaves the sum untouched; so does an add (not a merge) that cannot allocate its scratch."""
         hi = self.hi
         for k, v in terms.items():
             if k in hi and hi[k].shape != v.shape:
                 raise AggregationError(mismatch(k, tuple(v.shape), tuple(hi[k].shape)))
+        fresh: dict[str, torch.Tensor] = {}
+        if los is None:  # a client's add fails that client only: what it allocates (on a GPU, say) comes first
+            fresh = {k: torch.zeros_like(v) for k, v in terms.items() if k not in hi}
+            for k in terms:
+                if k in hi:
+                    twosum.reserve(hi[k])
         self._by_key()
         for k, v in terms.items():
             if k not in self._hi:
                 self._hi[k] = v
-                self._lo[k] = torch.zeros_like(v) if los is None else los[k].clone(
-                    memory_format=torch.contiguous_format)
+                self._lo[k] = fresh[k] if los is None else los[k].clone(memory_format=torch.contiguous_format)
             elif los is None:
                 twosum.add_scaled(self._hi[k], self._lo[k], v, 1.0, product_exact=True)
             else:

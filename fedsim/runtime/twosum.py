@@ -187,6 +187,16 @@ def _scratch_buffer(like: torch.Tensor, slot: int) -> torch.Tensor:
     return _scratch[key]
 
 
+def reserve(hi: torch.Tensor) -> None:
+    """Allocate now what an `add_scaled` into `hi` (without `out`) will use, so that the add itself allocates
+    nothing: a caller adding into several buffers meets an out-of-memory before it has written to any of them."""
+    if hi.device.type == "cpu" and _kernels() is not None:
+        return  # the compiled loop needs no scratch
+    flat = _flat(hi, True, hi.device)
+    _scratch_buffer(flat, 0)
+    _scratch_buffer(flat, 1)
+
+
 def compiled() -> bool:
     """Whether this process adds with the compiled loop (else with torch operations)."""
     return _kernels() is not None

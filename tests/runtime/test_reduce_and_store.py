@@ -227,3 +227,39 @@ def test_a_sum_kept_on_a_device_is_handed_over_on_the_cpu_with_the_same_bits(mon
     old = WeightedSum.__new__(WeightedSum)
     old.__setstate__(state)
     assert old.device == torch.device("cpu") and torch.equal(old.totals()["b"], compiled.totals()["b"])
+
+
+@pytest.mark.parametrize("fails_at", ["scratch", "zeros"])
+def test_an_add_that_cannot_allocate_leaves_the_sum_untouched(monkeypatch, fails_at):
+    """A payload of another layout is added key by key with the torch operations (as on a GPU). Running out of
+    memory there fails that client only (the worker catches it), so it must come before any key is written."""
+    from fedsim.runtime import twosum
+
+    monkeypatch.setattr(twosum, "_kernels", lambda: None)
+    monkeypatch.setattr(twosum, "_scratch", {})
+    s = WeightedSum(device="cpu")
+    s.add({"a": torch.full((3,), 0.1), "b": torch.full((5,), 0.2)}, 2.0)
+    s.add({"b": torch.full((5,), 0.3), "c": torch.ones(2)}, 1.0)  # another layout: key by key from here on
+    before = {k: v.clone() for k, v in s.totals().items()}
+    real_scratch, real_zeros = twosum._scratch_buffer, torch.zeros_like
+
+    def scratch(like, slot):
+        if fails_at == "scratch" and like.numel() == 3:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real_scratch(like, slot)
+
+    def zeros_like(t, *args, **kwargs):
+        if fails_at == "zeros" and t.numel() == 4:
+            raise torch.OutOfMemoryError("out of memory (test)")
+        return real_zeros(t, *args, **kwargs)
+
+    monkeypatch.setattr(twosum, "_scratch_buffer", scratch)
+    monkeypatch.setattr(torch, "zeros_like", zeros_like)
+    # keys in this order: b is added before a's scratch or d's low-order zeros are needed
+    with pytest.raises(torch.OutOfMemoryError):
+        s.add({"b": torch.full((5,), 0.5), "a": torch.full((3,), 0.7), "d": torch.ones(4)}, 3.0)
+    assert (s.count, s.weight) == (2, 3.0) and set(s.totals()) == set(before)
+    assert all(torch.equal(s.totals()[k], v) for k, v in before.items())
+    monkeypatch.undo()
+    s.add({"b": torch.full((5,), 0.5), "a": torch.full((3,), 0.7), "d": torch.ones(4)}, 3.0)
+    assert torch.equal(s.totals()["b"], before["b"] + 1.5) and s.count == 3
