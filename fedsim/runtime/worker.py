@@ -191,8 +191,9 @@ class ClientWorker:
             self.store.put(cid, own_copy(res.state, lent))
         if summed is not None or status != "ok":  # summed already, or a late upload that the server never reads
             res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
-        if res.payload is not None:
-            res.payload = own_copy(res.payload, self.models.storages() if lent is None else lent)
+        if res.payload is not None or res.probe is not None:
+            lent = self.models.storages() if lent is None else lent
+            res.payload, res.probe = own_copy(res.payload, lent), own_copy(res.probe, lent)
         res.state = None
         return ClientOutcome(cid, status, res, bytes_up=up, seconds=time.perf_counter() - t0)
 
@@ -213,11 +214,12 @@ class ClientWorker:
 
 
 def own_copy(value: Any, lent: set[int]) -> Any:
-    """`value` with every tensor that lives in `lent` storage (in dicts, lists and tuples) replaced by a CPU copy
-    of its own; what holds no such tensor is returned as it is."""
+    """`value` with every tensor that lives in `lent` storage or off the CPU (in dicts, lists and tuples) replaced
+    by a CPU copy of its own; what holds no such tensor is returned as it is. Off the CPU: a GPU worker's upload
+    goes to a driver or server that may have no GPU."""
     if isinstance(value, torch.Tensor):
         viewed = value.layout == torch.strided and value.untyped_storage().data_ptr() in lent
-        return value.detach().to("cpu", copy=True) if viewed else value
+        return value.detach().to("cpu", copy=True) if viewed or value.device.type != "cpu" else value
     if isinstance(value, dict):
         items = {k: own_copy(v, lent) for k, v in value.items()}
         return items if any(items[k] is not v for k, v in value.items()) else value

@@ -120,3 +120,23 @@ def test_own_copy_copies_only_tensors_in_lent_storage() -> None:
     assert not torch.equal(got["w"], model.weight)
     untouched = {"a": [other], "b": None}
     assert own_copy(untouched, lent) is untouched
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor that says it lies on a GPU: what a GPU worker's upload looks like to own_copy."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def test_own_copy_brings_tensors_off_the_cpu_to_the_cpu() -> None:
+    """A reduce="each" upload goes to a driver or server that may have no GPU: own_copy copies what is off the CPU
+    even when it views no pooled model."""
+    far = torch.arange(4.0).as_subclass(OnGpu)
+    near = torch.ones(2)
+    got = own_copy({"logits": far, "n": near, "probe": [far]}, lent=set())
+    assert got["n"] is near
+    for copy in (got["logits"], got["probe"][0]):
+        assert copy is not far and copy.untyped_storage().data_ptr() != far.untyped_storage().data_ptr()
+        assert torch.equal(copy.as_subclass(torch.Tensor), torch.arange(4.0))
