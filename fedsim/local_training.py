@@ -139,10 +139,14 @@ class LocalTraining:
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)
 
     def complete(self, state: Mapping[str, torch.Tensor], metrics: dict[str, float],
-                 momentum: Mapping[str, torch.Tensor] | None) -> ClientResult:
+                 momentum: Mapping[str, torch.Tensor] | None, finite: bool = False) -> ClientResult:
         """The end of the client step after training elsewhere (fedsim.train_batched): the model takes the trained
-        `state`, then it is checked and finished as in `run`; `momentum` holds the last stage's SGD buffers."""
-        check_finite(metrics, load_weights(self.model, state))
+        `state`, then it is checked and finished as in `run`; `momentum` holds the last stage's SGD buffers.
+        `finite`: the trainer already found every entry of `state` finite, so only the metrics are checked (unless
+        loading changed a dtype)."""
+        weights = load_weights(self.model, state)
+        known = finite and all(k in state and state[k].dtype == t.dtype for k, t in weights.items())
+        check_finite(metrics, {} if known else weights)
         keep = self.keep_optimizer and bool(self.stages)
         return self.finish(self.model, metrics, self.optimizer_state_with(momentum) if keep else None)
 

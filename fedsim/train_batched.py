@@ -62,6 +62,7 @@ class Trained:
     momentum: dict[str, torch.Tensor] | None
     samples: int
     error: Exception | None = None
+    finite: bool = False  # every floating entry of `state` is known to be finite (checked for the group at once)
 
 
 @dataclass
@@ -248,7 +249,11 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     stages = max(len(p.stages) for p in plans)
 
     def stack(name: str) -> torch.Tensor:
-        return torch.stack([plans[i].start[name].to(device) for i in order])
+        starts = [plans[i].start[name] for i in order]
+        if all(t is starts[0] for t in starts):  # one broadcast for all (FedAvg's global model): one copy to the device
+            one = starts[0].to(device)
+            return one.unsqueeze(0).expand(n, *one.shape).clone(memory_format=torch.contiguous_format)
+        return torch.stack([t.to(device) for t in starts])
 
     params = {k: stack(k) for k in trainable}
     buffers = {k: stack(k) for k in keys if k not in params}
@@ -322,7 +327,18 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
                 rows = torch.arange(a, device=device)
                 loss_sum.index_put_((rows, stage_d[t, :a]), loss.double() * lengths_d[t, :a], accumulate=True)
                 too_small[:a] |= low <= 1
-    return _collect(plans, scheds, loaded, order, params, buffers, mom, loss_sum.cpu(), too_small.cpu())
+    finite = _finite_rows([*params.values(), *buffers.values()], n)
+    return _collect(plans, scheds, loaded, order, params, buffers, mom, loss_sum.cpu(), too_small.cpu(), finite)
+
+
+def _finite_rows(stacks: list[torch.Tensor], n: int) -> list[bool]:
+    """For each of the `n` clients, whether all its floating entries in `stacks` are finite: one float64 sum per
+    client and stack (finite exactly when its entries are: float32 entries cannot overflow it), read in one go, so
+    a GPU is waited for once per group rather than once per client."""
+    sums = [s.detach().reshape(n, -1).sum(1, dtype=torch.float64) for s in stacks if s.is_floating_point()]
+    if not sums:
+        return [True] * n
+    return torch.isfinite(torch.stack(sums).sum(0)).tolist()
 
 
 def _noise(gens: list[torch.Generator], shapes: list[tuple[int, ...]], lengths: list[int], width: int,
@@ -355,7 +371,8 @@ def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], m
 
 def _collect(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[dict[str, torch.Tensor] | None],
              order: list[int], params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
-             mom: dict[str, torch.Tensor], loss_sum: torch.Tensor, too_small: torch.Tensor) -> list[Trained]:
+             mom: dict[str, torch.Tensor], loss_sum: torch.Tensor, too_small: torch.Tensor, finite: list[bool]
+             ) -> list[Trained]:
     out: list[Trained | None] = [None] * len(plans)
     for pos, i in enumerate(order):
         plan, s = plans[i], scheds[i]
@@ -372,5 +389,5 @@ def _collect(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: li
         if bool(too_small[pos]):
             error = ValueError("Expected more than 1 value per channel when training: a batch of one sample "
                                "reached a BatchNorm layer")
-        out[i] = Trained(state, metrics, momentum, sum(len(b) for b in s.batches), error)
+        out[i] = Trained(state, metrics, momentum, sum(len(b) for b in s.batches), error, finite[pos])
     return [t for t in out if t is not None]

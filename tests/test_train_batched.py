@@ -251,3 +251,16 @@ def test_check_finite_flags_nan_and_inf_but_not_large_finite_weights():
             check_finite({"train_loss": 1.0}, {"w": torch.tensor([1.0, bad, 2.0])})
     with pytest.raises(FloatingPointError, match="train_loss is nan"):
         check_finite({"train_loss": float("nan")}, {"w": huge})
+
+
+def test_the_group_finiteness_check_names_exactly_the_clients_with_a_non_finite_entry() -> None:
+    """train_together checks every client's weights at once (one wait on a GPU); a client it clears skips the
+    per-tensor scan. Large finite float32 entries do not overflow the float64 sums; integer buffers are skipped."""
+    from fedsim.train_batched import _finite_rows
+
+    big = torch.full((4, 3, 5), torch.finfo(torch.float32).max)
+    weights = torch.zeros(4, 7)
+    weights[1, 2], weights[3, 0] = float("inf"), float("nan")
+    counts = torch.tensor([1, 2, 3, 4])
+    assert _finite_rows([big, weights, counts], 4) == [True, False, True, False]
+    assert _finite_rows([counts], 4) == [True] * 4

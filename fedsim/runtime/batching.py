@@ -117,7 +117,7 @@ class ClientBatcher:
             try:
                 if t.error is not None:
                     raise t.error
-                res = plan.complete(t.state, t.metrics, t.momentum)
+                res = plan.complete(t.state, t.metrics, t.momentum, t.finite)
             except Exception as exc:
                 err = exc
             yield cid, (res, err, seconds[cid] + share + time.perf_counter() - t1)
