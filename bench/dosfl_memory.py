@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cli import OneLineParser
+
 SETTINGS = {
     # name: (model, model kwargs, input shape of real data, distilled settings, config)
     "MNIST LeNet (S_d=10, B_d=10, E_d=3, B=512)": ("lenet", {}, (1, 28, 28), dict(steps=10, batch=10, epochs=3),
@@ -149,7 +151,7 @@ def measure(name: str, iterations: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.dosfl_memory", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m bench.dosfl_memory", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results/bench/dosfl_memory.md")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)

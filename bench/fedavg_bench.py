@@ -15,9 +15,9 @@ start-up and shutdown are held to. The targets (bench.report.TARGETS) are ratios
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from bench.cli import OneLineParser
 from bench.common import BenchError
 from bench.prepare import DEFAULT_CACHE
 from bench.report import (
@@ -72,7 +72,7 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="A,B,C", help="comma-separated configs (A, B, C)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(ALL))
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the tables use medians")

@@ -36,6 +36,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.cli import OneLineParser  # noqa: E402
 from bench.common import (  # noqa: E402
     BenchError,
     Prepared,
@@ -204,7 +205,7 @@ def make_apps(p: Prepared, args: argparse.Namespace, stats: Stats):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.flower_fedavg", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.flower_fedavg", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--client-cpus", type=float, default=1.0, help="client_resources num_cpus (actors = CPUs / this)")
     ap.add_argument("--client-threads", type=int, default=0, help="torch threads per client call (0: client CPUs)")

@@ -22,7 +22,6 @@ run folders to <out>/gpu-runs/. `--device cpu` runs the same programs on the CPU
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -32,6 +31,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from bench.cli import OneLineParser
 from bench.common import BenchError, Workload
 from bench.prepare import DEFAULT_CACHE, check, prepare
 from bench.report import fmt
@@ -121,7 +121,7 @@ def versions(python: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_bench", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.gpu_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="P,A,B,C", help="comma-separated: P (pfl's CIFAR-10 shape), A, B, C")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")

@@ -18,13 +18,15 @@ import os
 import sys
 import tempfile
 
+from bench.cli import OneLineParser
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 STORE_BYTES = 600 * 1024**2  # each node's object store: the dataset (270 MB for configs A-C) fits without spilling
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.multinode_traffic", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.multinode_traffic", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--nodes", type=int, default=2, help="worker nodes, one single-CPU client worker each")
     ap.add_argument("--rounds", type=int, default=None, help="rounds to run (default: the workload's)")

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from bench.cli import OneLineParser  # noqa: E402
 from bench.common import (  # noqa: E402
     CNN,
     MLP,
@@ -292,7 +293,7 @@ def result_fields(p: Prepared, stats: Stats) -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.pfl_fedavg", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.pfl_fedavg", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--processes", type=int, default=1, choices=[1, 2, 4], help="1: one process; more: torchrun "
                                                                                  "workers")

@@ -15,18 +15,19 @@ on 2 cores, C over 30 rounds with the phase on a compiled graph took 0.19-0.26 s
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
 
 import numpy as np
 
+from bench.cli import OneLineParser
+
 MLP_WEIGHTS = 3072 * 64 + 64 + 64 * 10 + 10
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.phase_latency", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.phase_latency", description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--weights", type=int, default=MLP_WEIGHTS, help="float32 values broadcast per call")
     ap.add_argument("--calls", type=int, default=40, help="timed calls per path (after 5 untimed)")

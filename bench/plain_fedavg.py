@@ -12,7 +12,6 @@ import time
 
 T_START = time.perf_counter()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.cli import OneLineParser  # noqa: E402
 from bench.common import (  # noqa: E402
     BenchError,
     GpuSampler,
@@ -84,7 +84,7 @@ def run(p: Prepared, threads: int, log: Callable[[str], None] = print, device: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.plain_fedavg", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.plain_fedavg", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model trains")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.cli import OneLineParser
 from bench.common import MODELS, PARTITIONS, BenchError, Workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,7 +158,7 @@ def prepare(w: Workload, cache: str | Path = DEFAULT_CACHE, log: Callable[[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.prepare", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.prepare", description=__doc__.splitlines()[0])
     add_workload_args(ap)
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     args = ap.parse_args(argv)

@@ -12,15 +12,16 @@ import time
 
 T_START = time.perf_counter()
 
-import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+
+from bench.cli import OneLineParser  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.ray_floor", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.ray_floor", description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2, help="actors to start (one CPU each)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)

@@ -6,7 +6,6 @@ speed summary `results/bench/fedavg.json` and the table rendered from it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.cli import OneLineParser
 from bench.common import BenchError, Workload
 from bench.prepare import DEFAULT_CACHE, prepare
 from bench.runner import (
@@ -331,7 +331,7 @@ def readme_block(data: dict, source: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.report", description="print the speed table of a summary")
+    ap = OneLineParser(prog="python -m bench.report", description="print the speed table of a summary")
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
     ap.add_argument("--readme", nargs="?", const=str(REPO / "README.md"), default=None, metavar="FILE",
                     help="write FILE's <!-- bench:fedavg --> block from the summary, and <!-- bench:scale --> and "

@@ -12,10 +12,10 @@ run without it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from bench.cli import OneLineParser
 from bench.common import BenchError, Workload
 from bench.prepare import DEFAULT_CACHE
 from bench.report import failed_runs, fmt, header, medians, run_matrix, write
@@ -61,7 +61,7 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", default="1000,10000", help="registered client counts")
     ap.add_argument("--per-round", type=int, default=100, help="clients per round")
     ap.add_argument("--rounds", type=int, default=3)

@@ -8,7 +8,6 @@ Writes results/bench/selection.md. The paper's setting: a 50,000-patch pool of 3
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench.cli import OneLineParser
 
 
 def timed(fn):
@@ -62,7 +63,7 @@ def measure(args, threads: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=50_000)
     ap.add_argument("--k", type=int, default=1000)
     ap.add_argument("--niter", type=int, default=25)

@@ -10,9 +10,10 @@ Prints one line: the fastest of `--repeat` (>= 2) sums of `--clients` uploads, p
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+
+from bench.cli import OneLineParser
 
 
 def per_upload(uploads: list, exact: bool, repeat: int) -> float:
@@ -30,7 +31,7 @@ def per_upload(uploads: list, exact: bool, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.sum_cost", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.sum_cost", description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=7)
     args = ap.parse_args(argv)
