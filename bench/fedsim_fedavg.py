@@ -1,6 +1,11 @@
 """The prepared FedAvg workload run by fedsim, printing the same RESULT_JSON fields as the plain loop and Flower.
 
     python -m bench.fedsim_fedavg --workload <folder from bench.prepare> [--workers 2] [--backend ray] [-o KEY=VALUE]
+        [--profile-rounds FIRST:LAST --profile-out FILE]
+
+`--profile-rounds 2:4` (local backend, where the clients train in this process) records those rounds with
+torch.profiler, imports and start-up left out: its table of operators goes to `--profile-out` and its totals (device
+busy time, kernel launches, waits for the device, host-to-device copies) into RESULT_JSON as `profile_*`.
 
 Total seconds count from before the heavy imports, so imports and Ray's start are included, as for the other
 programs. A round's time runs from the end of the previous one to the end of this one, as Flower's does (a
@@ -18,6 +23,9 @@ T_START = time.perf_counter()
 import argparse  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from bench.cli import OneLineParser  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -30,15 +38,33 @@ if TYPE_CHECKING:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.fedsim_fedavg", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m bench.fedsim_fedavg", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--backend", choices=["ray", "local"], default="ray")
     ap.add_argument("--workers", type=int, default=None, help="client workers (default: what the CPUs allow)")
     ap.add_argument("--client-cpus", type=float, default=None, help="runtime.client_cpus")
     ap.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="any fedsim config override, e.g. -o results.checkpoint_every=0")
+    ap.add_argument("--profile-rounds", type=round_span, default=None, metavar="FIRST:LAST",
+                    help="record rounds FIRST to LAST (1-based, inclusive) with torch.profiler; --backend local")
+    ap.add_argument("--profile-out", default=None, help="where the profile's operator table goes (default: stdout)")
     ap.add_argument("--tag", default="")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.profile_rounds is not None and args.backend != "local":
+        ap.error("--profile-rounds needs --backend local (Ray's workers train in other processes)")
+    return args
+
+
+def round_span(text: str) -> tuple[int, int]:
+    """FIRST:LAST, two round numbers with 1 <= FIRST <= LAST (argparse's type for --profile-rounds)."""
+    first, sep, last = text.partition(":")
+    try:
+        span = (int(first), int(last if sep else first))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIRST:LAST, two round numbers") from None
+    if not 1 <= span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 1 <= FIRST <= LAST")
+    return span
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +122,66 @@ class BenchClock(Callback):
               f"acc={row.get('accuracy', float('nan')):.4f}", flush=True)
 
 
+class RoundProfiler(Callback):
+    """torch.profiler over rounds FIRST..LAST: started when round FIRST-1 ends (or the set-up does), stopped when
+    round LAST ends; `fields` are its totals for RESULT_JSON, `table` its operators by self time."""
+
+    SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+    def __init__(self, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.prof: Any = None
+        self.t0 = self.wall = 0.0
+        self.table = ""
+        self.fields: dict[str, Any] = {}
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=acts)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def on_setup_end(self, run: RunInfo) -> None:
+        if self.first == 1:
+            self._start()
+
+    def on_round_end(self, round: int, rows: RoundRows) -> None:
+        number = round + 1
+        if number == self.first - 1:
+            self._start()
+        elif number == self.last and self.prof is not None:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            self._summarise()
+            self.prof = None
+
+    def _summarise(self) -> None:
+        events = self.prof.key_averages()
+        device = any(e.self_device_time_total > 0 for e in events)
+        count = {e.key: e.count for e in events}
+        busy_s = sum(e.self_device_time_total for e in events if not e.key.startswith("cuda")) / 1e6
+        self.table = events.table(sort_by="self_device_time_total" if device else "self_cpu_time_total", row_limit=30)
+        self.fields = {
+            "profile_rounds": [self.first, self.last], "profile_wall_s": round(self.wall, 4),
+            "profile_device_busy_s": round(busy_s, 4),
+            "profile_device_busy": round(busy_s / self.wall, 4) if self.wall > 0 else None,
+            "profile_aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+            "profile_kernel_launches": count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0),
+            "profile_device_waits": sum(count.get(k, 0) for k in self.SYNCS),
+            "profile_host_to_device_copies": sum(c for k, c in count.items() if k.startswith("Memcpy HtoD")),
+        }
+
+
 def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: GpuSampler, boot: Any) -> int:
     """Run the prepared workload through fedsim's driver, every round, and print RESULT_JSON."""
-    from bench.common import emit_result, load_prepared, round_summary, steady_window
+    from bench.common import BenchError, emit_result, load_prepared, round_summary, steady_window
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
@@ -111,12 +194,25 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
     p = load_prepared(args.workload)
     sizes, draws = p.shard_sizes(), p.draws
     del p
+    profiler = None
+    if args.profile_rounds:
+        if args.profile_rounds[1] > w.rounds:
+            raise BenchError(f"--profile-rounds {args.profile_rounds[0]}:{args.profile_rounds[1]}: the workload has "
+                             f"{w.rounds} rounds")
+        if args.profile_out and not Path(args.profile_out).resolve().parent.is_dir():
+            raise BenchError(f"--profile-out {args.profile_out}: its folder does not exist")
+        profiler = RoundProfiler(*args.profile_rounds)
     clock = BenchClock()
-    run_dir = run(cfg, make_backend(cfg, args.workers, boot), callbacks=[clock],
+    run_dir = run(cfg, make_backend(cfg, args.workers, boot), callbacks=[clock, *([profiler] if profiler else [])],
                   inputs=prepared_inputs(cfg, args.workload))
     t_done = time.perf_counter()
     sampler.stop()
     gpu.stop()
+    if profiler is not None:
+        if args.profile_out:
+            Path(args.profile_out).write_text(profiler.table + "\n")
+        else:
+            print(profiler.table, flush=True)
     marks, rows, t_loop = clock.marks, clock.rows, clock.t_loop
     starts = [t_loop] + marks[:-1]
     round_times = [b - a for a, b in zip(starts, marks, strict=True)]
@@ -132,6 +228,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
         "client_compute_seconds": [round(float(r.get("wall_clients_s", 0)), 3) for r in rows],
         "eval_seconds": [round(float(r.get("wall_eval_s", 0)), 3) for r in rows],
         **sampler.fields(), **gpu.fields(*steady_window(clock.marks_wall)),
+        **(profiler.fields if profiler is not None else {}),
         "batch_clients": str(cfg.runtime.batch_clients), "client_gpus": cfg.runtime.client_gpus,
         "final_accuracy": round(float(rows[-1].get("accuracy", float("nan"))), 4) if rows else None,
         "final_loss": round(float(rows[-1].get("loss", float("nan"))), 4) if rows else None,

@@ -319,3 +319,38 @@ def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(t
                        "--n-train is 5000"]
     assert all(line.startswith("bench.gpu_bench: error: ") for line in err)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()  # nothing prepared or written
+
+
+def test_fedsim_program_profiles_the_rounds_asked_for(cache, tmp_path, capsys):
+    """`--profile-rounds 2:3` records those rounds only (set-up and round 1 left out): its operator table goes to
+    the file and its totals into RESULT_JSON; without a GPU the device figures are zero."""
+    from bench import fedsim_fedavg
+
+    folder = prepare(TINY["mlp"], cache)
+    out = tmp_path / "profile.txt"
+    code = fedsim_fedavg.main(["--workload", str(folder), "--backend", "local", "--profile-rounds", "2:3",
+                               "--profile-out", str(out), "-o", f"results.root={tmp_path / 'runs'}"])
+    assert code == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT_JSON "))
+    got = json.loads(line.removeprefix("RESULT_JSON "))
+    assert got["profile_rounds"] == [2, 3] and 0 < got["profile_wall_s"] < got["total_seconds"]
+    assert got["profile_aten_ops"] > 0 and "aten::" in out.read_text() and "Self CPU" in out.read_text()
+    assert got["profile_device_busy_s"] == 0 and got["profile_kernel_launches"] == got["profile_device_waits"] == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile-rounds", "2:9"], "the workload has 3 rounds"),
+    (["--profile-rounds", "2:9", "--backend", "ray"], "needs --backend local"),
+    (["--profile-rounds", "3:2"], "1 <= FIRST <= LAST"),
+    (["--profile-rounds", "x"], "expected FIRST:LAST"),
+    (["--profile-rounds", "1:2", "--profile-out", "/nonexistent/dir/p.txt"], "its folder does not exist"),
+])
+def test_fedsim_program_refuses_a_bad_profile_request_in_one_line(cache, tmp_path, args, message):
+    folder = prepare(TINY["mlp"], cache)
+    backend = [] if "--backend" in args else ["--backend", "local"]
+    proc = subprocess.run([sys.executable, "-m", "bench.fedsim_fedavg", "--workload", str(folder), *backend, *args,
+                           "-o", f"results.root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "fedsim_fedavg: error: " in proc.stderr and message in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0  # one line: no usage, no traceback
+    assert not any(tmp_path.iterdir())  # no run folder left behind
