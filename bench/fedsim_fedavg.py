@@ -5,7 +5,8 @@
 
 `--profile-rounds 2:4` (local backend, where the clients train in this process) records those rounds with
 torch.profiler, imports and start-up left out: its table of operators goes to `--profile-out` and its totals (device
-busy time, kernel launches, waits for the device, host-to-device copies) into RESULT_JSON as `profile_*`.
+busy time, kernel launches, waits for the device, host-to-device copies) into RESULT_JSON as `profile_*`. The
+recorded rounds run slower than the others by the profiler's own cost.
 
 Total seconds count from before the heavy imports, so imports and Ray's start are included, as for the other
 programs. A round's time runs from the end of the previous one to the end of this one, as Flower's does (a
@@ -152,15 +153,21 @@ class RoundProfiler(Callback):
         number = round + 1
         if number == self.first - 1:
             self._start()
-        elif number == self.last and self.prof is not None:
-            import torch
+        elif number == self.last:
+            self.stop()
 
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.wall = time.perf_counter() - self.t0
-            self.prof.__exit__(None, None, None)
-            self._summarise()
-            self.prof = None
+    def stop(self) -> None:
+        """End the recording (when the run stopped before round LAST, at its end) and summarise it."""
+        if self.prof is None:
+            return
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        self._summarise()
+        self.prof = None
 
     def _summarise(self) -> None:
         events = self.prof.key_averages()
@@ -209,6 +216,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
     sampler.stop()
     gpu.stop()
     if profiler is not None:
+        profiler.stop()  # a run that stopped early ends the recording with it
         if args.profile_out:
             Path(args.profile_out).write_text(profiler.table + "\n")
         else:
