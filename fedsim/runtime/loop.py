@@ -151,7 +151,10 @@ class Simulation:
                         clients[clients["round"] <= last].to_dict("records"))
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
-        """The rounds from `state.next_round` on, each handed to the callbacks once recorded."""
+        """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
+        method finished after its last saved round (a one-shot method) trains no further round."""
+        if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
+            return "completed"
         for r in range(state.next_round, self.cfg.rounds):
             row_list, client_rows, vround = self.run_round(r)
             state.virtual_time += vround

@@ -185,22 +185,41 @@ def test_soft_labels_must_be_uploaded() -> None:
         load_config(None, ["algorithm.name=dosfl", "algorithm.mask_p=1.0"])
 
 
+def one_shot_config(tmp_path):
+    """Digits through LeNet, 3 clients, rounds=4: DOSFL stops after round 0 all the same."""
+    return load_config(None, ["data.name=digits", "data.num_clients=3", "data.partition.kind=shards",
+                              "model.name=lenet", "algorithm.name=dosfl", *TINY, "algorithm.batch_size=512",
+                              "runtime.backend=local", "rounds=4", f"results.root={tmp_path}"])
+
+
 def test_one_round_end_to_end_records_the_payload_bytes(tmp_path) -> None:
     """rounds=4 still stops after round 0; bytes_up is the distilled data of the 3 clients."""
     from fedsim.results import load
     from fedsim.runtime.loop import run
 
-    cfg = load_config(None, ["data.name=digits", "data.num_clients=3", "data.partition.kind=shards", "model.name=lenet",
-                             "algorithm.name=dosfl", *TINY, "algorithm.batch_size=512", "runtime.backend=local",
-                             "rounds=4",
-                             f"results.root={tmp_path}"])
-    res = load(run(cfg))
+    res = load(run(one_shot_config(tmp_path)))
     rounds = res["rounds"]
     assert len(rounds) == 1 and rounds["round"].tolist() == [0]
     assert rounds["bytes_up"].iloc[0] == 3 * (2 * 3 * 64 * 4 + 2 * 3 * 8 + 2 * 4)
     assert rounds["bytes_down"].iloc[0] == 3 * 8  # the init seed only
     assert rounds["distill/scalars"].iloc[0] == 3 * 2 * 3 * 64
     assert 0 <= rounds["accuracy"].iloc[0] <= 1
+
+
+def test_a_resumed_one_shot_run_trains_no_further_round(tmp_path) -> None:
+    """A finished DOSFL run resumed (say, to add rounds) stays at its one round: the method has finished."""
+    import pandas as pd
+
+    from fedsim.results import load
+    from fedsim.runtime.loop import run
+
+    run_dir = run(one_shot_config(tmp_path))
+    before = load(run_dir)
+    assert run(resume=run_dir) == run_dir
+    after = load(run_dir)
+    assert after["rounds"]["round"].tolist() == [0]
+    for table in ("rounds", "clients"):
+        pd.testing.assert_frame_equal(before[table], after[table])
 
 
 def test_text_run_distils_sentences_after_the_embedding(tmp_path) -> None:
