@@ -1,6 +1,6 @@
 """Server-side cost of single-image selection on CPU: pool generation, embedding, FAISS KMeans, pruning.
 
-    python bench/selection_bench.py [--n 50000] [--k 1000] [--niter 25] [--threads 1 2]
+    python -m bench.selection_bench [--n 50000] [--k 1000] [--niter 25] [--threads 1 2]
 
 Writes results/bench/selection.md. The paper's setting: a 50,000-patch pool of 32×32 patches, ResNet-8
 (64-d embeddings), KMeans k=1000, 5,000 patches kept after KMeans balancing and 90% entropy pruning.
@@ -75,7 +75,7 @@ def main() -> None:
     cols = {t: measure(args, t) for t in args.threads}
     names = list(next(iter(cols.values())))
     md = ["# Selection cost on CPU", "",
-          f"Command: `python bench/selection_bench.py --n {args.n} --k {args.k} --niter {args.niter} "
+          f"Command: `python -m bench.selection_bench --n {args.n} --k {args.k} --niter {args.niter} "
           f"--threads {' '.join(map(str, args.threads))}`", "",
           f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs shared with other jobs "
           f"(load average {os.getloadavg()[0]:.1f} at the end), faiss {faiss.__version__}, torch {torch.__version__}.",

@@ -74,7 +74,8 @@ def test_every_config_key_named_exists_and_its_value_loads(key, value) -> None:
 
 
 def _commands() -> list[str]:
-    inline = [s for s in SPANS if re.match(r"(python -m |fedsim |make |OMP_NUM_THREADS=1 python -m )", s)]
+    # every `python ...` span: a script path (`python bench/x.py`) fails where the folder is not an installed package
+    inline = [s for s in SPANS if re.match(r"(python |fedsim |make |OMP_NUM_THREADS=1 python )", s)]
     block = [line.split("  #")[0].split(" # ")[0].strip() for line in BLOCK_LINES
              if re.match(r"(python -m |fedsim |make )", line)]
     return sorted(set(inline + block))
@@ -100,7 +101,7 @@ def test_every_command_names_a_real_entry_point_and_real_files(command) -> None:
         assert words[1] in sub, f"{command}: no such fedsim command"
         args = words[2:]
     else:
-        assert words[:2] == ["python", "-m"], command
+        assert words[:2] == ["python", "-m"], f"{command}: run it as `python -m <module>`, which works from the clone"
         assert importlib.util.find_spec(words[2]) is not None, f"{command}: no module {words[2]}"
         args = words[3:]
     overrides = [a for prev, a in zip(args, args[1:]) if prev == "-o"]
