@@ -78,7 +78,7 @@ class DaFKDParams:
         "aggregated", doc="A3: D̂_g comes from this round's 'aggregated' generator (text) or the 'start' one (code)")
     generator: Literal["dcgan", "conditional"] = knob(
         "dcgan", doc="A4: unconditional 'dcgan' g(z) (equations, code) or §4.1's label-'conditional' MLP")
-    noise_dim: int = knob(100, ge=1, le=MAX_WIDTH, doc="generator noise dimension d (code: 100)")
+    noise_dim: int = knob(100, ge=1, le=MAX_WIDTH, doc="A7: generator noise dimension d (code: 100)")
     gen_width: int = knob(64, ge=1, le=MAX_CHANNELS,
                           doc="generator width: DCGAN features of the last stage, MLP embedding size")
     gen_lr: float | None = knob(None, gt=0, doc="generator Adam lr, betas (0.5, 0.99); None: train.lr (paper)")
@@ -97,12 +97,12 @@ class DaFKDParams:
     disc_weight: float = knob(1.0, ge=0, doc="weight of Eq. 2's BCE (mean over real+fake) next to CE (Eq. 9)")
     score_mode: Literal["eval", "train"] = knob(
         "eval", doc="A9: BatchNorm mode when scoring f and teacher logits: 'eval' or 'train' (code)")
-    sharing: bool = knob(True, doc="Table 3: false = 'no sharing', a separate personal discriminator network")
-    correlation: bool = knob(True, doc="Table 3: false = 'no correlation', uniform teacher weights")
+    sharing: bool = knob(True, doc="A8, Table 3: false = 'no sharing', a separate personal discriminator network")
+    correlation: bool = knob(True, doc="A8, Table 3: false = 'no correlation', uniform teacher weights")
     upload: Literal["discriminator", "scores"] = knob(
         "discriminator", doc="A10: 'discriminator' (main text: the server scores) or 'scores' (App. B: clients "
         "upload f·s and f on a seed-regenerated set)")
-    distill_size: int = knob(1280, ge=1, le=MAX_SAMPLES, doc="|D̂_g|, generated samples per round (code: 40 × 32)")
+    distill_size: int = knob(1280, ge=1, le=MAX_SAMPLES, doc="A7: |D̂_g|, generated samples per round (code: 40 × 32)")
     distill_from_round: int = knob(0, ge=0, le=MAX_ROUNDS, doc="rounds before this one only average (code: 1)")
     eps: float = knob(1e-8, gt=0, doc="ε in α̂ = f / (Σ f + ε)")
     distill: DaFKDDistill = knob(factory=DaFKDDistill)

@@ -23,7 +23,8 @@ from fedsim.limits import MAX_SAMPLES, MAX_SEED
 class SingleImageParams(DistillFLParams):
     image: str = knob("china", doc="the shared image: china (scikit-learn), ihc (scikit-image pathology), noise, "
                       "or a path (the paper used ameyoko_small.jpg / colonpath_sample.jpg, not shipped)")
-    pool_size: int = knob(50_000, ge=1, le=MAX_SAMPLES, doc="patches generated from the image (the paper: 50,000)")
+    pool_size: int = knob(50_000, ge=1, le=MAX_SAMPLES,
+                          doc="patches generated from the image (the authors' runs: 50,000; the paper does not say)")
     patch_size: int | None = knob(None, ge=1, le=1024, doc="patch side in pixels; default: the dataset's image size")
     pool_seed: int | None = knob(None, ge=0, le=MAX_SEED, doc="seed of the patch generation; default: stream "
                                  "'single_image/pool' of the run seed")
