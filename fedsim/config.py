@@ -141,9 +141,9 @@ class RuntimeConfig:
                                  "default: the run folder")
     exact_sum: bool = knob(True, doc="workers add clients' uploads exactly (double-double), so the numbers do not "
                            "depend on the worker count; false adds in plain float64, but a weight's last bit may then "
-                           "change with the worker count (per upload of a 200k-weight MLP on one thread: 0.10 ms "
-                           "exact with the loop each process compiles at its first add, 0.29 ms where it cannot be "
-                           "compiled, 0.08 ms plain: `python -m bench.sum_cost`)")
+                           "change with the worker count (per upload of a 197k-weight MLP on one CPU thread, exact "
+                           "costs 0.9-1.2x plain with the loop each process compiles at its first add, 3-4x as torch "
+                           "operations where it cannot be compiled: `python -m bench.sum_cost`)")
     batch_clients: bool | Literal["auto", "on", "off"] = knob(
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")
