@@ -47,8 +47,8 @@ def batchnorm_stats_kept(module: nn.Module) -> Iterator[None]:
 
 def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: int = 1,
                   steps: int | None = None, device: torch.device | str = "cpu") -> Iterator[torch.Tensor]:
-    """Shuffled minibatch index tensors: `epochs` passes, or exactly `steps` batches when given."""
-    if n == 0:
+    """Shuffled minibatch index tensors: `epochs` passes (none for 0), or exactly `steps` batches when given."""
+    if n == 0 or (steps is None and epochs <= 0):
         return
     done = 0
     while True:

@@ -1,4 +1,5 @@
-"""Loading a client's start weights (fedsim.local_training.load_weights): the same result as load_state_dict."""
+"""Local training: loading a client's start weights (the same result as load_state_dict), and how many batches a
+number of epochs or steps draws."""
 
 from __future__ import annotations
 
@@ -72,3 +73,25 @@ def test_a_gpu_clients_loss_total_and_finite_check_wait_once_with_the_same_answe
         assert not all_finite_at_once(broken)
     huge = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows: not all finite "at once"
     assert not all_finite_at_once([huge]) and bool(torch.isfinite(huge).all())
+
+
+def test_zero_epochs_draw_no_batch_and_each_epoch_a_full_pass() -> None:
+    from fedsim.train import batch_indices
+
+    g = torch.Generator().manual_seed(0)
+    assert list(batch_indices(10, 3, g, epochs=0)) == []
+    two = [b.tolist() for b in batch_indices(10, 3, g, epochs=2)]
+    assert [len(b) for b in two] == [3, 3, 3, 1] * 2 and sorted(sum(two[:4], [])) == list(range(10))
+    assert len(list(batch_indices(10, 3, g, epochs=0, steps=5))) == 5  # steps, when set, win
+
+
+def test_a_run_with_zero_local_epochs_trains_nothing(make_config) -> None:
+    """train.epochs: 0 (allowed) means no local step: every client reports 0 steps and FedAvg's model stays put."""
+    from fedsim.results import load
+    from fedsim.runtime.local import LocalBackend
+    from fedsim.runtime.loop import run
+
+    tables = load(run(make_config("train.epochs=0", rounds=2), LocalBackend(num_workers=1)))
+    assert (tables["clients"]["steps"] == 0).all()
+    accuracy, loss = tables["rounds"]["accuracy"].tolist(), tables["rounds"]["loss"].tolist()
+    assert accuracy[0] == accuracy[1] and loss[0] == loss[1]

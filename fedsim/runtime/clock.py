@@ -136,7 +136,7 @@ def work_samples(cfg: RunConfig, num_samples: np.ndarray) -> np.ndarray:
     t = cfg.train
     if t.steps is not None:
         return np.full(len(num_samples), t.steps * t.batch_size, dtype=float)
-    return num_samples.astype(float) * max(t.epochs, 1)
+    return num_samples.astype(float) * t.epochs
 
 
 def durations(cfg: RunConfig, profiles: Profiles, cids: np.ndarray, num_samples: np.ndarray,
