@@ -214,6 +214,20 @@ def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, 
     assert tree(results) == {"mine": None}
 
 
+def test_a_run_id_naming_a_folder_of_other_files_is_refused_and_the_files_kept(tmp_path):
+    """A run would replace the folder's config.yaml, and a run stopped before its first round removes what it
+    wrote there (config.yaml, checkpoints/): the user's own files of those names would go with it."""
+    mine = tmp_path / "results" / "mine"
+    (mine / "checkpoints").mkdir(parents=True)
+    for name, text in (("config.yaml", "notes"), ("checkpoints/important.pt", "x"), ("notes.txt", "k")):
+        (mine / name).write_text(text)
+    before = tree(mine)
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
+    assert_one_line_error(fedsim("run", str(cfg), "--quiet", "-o", "results.run_id=mine"),
+                          "holds files that are not a run's")
+    assert tree(mine) == before and (mine / "config.yaml").read_text() == "notes"
+
+
 @pytest.mark.parametrize("stop", ["error", "interrupt"])
 def test_a_run_stopped_during_its_first_round_leaves_no_folder(tmp_path, monkeypatch, capsys, stop):
     from fedsim.errors import AggregationError

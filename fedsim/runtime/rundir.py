@@ -29,7 +29,8 @@ STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
 
 def planned_run_dir(cfg: RunConfig) -> Location:
-    """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run,
+    """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run or
+    anything else (a run's first write would replace its config.yaml, and an early stop removes what it wrote),
     and a results.root in a store that cannot be reached (fedsim.storage)."""
     run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
     root = location(cfg.results.root, "results.root")
@@ -40,6 +41,9 @@ def planned_run_dir(cfg: RunConfig) -> Location:
                           "or choose another run_id")
     if path.exists() and not path.is_dir():
         raise ConfigError(f"results.run_id: {path} exists and is not a folder")
+    if path.exists() and next(iter(path.iterdir()), None) is not None:
+        raise ConfigError(f"results.run_id: {path} exists and holds files that are not a run's; choose another "
+                          "run_id or an empty folder")
     return path
 
 
