@@ -62,6 +62,8 @@ def curves(df: pd.DataFrame, x: str = "round", y: str = "accuracy") -> pd.DataFr
         rows = rows[rows["model"].astype(str) != ""] if "model" in rows else rows
     else:  # round-level metrics: every model's row of a round repeats them
         rows = rows.drop_duplicates(["run", "round"]).assign(model="")
+    if "model" not in rows:  # a table from elsewhere without it: one model per run
+        rows = rows.assign(model="")
     if rows.empty:
         return pd.DataFrame(columns=CURVE_COLUMNS)
     label = pd.Series("", index=rows.index)
@@ -99,6 +101,8 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     from fedsim.results import collect, find_runs
 
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if out is not None:
+        check_out(Path(out))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         df = collect(items, incomplete=True)
@@ -120,6 +124,21 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     atomic_write(target, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
     plt.close(fig)
     return target
+
+
+def check_out(out: Path) -> None:
+    """A PNG path that may be written: its folder exists, and it is new or a PNG already (a re-plot), so no table,
+    config or device file of the same name is ever replaced."""
+    if out.suffix.lower() != ".png":
+        raise FedsimError(f"--out {out}: name a .png file")
+    if not out.parent.is_dir():
+        raise FedsimError(f"--out {out}: its folder {out.parent} does not exist")
+    if out.exists() or out.is_symlink():
+        if not out.is_file() or out.is_symlink():
+            raise FedsimError(f"--out {out}: exists and is not a plain file; not replaced")
+        with out.open("rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                raise FedsimError(f"--out {out}: exists and is not a PNG; not replaced")
 
 
 def figure(data: pd.DataFrame, x: str, y: str, title: str) -> Figure:

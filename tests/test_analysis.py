@@ -114,6 +114,39 @@ def test_fedsim_plot_draws_several_runs_and_names_the_columns_of_a_bad_metric(ro
     assert "available: round, accuracy, loss" in err and "virtual_time" in err and "wall_round_s" in err
 
 
+@pytest.mark.parametrize("name, fragment", [
+    ("rounds.parquet", "name a .png file"),     # a run's own table
+    ("config.yaml", "name a .png file"),
+    ("folder.png", "not a plain file"),         # a folder
+    ("note.png", "is not a PNG"),               # a file of the user's that only has the name
+    ("nowhere/acc.png", "does not exist"),      # its folder is missing
+])
+def test_plot_out_never_replaces_what_is_not_a_plot(root, tmp_path, capsys, name, fragment):
+    from jobs.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(root / "a0", run)
+    (run / "folder.png").mkdir()
+    (run / "note.png").write_text("my notes")
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    assert main(["plot", str(run), "--out", str(run / name)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and fragment in err, err
+    assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    assert main(["plot", str(run), "--out", str(run / "accuracy.png")]) == 0  # a new PNG, then a re-plot over it
+    assert main(["plot", str(run), "--out", str(run / "accuracy.png")]) == 0
+
+
+def test_a_rounds_table_without_a_model_column_plots(root, tmp_path):
+    from jobs.cli import main
+
+    run = tmp_path / "run"
+    shutil.copytree(root / "a0", run)
+    table = pd.read_parquet(run / "rounds.parquet").drop(columns=["model"])
+    table.to_parquet(run / "rounds.parquet")
+    assert main(["plot", str(run)]) == 0 and (run / "accuracy.png").is_file()
+
+
 def test_fedsim_run_takes_a_yaml_path_a_dict_or_a_run_config(tmp_path):
     rows: list[list[str]] = []
 
