@@ -214,6 +214,14 @@ def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, 
     assert tree(results) == {"mine": None}
 
 
+def test_a_spill_dir_that_is_a_file_is_refused_before_the_run(tmp_path):
+    results = tmp_path / "results"
+    cfg = write_config(tmp_path / "tiny.yaml", results)
+    assert_one_line_error(fedsim("run", str(cfg), "--quiet", "-o", f"runtime.spill_dir={cfg}"),
+                          f"runtime.spill_dir: {cfg} exists and is not a folder")
+    assert not results.exists()
+
+
 def test_a_run_id_naming_a_folder_of_other_files_is_refused_and_the_files_kept(tmp_path):
     """A run would replace the folder's config.yaml, and a run stopped before its first round removes what it
     wrote there (config.yaml, checkpoints/): the user's own files of those names would go with it."""

@@ -125,8 +125,12 @@ def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
     """Where workers spill client states: the run's own folder inside runtime.spill_dir, else the run folder's
     spill/, or for a run kept in a store a local temporary folder (a spilled state is a cache, read back within
     the run, never a result). Runs sharing a spill_dir (a sweep's trials) never read or clear each other's files;
-    a resumed run gets its folder back."""
+    a resumed run gets its folder back. A runtime.spill_dir that is a file here is refused, rather than every
+    client that spills failing."""
     if cfg.runtime.spill_dir:
+        where = Path(cfg.runtime.spill_dir)
+        if where.exists() and not where.is_dir():
+            raise ConfigError(f"runtime.spill_dir: {where} exists and is not a folder")
         digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]
         return Path(cfg.runtime.spill_dir) / f"{run_dir.name}-{digest}"
     if isinstance(run_dir, Path):
