@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
 from tests.conftest import ROOT
 from tests.runtime.test_loop import deterministic
 
@@ -108,6 +109,23 @@ def test_resume_refuses_a_config_edited_into_another_experiment(run_copy, edits)
                                  *edits)
     assert "algorithm.mu" in line if "algorithm.name" in edits else "rounds" in line  # what may change instead
     assert tree(run_copy) == before
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_resume_imports_no_plugin_the_run_did_not_start_with_nor_one_inside_its_folder(run_copy, tmp_path, where):
+    marker = tmp_path / "imported"
+    folder = run_copy if where == "inside" else tmp_path
+    plugin = folder / "evil.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    edited = ["config.yaml"] + ([str(STARTED)] if where == "inside" else [])  # inside: both files agree
+    for name in edited:
+        raw = yaml.safe_load((run_copy / name).read_text())
+        raw["plugins"] = [str(plugin)]
+        (run_copy / name).write_text(yaml.safe_dump(raw, sort_keys=False))
+    before = tree(run_copy)
+    fragment = "lies inside the run folder" if where == "inside" else "plugins ([] -> "
+    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), fragment)
+    assert not marker.exists() and tree(run_copy) == before
 
 
 def test_resume_extends_a_run_whose_rounds_were_raised(run_copy, tmp_path):

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedsim.config import RunConfig, config_to_dict, load_config, save_config
+from fedsim.config import RunConfig, config_to_dict, load_config, read_yaml, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 from fedsim.storage import Location, check_reachable, location, remove_tree
 
@@ -138,6 +138,27 @@ def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
     return Path(tempfile.gettempdir()) / f"fedsim-spill-{run_dir.name}-{os.getpid()}"
 
 
+def _check_plugins(run_dir: Location, path: Location) -> None:
+    """A resumed run imports its plugins: only the ones it started with, and none from inside its own folder (a
+    run's files are data, never code)."""
+    plugins = read_yaml(_named(path)).get("plugins") or []
+    started_path = run_dir / STARTED_CONFIG
+    if started_path.is_file():
+        try:
+            started = read_yaml(_named(started_path)).get("plugins") or []
+        except FedsimError as exc:
+            raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
+        if plugins != started:
+            raise ConfigError(f"{path}: plugins ({started!r} -> {plugins!r}) changed since the run started "
+                              f"({started_path}); start a new run instead")
+    if isinstance(run_dir, Path) and isinstance(plugins, list):
+        inside = [p for p in plugins if isinstance(p, str) and Path(p).is_absolute()
+                  and Path(p).resolve().is_relative_to(run_dir.resolve())]
+        if inside:
+            raise ConfigError(f"{path}: plugin {inside[0]} lies inside the run folder; a run's files are data, "
+                              "not code: keep plugins beside your configs")
+
+
 def _named(path: Location) -> str | Path:
     """A path as load_config takes it: a local one as it is, one in a store as its URI."""
     return path if isinstance(path, Path) else str(path)
@@ -148,6 +169,7 @@ def resume_config(run_dir: Location) -> RunConfig:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
+    _check_plugins(run_dir, path)  # before load_config imports them
     cfg = load_config(_named(path))
     started_path = run_dir / STARTED_CONFIG
     if not started_path.is_file():
