@@ -180,3 +180,50 @@ def load_run_checkpoint(path: Location) -> dict:
     if not all(_is(c, int) for c in payload["client_states"]):
         raise CheckpointError(f"{path}: not a run checkpoint (client_states keys must be client ids)")
     return payload
+
+
+def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | None:
+    """Where a saved state departs from what this run's method builds (`fresh`, its initial state), or None: every
+    tensor of `fresh` (its models' weights) must be in `saved` at the same place with the same shape and dtype. A
+    state grows after its first round (optimizer buffers, histories), and its arrays (selected indices, scores) may
+    change length, so what `saved` has beyond `fresh`'s tensors is not judged."""
+    if isinstance(fresh, np.ndarray):
+        return None
+    if isinstance(fresh, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            return f"{path} is a {type(saved).__name__}, not a {type(fresh).__name__}"
+        if tuple(saved.shape) != tuple(fresh.shape) or saved.dtype != fresh.dtype:
+            return f"{path} is {saved.dtype} {list(saved.shape)}, not {fresh.dtype} {list(fresh.shape)}"
+        return None
+    if not _holds_arrays(fresh):
+        return None
+    if dataclasses.is_dataclass(fresh):
+        if type(saved) is not type(fresh):
+            return f"{path} is a {type(saved).__name__}, not a {type(fresh).__name__}"
+        items = [(f"{path}.{f.name}", getattr(fresh, f.name), getattr(saved, f.name))
+                 for f in dataclasses.fields(fresh)]
+    elif isinstance(fresh, dict):
+        if not isinstance(saved, dict):
+            return f"{path} is a {type(saved).__name__}, not a dict"
+        missing = [k for k, v in fresh.items() if k not in saved and _holds_arrays(v)]
+        if missing:
+            return f"{path} lacks {missing[0]!r}"
+        items = [(f"{path}[{k!r}]", v, saved[k]) for k, v in fresh.items() if k in saved]
+    else:  # a list or tuple
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(fresh):
+            return f"{path} is not a sequence of {len(fresh)}"
+        items = [(f"{path}[{i}]", f, s) for i, (f, s) in enumerate(zip(fresh, saved, strict=True))]
+    return next((found for where, f, s in items if (found := state_mismatch(f, s, where))), None)
+
+
+def _holds_arrays(value: Any) -> bool:
+    """Whether a state value holds any tensor (what `state_mismatch` requires to be kept)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_arrays(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, dict):
+        return any(_holds_arrays(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_arrays(v) for v in value)
+    return False

@@ -169,6 +169,14 @@ def test_resume_from_a_crafted_checkpoint_runs_nothing(finished_run, tmp_path, t
     (lambda ck: ck.update(server_state=pack(FedDFState({"mlp": _weights(0)}, {}, np.zeros(2, np.int64), "mlp",
                                                        {}, 0, {}))),
      "does not fit this run (its server state is a FedDFState; fedavg keeps a GlobalModels)"),
+    (lambda ck: _edit_weight(ck, lambda w: w[:1]), "does not fit this run (server_state.models['cnn']['"),
+    (lambda ck: _edit_weight(ck, lambda w: w.double()), "is torch.float64"),
+    (lambda ck: _edit_weight(ck, lambda w: None), "lacks '"),
+    (lambda ck: ck["server_state"]["models"].clear(), "server_state.models lacks 'cnn'"),
+    (lambda ck: ck.update(round=-1), "it is of round -1, and rounds.parquet ends at round 1"),
+    (lambda ck: ck.update(round=7), "it is of round 7, and rounds.parquet ends at round 1"),
+    (lambda ck: ck.update(virtual_time=float("nan")), "virtual_time nan"),
+    (lambda ck: ck.update(client_states={99: {}}), "a state for client 99, and the run has 2 clients"),
 ])
 def test_resume_from_a_checkpoint_that_does_not_fit_is_one_line(finished_run, tmp_path, capsys, edit, message):
     from jobs.cli import main
@@ -184,6 +192,17 @@ def test_resume_from_a_checkpoint_that_does_not_fit_is_one_line(finished_run, tm
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fedsim: error: {ckpt}: ") and message in lines[0], lines
     assert (folder / "rounds.parquet").read_bytes() == rounds
+
+
+def _edit_weight(payload: dict, change) -> None:
+    """Replace the first weight of the saved global CNN by change(weight), or drop it where that gives None."""
+    weights = payload["server_state"]["models"]["cnn"]
+    key = next(iter(weights))
+    changed = change(weights[key])
+    if changed is None:
+        del weights[key]
+    else:
+        weights[key] = changed
 
 
 def _spilled_store(tmp_path: Path, states: dict[int, dict]) -> ClientStateStore:

@@ -21,7 +21,7 @@ import pandas as pd
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Phase, RoundInfo
-from fedsim.checkpoint import load_run_checkpoint
+from fedsim.checkpoint import load_run_checkpoint, state_mismatch
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import CheckpointError, FedsimError
@@ -134,10 +134,14 @@ class Simulation:
     def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
         """Resume from the last checkpoint, dropping table rows written after it."""
         ck = load_run_checkpoint(self.ckpt_path)
-        kept, fresh = type(ck["server_state"]), type(self.backend.server.get_state())
+        fresh_state = self.backend.server.get_state()
+        kept, fresh = type(ck["server_state"]), type(fresh_state)
         if kept is not fresh:
             raise CheckpointError(f"{self.ckpt_path}: does not fit this run (its server state is a {kept.__name__}; "
                                   f"{self.cfg.algorithm.name} keeps a {fresh.__name__})")
+        misfit = state_mismatch(fresh_state, ck["server_state"]) or self._misfit(ck, rounds)
+        if misfit:
+            raise CheckpointError(f"{self.ckpt_path}: does not fit this run ({misfit})")
         try:
             self.backend.server.set_state(ck["server_state"])
             self.backend.load_states(ck["client_states"])
@@ -149,6 +153,18 @@ class Simulation:
         last = ck["round"]
         return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
                         clients[clients["round"] <= last].to_dict("records"))
+
+    def _misfit(self, ck: dict, rounds: pd.DataFrame) -> str | None:
+        """What in a checkpoint's bookkeeping contradicts this run's tables and clients, or None."""
+        last, done = ck["round"], (int(rounds["round"].max()) if len(rounds) else -1)
+        if not 0 <= last <= done:
+            return f"it is of round {last}, and rounds.parquet ends at round {done}"
+        if not math.isfinite(ck["virtual_time"]) or ck["virtual_time"] < 0:
+            return f"virtual_time {ck['virtual_time']}"
+        strangers = [c for c in ck["client_states"] if not 0 <= c < len(self.num_samples)]
+        if strangers:
+            return f"a state for client {strangers[0]}, and the run has {len(self.num_samples)} clients"
+        return None
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
         """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
