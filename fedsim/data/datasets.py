@@ -48,6 +48,7 @@ _READ_ERRORS = (
     pickle.UnpicklingError, zipfile.BadZipFile,
 )
 DOWNLOAD_HINT = "or set data.download: true to fetch them when online"
+REFETCH_HINT = "delete it and set data.download: true to fetch a fresh copy"
 
 
 def _one_line(err: BaseException) -> str:
@@ -70,10 +71,59 @@ def _guarded(name: str, folder: Path, files: list[str], download: bool, load: Ca
         if download:
             raise DataError(f"{name}: download failed ({reason}); {where}; put them there by hand") from None
         raise DataError(f"{name}: {where}; put them there, {DOWNLOAD_HINT}") from None
+    if len(files) == 1:  # name the file itself
+        raise DataError(f"{name}: could not read {folder / files[0]} ({reason}); {REFETCH_HINT}") from None
     raise DataError(
         f"{name}: could not read the files in {folder} ({reason}); delete them and set data.download: true "
         "to fetch fresh copies"
     ) from None
+
+
+def _bad(where: str, problem: str) -> DataError:
+    """A one-line DataError for a file that reads but holds the wrong thing; `where` names the set, file and entry."""
+    return DataError(f"{where}: {problem}; {REFETCH_HINT}")
+
+
+def _as_array(value: Any, where: str) -> np.ndarray:
+    """`value` read from a file (an array or nested lists) as an ndarray; a ragged or cyclic list is a DataError."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError, RecursionError) as err:
+        raise _bad(where, f"not a rectangular array of numbers ({type(err).__name__})") from None
+
+
+def _pixels(x: Any, shape: tuple[int | None, ...], where: str) -> np.ndarray:
+    """Images as uint8 once they have `shape` (None: the sample count) and whole-number pixels in 0..255, as the
+    real files store them: other values would wrap around when cast, other shapes break training later."""
+    x = _as_array(x, where)
+    fits = x.ndim == len(shape) and all(want in (None, got) for want, got in zip(shape, x.shape))
+    if not fits or not np.issubdtype(x.dtype, np.integer):
+        dims = "×".join("N" if d is None else str(d) for d in shape)
+        raise _bad(where, f"expected {dims} uint8 images, got {x.dtype} of shape {x.shape}")
+    if x.dtype != np.uint8 and x.size and (x.min() < 0 or x.max() > 255):  # skips two passes over big uint8 sets
+        raise _bad(where, f"pixel values must lie in 0..255, found {x.min()}..{x.max()}")
+    return x.astype(np.uint8, copy=False)
+
+
+def _class_ids(y: Any, images: int, num_classes: int, where: str, first: int = 0) -> np.ndarray:
+    """One integer class id in first..first+num_classes-1 per image (1-d, or N×1 as MedMNIST stores them), as
+    int64 shifted to start at 0."""
+    y = _as_array(y, where)
+    ids = y[:, 0] if y.ndim == 2 and y.shape[1] == 1 else y
+    if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):  # [] reads as float64
+        raise _bad(where, f"expected N or N×1 integer class ids, got {y.dtype} of shape {y.shape}")
+    if len(ids) != images:
+        raise _bad(where, f"{len(ids)} labels for {images} images (one per image expected)")
+    if len(ids) and (ids.min() < first or ids.max() >= first + num_classes):
+        raise _bad(where, f"labels outside {first}..{first + num_classes - 1} (found {ids.min()}..{ids.max()})")
+    return ids.astype(np.int64) - first
+
+
+def _entry(mapping: dict, key: str, where: str) -> Any:
+    """`mapping[key]`, or a DataError naming the file and the missing entry."""
+    if key not in mapping:
+        raise _bad(where, f"has no {key!r} entry")
+    return mapping[key]
 
 
 def _finish(
@@ -152,10 +202,13 @@ def load_synthetic(
 # ---------------------------------------------------------------- torchvision
 
 
-def _trusting(cls: type[Any]) -> type[Any]:
-    """An SVHN subclass whose integrity check only asks that the files exist (md5=None)."""
-    split_list = {k: [url, f, None] for k, (url, f, _) in cls.split_list.items()}
-    return type(cls.__name__, (cls,), {"split_list": split_list})
+def _cifar_batch(raw: Any, label_key: str, num_classes: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A python batch's N×3072 uint8 images and their N class ids; any other structure is refused."""
+    if not isinstance(raw, dict):
+        raise _bad(where, f"expected a dict with 'data' and {label_key!r}, got {type(raw).__name__}")
+    batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in raw.items()}
+    images = _pixels(_entry(batch, "data", where), (None, 3072), f"{where} 'data'")
+    return images, _class_ids(_entry(batch, label_key, where), len(images), num_classes, f"{where} {label_key!r}")
 
 
 def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -> Dataset:
@@ -167,10 +220,11 @@ def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -
     folder = root / stock.base_folder
     files = [f for f, _ in stock.train_list + stock.test_list] + [stock.meta["filename"]]
     label_key = "fine_labels" if hundred else "labels"
+    classes = 100 if hundred else 10
 
-    def read(entries: list[list[str]]) -> tuple[np.ndarray, list[int]]:
+    def read(entries: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
         xs: list[np.ndarray] = []
-        ys: list[int] = []
+        ys: list[np.ndarray] = []
         for filename, md5 in entries:
             if (download or verify) and not check_integrity(str(folder / filename), md5):
                 raise ValueError(f"{filename} fails its md5 check")
@@ -178,10 +232,10 @@ def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -
                 raw = load_pickle_data(folder / filename)
             except DataError as exc:  # reported with the folder and the fix, like any unreadable file
                 raise ValueError(str(exc).replace(str(folder) + "/", "")) from None
-            batch = {k.decode() if isinstance(k, bytes) else k: v for k, v in raw.items()}
-            xs.append(np.asarray(batch["data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
-            ys.extend(int(v) for v in batch[label_key])
-        return np.concatenate(xs).transpose(0, 2, 3, 1), ys
+            x, y = _cifar_batch(raw, label_key, classes, f"{name}: {folder / filename}")
+            xs.append(x.reshape(-1, 3, 32, 32))
+            ys.append(y)
+        return np.concatenate(xs).transpose(0, 2, 3, 1), np.concatenate(ys)
 
     def load() -> tuple:
         if download and not all((folder / f).is_file() for f in files):
@@ -190,7 +244,7 @@ def _cifar(name: str, root: Path, download: bool, verify: bool, hundred: bool) -
 
     x_tr, y_tr, x_te, y_te = _guarded(name, folder, files, download, load)
     stats = CIFAR100_STATS if hundred else CIFAR10_STATS
-    return _finish(name, x_tr, y_tr, x_te, y_te, 100 if hundred else 10, stats, channels_last=True)
+    return _finish(name, x_tr, y_tr, x_te, y_te, classes, stats, channels_last=True)
 
 
 @register_dataset("cifar10")
@@ -205,18 +259,34 @@ def load_cifar100(root: Path, download: bool, *, verify: bool = False) -> Datase
     return _cifar("cifar100", root, download, verify, hundred=True)
 
 
-def _idx(name: str, root: Path, download: bool, cls_name: str, files: list[str], **kwargs: Any) -> tuple:
-    """Read an MNIST-family set (raw IDX files under <root>/<Class>/raw) with torchvision."""
+def _idx(name: str, root: Path, download: bool, cls_name: str, files: list[str], num_classes: int,
+         first_label: int = 0, **kwargs: Any) -> tuple:
+    """An MNIST-family set from raw IDX `files` (train images, labels, test images, labels) in <root>/<Class>/raw:
+    28×28 uint8 images and one class id per image (`first_label`.. shifted to 0..). Read file by file, so an
+    error names its file; torchvision's class only downloads them."""
     from torchvision import datasets as tvd
+    from torchvision.datasets.mnist import read_sn3_pascalvincent_tensor
 
-    cls = getattr(tvd, cls_name)
+    folder = root / cls_name / "raw"
 
-    def load() -> tuple:
-        train = cls(str(root), train=True, download=download, **kwargs)
-        test = cls(str(root), train=False, download=False, **kwargs)
-        return train.data.numpy(), train.targets.numpy(), test.data.numpy(), test.targets.numpy()
+    def read(filename: str) -> np.ndarray:
+        try:
+            return read_sn3_pascalvincent_tensor(str(folder / filename), strict=False).numpy()
+        except _READ_ERRORS as err:  # reported with the folder and the fix, like any unreadable file
+            raise ValueError(f"{filename}: not a readable IDX file ({_one_line(err)})") from None
 
-    return _guarded(name, root / cls_name / "raw", files, download, load)
+    def load() -> list[np.ndarray]:
+        if download and not all((folder / f).is_file() for f in files):
+            getattr(tvd, cls_name)(str(root), train=True, download=True, **kwargs)
+        return [read(f) for f in files]
+
+    arrays = _guarded(name, folder, files, download, load)
+    checked = []
+    for x, y, image_file, label_file in zip(arrays[::2], arrays[1::2], files[::2], files[1::2]):
+        images = _pixels(x, (None, 28, 28), f"{name}: {folder / image_file}")
+        labels = _class_ids(y, len(images), num_classes, f"{name}: {folder / label_file}", first_label)
+        checked += [images, labels]
+    return tuple(checked)
 
 
 _MNIST_FILES = [f"{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-idx3", "labels-idx1")]
@@ -225,14 +295,14 @@ _MNIST_FILES = [f"{s}-{k}-ubyte" for s in ("train", "t10k") for k in ("images-id
 @register_dataset("mnist")
 def load_mnist(root: Path, download: bool) -> Dataset:
     """MNIST from raw IDX files in `<root>/MNIST/raw`; the usual mean 0.1307, std 0.3081."""
-    x_tr, y_tr, x_te, y_te = _idx("mnist", root, download, "MNIST", _MNIST_FILES)
+    x_tr, y_tr, x_te, y_te = _idx("mnist", root, download, "MNIST", _MNIST_FILES, 10)
     return _finish("mnist", x_tr, y_tr, x_te, y_te, 10, MNIST_STATS)
 
 
 @register_dataset("fashionmnist")
 def load_fashionmnist(root: Path, download: bool) -> Dataset:
     """Fashion-MNIST from raw IDX files in `<root>/FashionMNIST/raw`; mean 0.2860, std 0.3530."""
-    x_tr, y_tr, x_te, y_te = _idx("fashionmnist", root, download, "FashionMNIST", _MNIST_FILES)
+    x_tr, y_tr, x_te, y_te = _idx("fashionmnist", root, download, "FashionMNIST", _MNIST_FILES, 10)
     return _finish("fashionmnist", x_tr, y_tr, x_te, y_te, 10, FASHIONMNIST_STATS)
 
 
@@ -242,28 +312,47 @@ def load_emnist(root: Path, download: bool, *, split: str = "balanced") -> Datas
     if split not in EMNIST_CLASSES:
         raise ConfigError(f"data.options.split: unknown EMNIST split {split!r}; choose one of {list(EMNIST_CLASSES)}")
     files = [f"emnist-{split}-{s}-{k}-ubyte" for s in ("train", "test") for k in ("images-idx3", "labels-idx1")]
-    x_tr, y_tr, x_te, y_te = _idx("emnist", root, download, "EMNIST", files, split=split)
+    first_label = 1 if split == "letters" else 0  # the raw letters are 1..26 (torchvision keeps an unused 0, 'N/A')
+    x_tr, y_tr, x_te, y_te = _idx("emnist", root, download, "EMNIST", files, EMNIST_CLASSES[split], first_label,
+                                  split=split)
     x_tr, x_te = x_tr.transpose(0, 2, 1), x_te.transpose(0, 2, 1)  # the raw EMNIST files are column-major
-    if split == "letters":  # torchvision keeps the unused class 0 ('N/A'); letters are 1..26
-        y_tr, y_te = y_tr - 1, y_te - 1
     return _finish("emnist", x_tr, y_tr, x_te, y_te, EMNIST_CLASSES[split], split=split)
 
 
 @register_dataset("svhn")
 def load_svhn(root: Path, download: bool, *, extra: bool = False, verify: bool = False) -> Dataset:
-    """SVHN cropped digits from `<root>/{train,test}_32x32.mat` (+ extra_32x32.mat into train if `extra`)."""
-    from torchvision import datasets as tvd
+    """SVHN cropped digits from `<root>/{train,test}_32x32.mat` (+ extra_32x32.mat into train if `extra`).
 
-    cls = tvd.SVHN if (download or verify) else _trusting(tvd.SVHN)
+    Read with scipy (X: 32×32×3×N uint8, y: N×1 labels 1..10, 10 for digit 0) rather than torchvision's SVHN,
+    which casts whatever X and y hold; torchvision still downloads and checks md5s."""
+    from scipy.io import loadmat
+    from scipy.io.matlab import MatReadError
+    from torchvision import datasets as tvd
+    from torchvision.datasets.utils import check_integrity, download_url
+
     splits = ["train", "test"] + (["extra"] if extra else [])
 
-    def load() -> dict:
-        return {s: cls(str(root), split=s, download=download) for s in splits}
+    def read(split: str) -> dict:
+        url, filename, md5 = tvd.SVHN.split_list[split]
+        if download:
+            download_url(url, str(root), filename, md5)  # skipped when the file is there with this md5
+        elif verify and not check_integrity(str(root / filename), md5):
+            raise ValueError(f"{filename} fails its md5 check")
+        try:
+            return loadmat(root / filename, variable_names=("X", "y"))
+        except (MatReadError, *_READ_ERRORS) as err:  # scipy's MatReadError: e.g. an empty or truncated file
+            raise ValueError(f"{filename}: {err}") from None
 
-    sets = _guarded("svhn", root, [f"{s}_32x32.mat" for s in splits], download, load)
-    x_tr = np.concatenate([sets[s].data for s in splits if s != "test"])
-    y_tr = np.concatenate([sets[s].labels for s in splits if s != "test"])
-    return _finish("svhn", x_tr, y_tr, sets["test"].data, sets["test"].labels, 10)
+    mats = _guarded("svhn", root, [f"{s}_32x32.mat" for s in splits], download, lambda: {s: read(s) for s in splits})
+    xs, ys = {}, {}
+    for s in splits:
+        where = f"svhn: {root / f'{s}_32x32.mat'}"
+        xs[s] = _pixels(_entry(mats[s], "X", where), (32, 32, 3, None), f"{where} 'X'").transpose(3, 2, 0, 1)
+        ys[s] = _class_ids(_entry(mats[s], "y", where), len(xs[s]), 11, f"{where} 'y'")
+        ys[s][ys[s] == 10] = 0
+    train = [s for s in splits if s != "test"]
+    x_tr, y_tr = np.concatenate([xs[s] for s in train]), np.concatenate([ys[s] for s in train])
+    return _finish("svhn", x_tr, y_tr, xs["test"], ys["test"], 10)
 
 
 # ---------------------------------------------------------------- MedMNIST
@@ -305,13 +394,16 @@ def _load_medmnist(flag: str, root: Path, download: bool, size: int, as_rgb: boo
     if download:
         root.mkdir(parents=True, exist_ok=True)  # medmnist refuses a root that does not exist
     sets = _guarded(flag, root, [filename], download, load)
+    channels, classes, where = info["n_channels"], len(info["label"]), f"{flag}: {root / filename}"
+    shape = (None, size, size) if channels == 1 else (None, size, size, channels)  # so train and test agree
+    xs = {s: _pixels(sets[s].imgs, shape, f"{where} {s}_images") for s in splits}
+    ys = {s: _class_ids(sets[s].labels, len(xs[s]), classes, f"{where} {s}_labels") for s in splits}
     train = [s for s in splits if s != "test"]
-    x_tr = np.concatenate([sets[s].imgs for s in train])
-    y_tr = np.concatenate([np.asarray(sets[s].labels).reshape(-1) for s in train])
-    x_te, y_te = sets["test"].imgs, np.asarray(sets["test"].labels).reshape(-1)
+    x_tr, y_tr = np.concatenate([xs[s] for s in train]), np.concatenate([ys[s] for s in train])
+    x_te, y_te = xs["test"], ys["test"]
     if as_rgb and x_tr.ndim == 3:
         x_tr, x_te = np.repeat(x_tr[..., None], 3, axis=-1), np.repeat(x_te[..., None], 3, axis=-1)
-    return _finish(flag, x_tr, y_tr, x_te, y_te, len(info["label"]), channels_last=x_tr.ndim == 4)
+    return _finish(flag, x_tr, y_tr, x_te, y_te, classes, channels_last=x_tr.ndim == 4)
 
 
 def _medmnist_loader(flag: str) -> Callable[..., Dataset]:

@@ -15,29 +15,44 @@ import numpy as np
 from fedsim.errors import DataError
 
 # What numpy pickles an ndarray as (numpy 1.x and 2.x module paths), and how protocol 2 writes bytes
-# (`_codecs.encode` of a latin-1 string); nothing else is resolvable.
+# (`_codecs.encode` of a latin-1 string; b"" as `bytes()`, see `_empty_bytes`); nothing else is resolvable.
 _ARRAY_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
     ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
 }
 
 
+def _empty_bytes(*args: Any) -> bytes:
+    """`bytes()`, as protocol 2 writes b"" (an empty array's buffer); arguments are refused (bytes(n) allocates n)."""
+    if args:
+        raise pickle.UnpicklingError("refusing to call bytes() with arguments")
+    return b""
+
+
 class _ArrayOnlyUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ARRAY_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) in (("__builtin__", "bytes"), ("builtins", "bytes")):
+            return _empty_bytes
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays and plain values)")
 
 
 def _check(obj: Any, path: Path) -> Any:
-    if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
-        raise DataError(f"{path}: holds an object array; expected numbers")
-    if isinstance(obj, dict):
-        for v in obj.values():
-            _check(v, path)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _check(v, path)
+    """Refuse object arrays anywhere in `obj`; iterative, with each container visited once, so deep or
+    self-referencing containers (which a pickle can build) cannot exhaust the recursion limit."""
+    pending, seen = [obj], set()
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, np.ndarray) and item.dtype.hasobject:
+            raise DataError(f"{path}: holds an object array; expected numbers")
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
     return obj
 
 

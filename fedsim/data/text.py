@@ -45,6 +45,15 @@ def load_embedding_table(path: str, max_vocab: int | None = None) -> tuple[dict[
     return _load(str(file.resolve()), file.stat().st_mtime_ns, max_vocab)
 
 
+def _checked_table(file: Path, table: np.ndarray) -> np.ndarray:
+    """`table` once it is a 2-d float V×D table with finite values (NaN rows would silently poison training)."""
+    if table.ndim != 2 or not np.issubdtype(table.dtype, np.floating):
+        raise DataError(f"{file}: the embedding must be a 2-d float table, got {table.dtype} {table.shape}")
+    if not np.isfinite(table).all():
+        raise DataError(f"{file}: the embedding contains NaN or infinite values")
+    return table
+
+
 @functools.lru_cache(maxsize=4)
 def _load(path: str, mtime: int, max_vocab: int | None) -> tuple[dict[str, int], np.ndarray]:
     file = Path(path)
@@ -54,8 +63,7 @@ def _load(path: str, mtime: int, max_vocab: int | None) -> tuple[dict[str, int],
                 np.load(file, allow_pickle=False)["embedding"]
         except (OSError, ValueError, KeyError) as err:
             raise DataError(f"{file}: could not read an embedding table ({type(err).__name__}: {err})") from None
-        if table.ndim != 2 or not np.issubdtype(table.dtype, np.floating):
-            raise DataError(f"{file}: the embedding must be a 2-d float table, got {table.dtype} {table.shape}")
+        table = _checked_table(file, table)
         table = table[: max_vocab + 2] if max_vocab else table
         return {}, np.ascontiguousarray(table, dtype=np.float32)
     words: dict[str, int] = {}
@@ -178,12 +186,13 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
     except (OSError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as err:
         raise DataError(f"text_npz: could not read {file} ({type(err).__name__}: {' '.join(str(err).split())})") \
             from None
+    embedding = _checked_table(file, arrays["embedding"])
     for k in ("x_train", "x_test"):
         x = arrays[k]
         if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
             raise DataError(f"text_npz: {file}: {k} must be N×L integer token ids, got {x.dtype} {x.shape}")
-        if len(x) and (x.min() < 0 or x.max() >= len(arrays["embedding"])):
-            raise DataError(f"text_npz: {file}: {k} has ids outside the {len(arrays['embedding'])}-row embedding")
+        if len(x) and (x.min() < 0 or x.max() >= len(embedding)):
+            raise DataError(f"text_npz: {file}: {k} has ids outside the {len(embedding)}-row embedding")
     ys = []
     for k in ("y_train", "y_test"):
         y = np.asarray(arrays[k]).reshape(-1)
@@ -197,4 +206,4 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
     return Dataset(name="text_npz", x_train=arrays["x_train"].astype(np.int64), y_train=ys[0],
                    x_test=arrays["x_test"].astype(np.int64), y_test=ys[1],
                    num_classes=int(max(ys[0].max(), ys[1].max(initial=0))) + 1,
-                   extras={"embedding": arrays["embedding"].astype(np.float32)})
+                   extras={"embedding": embedding.astype(np.float32)})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -72,4 +74,18 @@ def test_text_npz_loader(tmp_path) -> None:
     np.savez(path, x_train=np.array([[9]]), y_train=np.array([0]), x_test=np.array([[1]]), y_test=np.array([0]),
              embedding=np.ones((5, 4), np.float32))
     with pytest.raises(DataError, match="outside the 5-row embedding"):
+        load_dataset("text_npz", tmp_path, False, path=str(path))
+
+
+@pytest.mark.parametrize("embedding,problem", [
+    (np.array(5.0), r"2-d float table, got float64 \(\)"),
+    (np.array([["a"] * 4] * 5), "2-d float table, got <U1"),
+    (np.ones(5, np.float32), r"2-d float table, got float32 \(5,\)"),
+    (np.full((5, 4), np.nan, np.float32), "NaN or infinite"),
+])
+def test_text_npz_embedding_must_be_a_finite_float_table(tmp_path, embedding, problem) -> None:
+    path = tmp_path / "t.npz"
+    np.savez(path, x_train=np.array([[2, 3]]), y_train=np.array([0]), x_test=np.array([[3, 3]]), y_test=np.array([0]),
+             embedding=embedding)
+    with pytest.raises(DataError, match=f"{re.escape(str(path))}: the embedding .*{problem}"):
         load_dataset("text_npz", tmp_path, False, path=str(path))
