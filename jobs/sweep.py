@@ -25,7 +25,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +35,7 @@ import pandas as pd
 
 from fedsim.configtools import from_dict, knob
 from fedsim.errors import ConfigError
+from fedsim.limits import MAX_ROUNDS, MAX_SEED
 from fedsim.storage import Location
 
 
@@ -57,7 +58,7 @@ class EarlyStop:
 class Sweep:
     title: str = knob("sweep", doc="table title, also the output file name")
     base: str = knob("", doc="base run config (path relative to the repository root or to this file)")
-    seeds: list[int] = knob([0, 1], doc="run seeds")
+    seeds: list[int] = knob([0, 1], ge=0, le=MAX_SEED, doc="run seeds")
     overrides: list[str] = knob([], doc="overrides applied to every arm")
     grid: dict[str, list[Any]] = knob({}, doc="cartesian product of key: [values], one table block each")
     space: dict[str, Any] = knob({}, doc="key: {choice|uniform|loguniform|randint: ...}, drawn `samples` times "
@@ -66,7 +67,7 @@ class Sweep:
     space_seed: int = knob(0, ge=0, doc="seed of the draws from `space`")
     arms: list[Arm] = knob(factory=list, doc="rows of the table; none: one row, the base config as it is")
     target: float | None = knob(None, doc="accuracy threshold for rounds-to-target")
-    budgets: list[int] = knob([], doc="report accuracy after these many rounds")
+    budgets: list[int] = knob([], ge=1, le=MAX_ROUNDS, doc="report accuracy after these many rounds")
     metric: str = knob("accuracy", doc="column of rounds.parquet to score")
     model: str = knob("best", doc="global-model row to use: best (highest final), macro (mean), or a model name")
     out: str | None = knob(None, doc="markdown output path (default OUTPUT_DIR/table.md)")
@@ -88,7 +89,32 @@ def load_sweep(path: str | Path) -> Sweep:
     if set(sw.space) & set(sw.grid):
         raise ConfigError(f"{path}: space: {sorted(set(sw.space) & set(sw.grid))} also in grid: a key is one or the "
                           "other")
+    if not sw.seeds:
+        raise ConfigError(f"{path}: seeds: expected at least one seed, got []")
+    empty = [k for k, values in sw.grid.items() if not values]
+    if empty:
+        raise ConfigError(f"{path}: grid.{empty[0]}: expected a non-empty list of values, got []")
+    elsewhere = _seed_set_elsewhere(sw)
+    if elsewhere:
+        raise ConfigError(f"{path}: {elsewhere}: a sweep sets each run's seed from seeds: (every setting runs with "
+                          "every seed); list the seeds there instead")
     return sw
+
+
+def _seed_set_elsewhere(sw: Sweep) -> str | None:
+    """Where the sweep file sets `seed` other than in `seeds` (each run's seed from `seeds` would override it)."""
+    for section, keys in (("grid", sw.grid), ("space", sw.space)):
+        if "seed" in keys:
+            return f"{section}.seed"
+    for where, overs in [("overrides", sw.overrides), *((f"arms.{a.name}.overrides", a.overrides) for a in sw.arms)]:
+        for o in overs:
+            if _key(o) == "seed":
+                return f"{where}: {o}"
+    return None
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
 
 
 def _resolve(path: str, sweep_file: Path) -> Path:
@@ -244,10 +270,15 @@ def run_key(cfg: Any) -> str:
     experiment."""
     from fedsim.config import config_to_dict
 
-    d = config_to_dict(cfg)
+    return hashlib.sha1(_experiment(config_to_dict(cfg)).encode()).hexdigest()
+
+
+def _experiment(config: dict) -> str:
+    """A config's keys and values as canonical JSON, without WHERE_KEYS."""
+    d = dict(config)
     for section, keys in WHERE_KEYS.items():
-        d[section] = {k: v for k, v in d[section].items() if k not in keys}
-    return hashlib.sha1(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+        d[section] = {k: v for k, v in d.get(section, {}).items() if k not in keys}
+    return json.dumps(d, sort_keys=True, default=str)
 
 
 FINISHED = "finished.json"  # written into a run folder once its run returned: {wall_s, hardware, code}
@@ -276,13 +307,14 @@ def run_folder(cfg: Any) -> Path:
     return Path(cfg.results.root) / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
 
 
-def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = ()) -> Location:
+def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), resume: bool = False) -> Location:
     """Run `cfg` in run_folder(cfg), or return that folder if a run finished there.
 
     A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
-    changed since) is out of date: either is removed and run again. `callbacks` go to the run (not to a reused one).
+    changed since) is out of date: either is removed and run again. With `resume` (a sweep's --resume), an
+    interrupted run of this config continues from its checkpoint instead (fedsim's own resume, which loads
+    weights only), and one stopped early is kept as it stopped. `callbacks` go to the run (not to a reused one).
     """
-    from fedsim.io import atomic_write_text
     from fedsim.runtime.loop import run
     from jobs.cli import make_backend
 
@@ -294,13 +326,49 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = ()) -> 
             print(f"  reusing {folder}", file=sys.stderr, flush=True)
             return folder
         print(f"  {folder} was made by other fedsim code: running it again", file=sys.stderr, flush=True)
+    elif resume and not fresh:
+        ended = interrupted(folder, cfg)
+        if ended == "stopped":  # stopped early (ASHA): an uninterrupted sweep leaves it so too
+            print(f"  keeping {folder} (stopped early)", file=sys.stderr, flush=True)
+            return folder
+        if ended is not None:
+            print(f"  resuming {folder} ({ended})", file=sys.stderr, flush=True)
+            return _timed(cfg, code, lambda: run(resume=folder, backend=make_backend(cfg), callbacks=callbacks))
     if folder.exists():
         shutil.rmtree(folder)
+    return _timed(cfg, code, lambda: run(cfg, backend=make_backend(cfg), callbacks=callbacks))
+
+
+def _timed(cfg: Any, code: str, start: Callable[[], Location]) -> Location:
+    """Run `start` and write the finished marker into the folder it returns."""
+    from fedsim.io import atomic_write_text
+
     t0 = time.perf_counter()
-    run_dir = run(cfg, backend=make_backend(cfg), callbacks=callbacks)
+    run_dir = start()
     info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg), "code": code}
     atomic_write_text(run_dir / FINISHED, json.dumps(info) + "\n")
     return run_dir
+
+
+def interrupted(folder: Path, cfg: Any) -> str | None:
+    """How the unfinished run in `folder` ended (meta.json's status, 'killed' without one) if it can continue: it
+    has its tables and checkpoint, and both its saved configs are `cfg`'s experiment; else None. Reads YAML and
+    JSON only."""
+    from fedsim.config import config_to_dict, read_yaml
+    from fedsim.errors import FedsimError
+    from fedsim.runtime.rundir import STARTED_CONFIG
+
+    if not ((folder / "rounds.parquet").is_file() and (folder / "checkpoints" / "last.pt").is_file()):
+        return None
+    try:
+        saved = [_experiment(read_yaml(folder / name)) for name in ("config.yaml", STARTED_CONFIG)]
+        meta = json.loads((folder / "meta.json").read_text())
+    except (FedsimError, OSError, ValueError, TypeError, AttributeError):
+        return None
+    if any(s != _experiment(config_to_dict(cfg)) for s in saved):
+        return None
+    status = meta.get("status") if isinstance(meta, dict) else None
+    return status if isinstance(status, str) else "killed"
 
 
 def _run_one(job: tuple[Any, bool, str]) -> str:
@@ -418,12 +486,17 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     """Plan, run as Tune trials (or resume) and tabulate a sweep; returns the markdown it printed and wrote."""
     from fedsim.config import load_config
     from fedsim.io import atomic_write, atomic_write_text
-    from jobs.sweep_tune import run_trials, trial_bundles
+    from jobs.sweep_tune import check_resume, run_trials, trial_bundles
 
     sweep_file = Path(sweep_file)
     sw = load_sweep(sweep_file)
+    seeded = next((o for o in overrides if _key(o) == "seed"), None)
+    if seeded is not None:
+        raise ConfigError(f"-o {seeded}: a sweep sets each run's seed from seeds: in {sweep_file}; list the seeds "
+                          "there instead")
     runs = plan(sw, sweep_file)
     dest_dir = output_dir(sw, out_dir)
+    dest = table_path(dest_dir, out, sw.out)
     extra = [f"results.root={(dest_dir / 'runs').resolve()}", *overrides,
              *([f"runtime.backend={backend}"] if backend else [])]
     for r in runs:
@@ -431,12 +504,15 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
         r["overrides"] = [*r["overrides"], *extra]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]  # validate everything before running
     _local_only(out_dir, configs)
+    check_scoring(sw, configs)
     if dry_run:
         return "\n".join(f"{r['arm']} {r['grid']}{' ' + str(r['space']) if 'space' in r else ''} seed={r['seed']}: "
                          f"{r['config']} {r['overrides']} share={trial_bundles(c)}" for r, c in zip(runs, configs))
     metrics = [sw.metric] + ([sw.early_stop.metric] if sw.early_stop and sw.early_stop.metric != sw.metric else [])
     specs = [{"index": i, "config": r["config"], "overrides": r["overrides"], "cwd": os.getcwd(), "fresh": fresh,
               "metrics": metrics, "bundles": trial_bundles(c)} for i, (r, c) in enumerate(zip(runs, configs))]
+    if resume:
+        check_resume(dest_dir, specs)
     with ray_session(configs, always=True):
         errors = run_trials(specs, dest_dir, resume, parallel or sw.max_parallel, sw.early_stop,
                             max(c.rounds for c in configs))
@@ -451,11 +527,61 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     if (df["status"] == "not run").any():
         md += f"\n{(df['status'] == 'not run').sum()} runs did not run (the sweep was stopped): continue with " \
               f"`{command}{f' --output-dir {out_dir}' if out_dir else ''} --resume`\n"
-    dest = Path(out or sw.out or dest_dir / "table.md")
-    atomic_write_text(dest, md)
     atomic_write(dest_dir / "table.parquet", lambda tmp: summary_frame(df, sw).to_parquet(tmp, index=False))
     atomic_write(dest_dir / "runs.parquet", lambda tmp: df.to_parquet(tmp, index=False))
+    atomic_write_text(dest, md)
     return md
+
+
+def table_path(dest_dir: Path, out: str | None, sweep_out: str | None) -> Path:
+    """Where the markdown table goes (--out, the sweep file's out:, or DIR/table.md), checked before any run so
+    that a bad path cannot lose the table at the end: a file path in a folder that exists, and DIR a folder."""
+    if dest_dir.exists() and not dest_dir.is_dir():
+        raise ConfigError(f"--output-dir {dest_dir}: exists and is not a folder")
+    if not (out or sweep_out):
+        return dest_dir / "table.md"
+    given = f"--out {out}" if out else f"out: {sweep_out}"
+    dest = Path(str(out or sweep_out))
+    if dest.is_dir():
+        raise ConfigError(f"{given}: is a folder; give the path of the markdown file to write")
+    if not dest.parent.is_dir():
+        raise ConfigError(f"{given}: the folder {dest.parent} does not exist")
+    return dest
+
+
+# columns some methods add to their evaluation rows (FedDF's mirrors, personal scores, FedGDKD's FID); unlike
+# their mechanism_columns, methods do not declare them
+EVAL_COLUMNS = ("val_accuracy", "drives_selection", "macro_accuracy", "clients_scored", "generator_fd")
+
+
+def check_scoring(sw: Sweep, configs: list) -> None:
+    """`metric`, `early_stop.metric` and `model` checked against what the planned runs record, before any of them
+    runs. A method from a plugin records what it likes and is not checked; neither are server metrics
+    (`<phase>/<name>`, undeclared) other than mechanism columns: a run's table is checked for them at the end."""
+    import re
+
+    from fedsim.algorithms import get_algorithm
+    from fedsim.results import ROUND_COLUMNS, ROUND_LEVEL
+
+    metrics = {"metric": sw.metric, **({"early_stop.metric": sw.early_stop.metric} if sw.early_stop else {})}
+    models: dict[str, None] = {}
+    for cfg in configs:
+        method = get_algorithm(cfg.algorithm.name)
+        if not method.__module__.startswith("fedsim."):
+            continue
+        mechanism = set(method.mechanism_columns)
+        columns = {*ROUND_COLUMNS, *ROUND_LEVEL, *EVAL_COLUMNS, *(mechanism if cfg.eval.mechanism else ())}
+        for key, metric in metrics.items():
+            if metric in mechanism and not cfg.eval.mechanism:
+                raise ConfigError(f"{key}: {metric!r} is recorded only with eval.mechanism: true")
+            if metric not in columns and "/" not in metric:
+                raise ConfigError(f"{key}: {metric!r} is not a column of rounds.parquet that {cfg.algorithm.name} "
+                                  f"records; scores: {', '.join(sorted(columns - ROUND_LEVEL))}")
+        models.update(dict.fromkeys([a for a, n in cfg.model.mix.items() if n > 0] or [cfg.model.name]))
+    named = sw.model not in ("best", "macro", "personal") and not re.fullmatch(r"(.+@)?after_\d+", sw.model)
+    if models and named and sw.model not in models:
+        raise ConfigError(f"model: {sw.model!r} is not best, macro or a global model the runs evaluate "
+                          f"({', '.join(models)})")
 
 
 def _local_only(out_dir: str | None, configs: list) -> None:

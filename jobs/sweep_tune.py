@@ -4,8 +4,11 @@ A trial's share is a placement group: for the Ray backend, one bundle per client
 1 when unset; runtime.client_cpus and runtime.client_gpus each, fractions allowed) and one for a reserved
 server (runtime.server_cpus/server_gpus), the trial itself reserving nothing, like `fedsim run`'s driver; for
 the local backend, runtime.threads CPUs (default 1) for the trial that runs everything. Trials run side by
-side as the cluster fits them; a failed trial is recorded and the others go on; Tune keeps the experiment's
-state in OUTPUT_DIR/tune, so a sweep whose driver died resumes there; ASHA stops weak trials early if asked.
+side as the cluster fits them; a failed trial is recorded and the others go on; ASHA stops weak trials early if
+asked. Tune keeps its bookkeeping in OUTPUT_DIR/tune, beside the plan of the sweep's runs. A sweep whose driver
+died resumes from its runs' own folders, never from Tune's pickled state (a sweep folder is data: nothing in it
+is unpickled or imported): finished runs are reused, interrupted ones continue from their checkpoints (fedsim's
+own resume), runs stopped early stay stopped, and the rest start.
 """
 
 from __future__ import annotations
@@ -97,7 +100,7 @@ def trial(config: dict[str, Any]) -> None:
 
     cfg = load_config(spec["config"], spec["overrides"])
     reporter = TuneReport(spec["metrics"])
-    run_dir = run_cached(cfg, spec["fresh"], callbacks=[reporter])
+    run_dir = run_cached(cfg, spec["fresh"], callbacks=[reporter], resume=spec.get("resume", False))
     if reporter.stopped:  # stopped early: not a finished run, so a later sweep runs it in full
         (run_dir / FINISHED).unlink(missing_ok=True)
     elif reporter.final is not None:
@@ -119,32 +122,47 @@ def scheduler(early_stop: Any, max_rounds: int) -> Any:
                          reduction_factor=early_stop.reduction_factor)
 
 
+def experiment_dir(out_dir: Path) -> Path:
+    """out_dir/tune, refused if something other than a folder is there (it is removed and made again)."""
+    path = out_dir.resolve() / EXPERIMENT
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ConfigError(f"--output-dir {out_dir}: {path} is not a folder of a sweep's state")
+    return path
+
+
+def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
+    """--resume: out_dir must hold the plan of the runs this sweep file gives now (read as JSON, nothing else)."""
+    path = experiment_dir(out_dir)
+    if not (path / PLAN).is_file():
+        raise ConfigError(f"--resume: {path} holds no sweep to resume; start it without --resume")
+    runs = planned(path)
+    if runs is None:
+        raise ConfigError(f"--resume: {path / PLAN} is not a sweep plan (unreadable); start the sweep again without "
+                          "--resume (finished runs are reused)")
+    if runs != runs_of(specs):
+        raise ConfigError(f"--resume: the sweep in {path} ran other runs than this sweep file plans now; "
+                          "start it again without --resume (finished runs are reused)")
+
+
 def run_trials(specs: list[dict[str, Any]], out_dir: Path, resume: bool, max_parallel: int | None,
                early_stop: Any, max_rounds: int) -> dict[int, str]:
-    """Run every spec as a trial (or resume the experiment in out_dir/tune); each trial's error line, by index."""
+    """Run every spec as a trial, its run resumed from its folder if `resume` (check_resume first); each trial's
+    error line, by index. Tune starts afresh either way: its saved state is pickles, never loaded."""
     from ray import tune
 
-    path = out_dir.resolve() / EXPERIMENT
-    trainable = tune.with_resources(trial, share)
-    if resume:
-        if not tune.Tuner.can_restore(str(path)):
-            raise ConfigError(f"--resume: {path} holds no sweep to resume; start it without --resume")
-        if planned(path) != runs_of(specs):
-            raise ConfigError(f"--resume: the sweep in {path} ran other runs than this sweep file plans now; "
-                              "start it again without --resume (finished runs are reused)")
-        tuner = tune.Tuner.restore(str(path), trainable=trainable)
-    else:
-        if path.exists():
-            shutil.rmtree(path)  # Tune's bookkeeping only: the runs themselves are kept and reused
-        path.mkdir(parents=True)
-        atomic_write_text(path / PLAN, json.dumps(runs_of(specs)) + "\n")
-        tuner = tune.Tuner(
-            trainable, param_space={"run": tune.grid_search(specs)},
-            tune_config=tune.TuneConfig(scheduler=scheduler(early_stop, max_rounds),
-                                        max_concurrent_trials=max_parallel, trial_dirname_creator=trial_dirname,
-                                        reuse_actors=True),  # a trial after another skips the process start
-            run_config=tune.RunConfig(name=EXPERIMENT, storage_path=str(out_dir.resolve()), verbose=1,
-                                      failure_config=tune.FailureConfig(max_failures=0, fail_fast=False)))
+    path = experiment_dir(out_dir)
+    if path.exists():
+        shutil.rmtree(path)  # Tune's bookkeeping only: the runs themselves are kept, and reused or resumed
+    path.mkdir(parents=True)
+    atomic_write_text(path / PLAN, json.dumps(runs_of(specs)) + "\n")
+    trials = [{**s, "resume": resume} for s in specs]
+    tuner = tune.Tuner(
+        tune.with_resources(trial, share), param_space={"run": tune.grid_search(trials)},
+        tune_config=tune.TuneConfig(scheduler=scheduler(early_stop, max_rounds),
+                                    max_concurrent_trials=max_parallel, trial_dirname_creator=trial_dirname,
+                                    reuse_actors=True),  # a trial after another skips the process start
+        run_config=tune.RunConfig(name=EXPERIMENT, storage_path=str(out_dir.resolve()), verbose=1,
+                                  failure_config=tune.FailureConfig(max_failures=0, fail_fast=False)))
     results = tuner.fit()
     errors = {}
     for i in range(len(results)):

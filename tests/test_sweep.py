@@ -4,9 +4,11 @@ two runs sharing one Ray."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -76,6 +78,51 @@ def test_a_bad_space_names_its_key(tmp_path, sweep, message) -> None:
     path = write_sweep(tmp_path, **sweep)
     with pytest.raises(ConfigError, match=message):
         plan(load_sweep(path), path)
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch):
+    """A sweep that gets as far as starting Ray fails the test: its checks must come first."""
+    import jobs.sweep
+
+    def started(configs, always=False):
+        raise AssertionError("the sweep started its trials")
+
+    monkeypatch.setattr(jobs.sweep, "ray_session", started)
+
+
+@pytest.mark.parametrize("sweep, message", [
+    ({"seeds": []}, r"sweep.yaml: seeds: expected at least one seed"),
+    ({"budgets": [-1, 0]}, r"budgets\[0\]: must be >= 1, got -1"),
+    ({"grid": {"train.lr": []}}, r"sweep.yaml: grid.train.lr: expected a non-empty list of values"),
+    ({"grid": {"seed": [1, 2]}}, r"sweep.yaml: grid.seed: a sweep sets each run's seed from seeds:"),
+    ({"space": {"seed": {"randint": [0, 9]}}}, r"sweep.yaml: space.seed: a sweep sets each run's seed from seeds:"),
+    ({"overrides": ["seed=3"]}, r"sweep.yaml: overrides: seed=3: a sweep sets each run's seed from seeds:"),
+    ({"metric": "nope"}, r"metric: 'nope' is not a column of rounds.parquet that fedavg records; scores: accuracy"),
+    ({"early_stop": {"metric": "nope"}}, r"early_stop.metric: 'nope' is not a column of rounds.parquet"),
+    ({"model": "nope"}, r"model: 'nope' is not best, macro or a global model the runs evaluate \(cnn\)"),
+])
+def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sweep, message) -> None:
+    from jobs.sweep import run_sweep
+
+    with pytest.raises(ConfigError, match=message):
+        run_sweep(write_sweep(tmp_path, **sweep), out_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_table_path_that_cannot_be_written_is_refused_before_any_trial(tmp_path, nothing_runs) -> None:
+    from jobs.sweep import run_sweep
+
+    path, out = write_sweep(tmp_path, seeds=[0]), str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=f"--out {tmp_path}: is a folder; give the path of the markdown file"):
+        run_sweep(path, out=str(tmp_path), out_dir=out)
+    with pytest.raises(ConfigError, match=f"--out {tmp_path}/no/t.md: the folder {tmp_path}/no does not exist"):
+        run_sweep(path, out=str(tmp_path / "no" / "t.md"), out_dir=out)
+    with pytest.raises(ConfigError, match="out: /: is a folder"):
+        run_sweep(write_sweep(tmp_path / "in_file", seeds=[0], out="/"), out_dir=out)
+    with pytest.raises(ConfigError, match=r"-o seed=5: a sweep sets each run's seed from seeds: in"):
+        run_sweep(path, out_dir=out, overrides=["seed=5"])
+    assert not (tmp_path / "out").exists()
 
 
 # ---- a run's share of the cluster ----
@@ -286,11 +333,84 @@ def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
     stamp = first[0].stat().st_mtime_ns
     with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
         run_sweep(path, out_dir=str(out), resume=True, overrides=["rounds=3"])
+    marker = tmp_path / "pwned"
+    (out / "tune" / "tuner.pkl").write_bytes(pickle.dumps(_Touch(marker)))  # crafted: a resume never loads it
     md = run_sweep(path, out_dir=str(out), resume=True)
     runs = pd.read_parquet(out / "runs.parquet")
     assert (runs["status"] == "finished").all() and len(runs) == 2 and runs["best"].notna().all()
     assert first[0].stat().st_mtime_ns == stamp  # the run that finished before the kill was not run again
+    assert not marker.exists()
     assert "| base |" in md
+
+
+class _Touch:
+    """Unpickled, it creates a file: a stand-in for a crafted pickle that runs code."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return Path.touch, (self.path,)
+
+
+def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, monkeypatch) -> None:
+    """Tune's saved state is pickles: a resume reads the sweep's plan (JSON) and its runs' folders instead, so a
+    crafted tuner.pkl is never loaded; Tune starts afresh (its fit stubbed here: no trial runs)."""
+    from ray import tune
+
+    import jobs.sweep
+
+    monkeypatch.setattr(jobs.sweep, "ray_session", lambda configs, always=False: contextlib.nullcontext())
+    fits: list[dict] = []
+    monkeypatch.setattr(tune.Tuner, "fit", lambda self: fits.append({}) or [])
+    path, out = write_sweep(tmp_path, seeds=[0, 1]), tmp_path / "out"
+    jobs.sweep.run_sweep(path, out_dir=str(out))
+    marker = tmp_path / "pwned"
+    crafted = pickle.dumps(_Touch(marker))
+    (out / "tune" / "tuner.pkl").write_bytes(crafted)
+    md = jobs.sweep.run_sweep(path, out_dir=str(out), resume=True)
+    assert not marker.exists() and (out / "tune" / "tuner.pkl").read_bytes() != crafted and len(fits) == 2
+    assert "2 runs did not run" in md and json.loads((out / "tune" / "fedsim_plan.json").read_text())
+    (out / "tune" / "fedsim_plan.json").write_text("[[")  # truncated: one line, before anything starts
+    with pytest.raises(ConfigError, match=r"--resume: .*fedsim_plan.json is not a sweep plan \(unreadable\)"):
+        jobs.sweep.run_sweep(path, out_dir=str(out), resume=True)
+    assert len(fits) == 2
+
+
+def test_a_resumed_sweep_continues_its_runs_from_their_folders(tmp_path, capsys) -> None:
+    """With resume, a run stopped early stays so, an interrupted one continues from its checkpoint to the tables
+    of an uninterrupted run, and one whose saved config is another experiment's is run again from scratch (the
+    plugin its config.yaml names is never imported)."""
+    from fedsim.results import load
+    from fedsim.runtime.callbacks import Callback
+    from jobs.sweep import FINISHED, run_cached, run_folder
+
+    class StopAfterFirstRound(Callback):
+        def on_round_end(self, round, rows) -> bool:
+            return True
+
+    whole = deterministic(load(run_cached(small_config(tmp_path / "whole")))["rounds"])
+    cfg = small_config(tmp_path / "cut")
+    folder = run_folder(cfg)
+    run_cached(cfg, callbacks=[StopAfterFirstRound()])
+    (folder / FINISHED).unlink()  # as a trial that ASHA stopped leaves it
+    assert run_cached(small_config(tmp_path / "cut"), resume=True) == folder
+    assert load(folder)["rounds"]["round"].max() == 0 and not (folder / FINISHED).exists()
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
+    capsys.readouterr()
+    run_cached(small_config(tmp_path / "cut"), resume=True)
+    pd.testing.assert_frame_equal(deterministic(load(folder)["rounds"]), whole)
+    assert (folder / FINISHED).is_file() and f"resuming {folder} (interrupted)" in capsys.readouterr().err
+    marker, plugin = tmp_path / "pwned", tmp_path / "evil.py"
+    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (folder / FINISHED).unlink()
+    saved = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**saved, "plugins": [str(plugin)]}))
+    run_cached(small_config(tmp_path / "cut"), resume=True)
+    pd.testing.assert_frame_equal(deterministic(load(folder)["rounds"]), whole)
+    assert not marker.exists() and "plugins: []" in (folder / "config.yaml").read_text()
+    assert "resuming" not in capsys.readouterr().err
 
 
 # ---- early stopping ----
