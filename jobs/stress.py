@@ -38,10 +38,15 @@ from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from fedsim.errors import ConfigError, FedsimError  # noqa: E402
+from fedsim.limits import MAX_CLIENTS, MAX_SECONDS, MAX_WORKERS  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus  # noqa: E402
 
 RESULT = "STRESS_JSON "
-BENCH = Path(__file__).resolve().parents[1] / "results" / "bench"  # where --save writes
+ROOT = Path(__file__).resolve().parents[1]  # this checkout
+BENCH = ROOT / "results" / "bench"  # where --save writes
+# a point's process runs in the caller's folder (its relative paths are the caller's) and imports this checkout's
+# jobs.stress (`python -m` would look in that folder first)
+POINT = f"import sys; sys.path[0] = {str(ROOT)!r}; from jobs.stress import main; sys.exit(main())"
 COLUMNS = ["registered", "participants", "skip_late", "repeat", "rounds", "s_per_round", "ms_per_participant",
            "startup_s",
            "round0_s", "peak_rss_gb", "peak_rss_driver_gb", "peak_rss_workers_gb", "peak_rss_server_gb",
@@ -235,13 +240,16 @@ def backend_workers(sampler: MemorySampler) -> int:
 
 # ------------------------------------------------------------------------------------------- the sweep
 def parse_counts(text: str, flag: str) -> list[int]:
+    """Comma-separated whole numbers from 1 to MAX_CLIENTS (1e5 is 100000; 4.5 is refused, not rounded)."""
     try:
-        out = [int(float(t)) for t in text.split(",") if t.strip()]
+        values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise ConfigError(f"{flag}: expected comma-separated integers, got {text!r}") from None
-    if not out or any(n < 1 for n in out):
-        raise ConfigError(f"{flag}: expected positive integers, got {text!r}")
-    return out
+    if not values or not all(1 <= v <= MAX_CLIENTS for v in values):
+        raise ConfigError(f"{flag}: expected integers from 1 to {MAX_CLIENTS:,}, got {text!r}")
+    if not all(v.is_integer() for v in values):
+        raise ConfigError(f"{flag}: expected whole numbers, got {text!r}")
+    return [int(v) for v in values]
 
 
 def point_overrides(n: int, k: int | None, skip: bool | None, rounds: int, root: Path) -> list[str]:
@@ -254,29 +262,83 @@ def point_overrides(n: int, k: int | None, skip: bool | None, rounds: int, root:
     return out
 
 
+def configured_participants(config: str, overrides: list[str]) -> int | None:
+    """participation.clients_per_round of the config as given (before a point sets the client count)."""
+    from fedsim.config import load_config
+
+    return load_config(config, [o for o in overrides if not o.startswith("data.num_clients=")]) \
+        .participation.clients_per_round
+
+
 def load_point(config: str, overrides: list[str], n: int):
     """The config of one point; participants above the count are capped to it."""
     from fedsim.config import load_config
 
-    k = load_config(config, [o for o in overrides if not o.startswith("data.num_clients=")]) \
-        .participation.clients_per_round
+    k = configured_participants(config, overrides)
     return load_config(config, overrides + ([f"participation.clients_per_round={n}"] if k and k > n else []))
 
 
+def capped_note(ks: list[int | None], configured: int | None, counts: list[int]) -> str | None:
+    """One line saying which points run fewer participants than asked (all their clients), or None."""
+    capped = sorted({(k or configured, n) for k in ks for n in counts if (k or configured or 0) > n})
+    if not capped:
+        return None
+    return "[stress] participants above the client count are capped to it: " + \
+        ", ".join(f"{k} per round with {n} clients runs {n}" for k, n in capped)
+
+
 def run_point(args: argparse.Namespace, overrides: list[str], n: int) -> dict:
-    """One point, in a fresh process (default) or in this one (--in-process, for tests)."""
+    """One point, in a fresh process (default) or in this one (--in-process, for tests); a point that fails or
+    runs past --timeout is a failed row."""
     if args.in_process:
         return measure(load_point(args.config, overrides, n), args.workers, time.perf_counter())
-    cmd = [sys.executable, "-m", "jobs.stress", "--point", args.config, "--clients", str(n)]
+    cmd = [sys.executable, "-c", POINT, "--point", args.config, "--clients", str(n)]
     cmd += [a for o in overrides for a in ("-o", o)]
     cmd += ["--workers", str(args.workers)] if args.workers else []
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
-                          timeout=args.timeout)
-    for line in proc.stdout.splitlines():
+    code, out, err = run_child(cmd, args.timeout)
+    if code is None:
+        return {"registered": n, "status": f"failed: timed out after {args.timeout:g} s (--timeout)"}
+    for line in out.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+    tail = (err or out).strip().splitlines()[-1:] or [f"exit code {code}"]
     return {"registered": n, "status": f"failed: {tail[0][:200]}"}
+
+
+def run_child(cmd: list[str], timeout: float) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a point's process, run in this process's folder with this checkout on the path
+    of it and its Ray workers; exit code None when it ran past `timeout`, after it and every process under it
+    (Ray's) were killed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        return None, "", ""
+    except BaseException:  # Ctrl-C or SIGTERM here: the point goes too
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return proc.returncode, out, err
+
+
+def kill_tree(pid: int) -> None:
+    """Kill process `pid` and every process under it."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def table(df) -> str:
@@ -350,9 +412,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, help="client workers")
     p.add_argument("--in-process", action="store_true", help="run every point in this process (tests)")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per point")
+    p.add_argument("--timeout", type=seconds, default=3600, help="seconds per point (a point past it fails)")
     p.add_argument("--point", action="store_true", help=argparse.SUPPRESS)  # one point, as a child process
     return p
+
+
+def seconds(text: str) -> float:
+    """argparse type: seconds, > 0 and at most MAX_SECONDS."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= {MAX_SECONDS:g}, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,6 +448,8 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError("--rounds: must be >= 1")
     if args.repeat < 1:
         raise ConfigError("--repeat: must be >= 1")
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: must be from 1 to {MAX_WORKERS}, got {args.workers}")
     if args.save is not None and not re.fullmatch(r"[a-z0-9_]+", args.save):
         raise ConfigError(f"--save: {args.save[:60]!r} is not a name of lowercase letters, digits and _")
     if args.point:  # a child process: one point, one line of JSON
@@ -388,6 +463,9 @@ def _main(args: argparse.Namespace) -> int:
         if not base.stragglers.enabled:
             raise ConfigError("--skip-late both: the config has stragglers.enabled: false, so nobody is late")
         skips = [False, True]
+    note = capped_note(ks, configured_participants(args.config, args.override), counts)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     out = Path(args.out or Path("results") / "stress" / f"{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
+import yaml
 
 from fedsim.checkpoint import load_checkpoint
 from fedsim.results import load
@@ -19,12 +21,14 @@ from tests.conftest import ROOT
 SMALL_DATA = "data.options={n_train: 3000, n_test: 200, channels: 1, size: 8}"
 
 
-def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path):
+def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path, capsys):
     out = tmp_path / "stress"
     code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "10,100", "--rounds", "2",
                 "--participants", "20", "--skip-late", "both", "--in-process", "--out", str(out),
                 "-o", "runtime.backend=local", "-o", "runtime.threads=1", "-o", SMALL_DATA])
     assert code == 0
+    assert "[stress] participants above the client count are capped to it: 20 per round with 10 clients runs 10\n" \
+        in capsys.readouterr().err
     df = pd.read_parquet(out / "stress.parquet")
     assert df["registered"].tolist() == [10, 10, 100, 100]
     assert df["participants"].tolist() == [10, 10, 20, 20]  # capped at the client count
@@ -57,6 +61,57 @@ def test_a_stress_point_that_cannot_start_leaves_no_run_folder(tmp_path, capsys)
 def test_stress_command_rejects_bad_counts(tmp_path, capsys):
     assert cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "ten", "--out", str(tmp_path)]) == 2
     assert "--clients: expected comma-separated integers" in capsys.readouterr().err
+
+
+def _exit_code(argv: list[str]) -> int:
+    """The stress command's exit code, argument errors (argparse exits) included."""
+    try:
+        return cli(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--timeout", "0"], "fedsim stress: error: argument --timeout: must be > 0"),
+    (["--timeout", "-1"], "fedsim stress: error: argument --timeout: must be > 0"),
+    (["--clients", "99999999999999999999"], "fedsim: error: --clients: expected integers from 1 to 100,000,000"),
+    (["--clients", "4.5"], "fedsim: error: --clients: expected whole numbers, got '4.5'"),
+    (["--participants", "2.5"], "fedsim: error: --participants: expected whole numbers, got '2.5'"),
+    (["--workers", "0"], "fedsim: error: --workers: must be from 1 to 4096, got 0"),
+])
+def test_stress_command_refuses_bad_arguments_in_one_line(tmp_path, capsys, args, message):
+    out = tmp_path / "stress"
+    argv = ["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--out", str(out), *args]
+    assert _exit_code(argv + (["--clients", "4"] if "--clients" not in args else [])) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
+    assert not out.exists()
+
+
+def test_a_point_past_its_timeout_is_a_failed_row(tmp_path, capsys):
+    import psutil
+
+    out = tmp_path / "stress"
+    code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "4", "--rounds", "1", "--timeout", "0.5",
+                "--out", str(out), "-o", "runtime.backend=local", "-o", SMALL_DATA])
+    df = pd.read_parquet(out / "stress.parquet")
+    assert code == 1 and df["status"].tolist() == ["failed: timed out after 0.5 s (--timeout)"]
+    assert not [p for p in psutil.Process().children(recursive=True) if "--point" in p.cmdline()]
+
+
+def test_a_relative_config_path_means_the_callers_file(tmp_path, monkeypatch):
+    """The point's process runs where the command was given: base.yaml is the caller's, not a file of the
+    repository (nor missing there), and so are the output folder and the runs in it."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "name": "mine", "rounds": 1, "model": {"name": "mlp"}, "train": {"epochs": 1},
+        "data": {"name": "digits", "num_clients": 4, "partition": {"kind": "iid"}},
+        "participation": {"clients_per_round": 2}, "runtime": {"backend": "local", "threads": 1},
+        "eval": {"mechanism": False}}))
+    monkeypatch.chdir(tmp_path)
+    assert cli(["stress", "base.yaml", "--clients", "4", "--rounds", "1", "--out", "out"]) == 0
+    df = pd.read_parquet(tmp_path / "out" / "stress.parquet")
+    assert df["status"].tolist() == ["ok"]
+    assert load(tmp_path / df["run_dir"].item())["config"]["name"] == "mine"
 
 
 class SpilledFiles(Callback):
