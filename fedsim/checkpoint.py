@@ -195,7 +195,7 @@ def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | 
         if tuple(saved.shape) != tuple(fresh.shape) or saved.dtype != fresh.dtype:
             return f"{path} is {saved.dtype} {list(saved.shape)}, not {fresh.dtype} {list(fresh.shape)}"
         return None
-    if not _holds_arrays(fresh):
+    if not _holds_tensors(fresh):
         return None
     if dataclasses.is_dataclass(fresh):
         if type(saved) is not type(fresh):
@@ -205,7 +205,7 @@ def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | 
     elif isinstance(fresh, dict):
         if not isinstance(saved, dict):
             return f"{path} is a {type(saved).__name__}, not a dict"
-        missing = [k for k, v in fresh.items() if k not in saved and _holds_arrays(v)]
+        missing = [k for k, v in fresh.items() if k not in saved and _holds_tensors(v)]
         if missing:
             return f"{path} lacks {missing[0]!r}"
         items = [(f"{path}[{k!r}]", v, saved[k]) for k, v in fresh.items() if k in saved]
@@ -216,14 +216,14 @@ def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | 
     return next((found for where, f, s in items if (found := state_mismatch(f, s, where))), None)
 
 
-def _holds_arrays(value: Any) -> bool:
+def _holds_tensors(value: Any) -> bool:
     """Whether a state value holds any tensor (what `state_mismatch` requires to be kept)."""
     if isinstance(value, torch.Tensor):
         return True
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_holds_arrays(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return any(_holds_tensors(getattr(value, f.name)) for f in dataclasses.fields(value))
     if isinstance(value, dict):
-        return any(_holds_arrays(v) for v in value.values())
+        return any(_holds_tensors(v) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(_holds_arrays(v) for v in value)
+        return any(_holds_tensors(v) for v in value)
     return False
