@@ -91,6 +91,10 @@ def load_sweep(path: str | Path) -> Sweep:
                           "other")
     if not sw.seeds:
         raise ConfigError(f"{path}: seeds: expected at least one seed, got []")
+    for what, values in (("seeds", sw.seeds), ("arms", [a.name for a in sw.arms])):
+        twice = _first_repeat(values)  # a seed twice: two trials in one run folder; an arm twice: one pooled row
+        if twice is not None:
+            raise ConfigError(f"{path}: {what}: {twice!r} is listed twice")
     empty = [k for k, values in sw.grid.items() if not values]
     if empty:
         raise ConfigError(f"{path}: grid.{empty[0]}: expected a non-empty list of values, got []")
@@ -99,6 +103,12 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(f"{path}: {elsewhere}: a sweep sets each run's seed from seeds: (every setting runs with "
                           "every seed); list the seeds there instead")
     return sw
+
+
+def _first_repeat(values: list[Any]) -> Any:
+    """The first value of `values` seen before, or None."""
+    seen: set[Any] = set()
+    return next((v for v in values if v in seen or seen.add(v)), None)
 
 
 def _seed_set_elsewhere(sw: Sweep) -> str | None:

@@ -101,6 +101,8 @@ def nothing_runs(monkeypatch):
     ({"metric": "nope"}, r"metric: 'nope' is not a column of rounds.parquet that fedavg records; scores: accuracy"),
     ({"early_stop": {"metric": "nope"}}, r"early_stop.metric: 'nope' is not a column of rounds.parquet"),
     ({"model": "nope"}, r"model: 'nope' is not best, macro or a global model the runs evaluate \(cnn\)"),
+    ({"seeds": [0, 1, 0]}, r"sweep.yaml: seeds: 0 is listed twice"),
+    ({"arms": [{"name": "a"}, {"name": "a", "overrides": ["train.lr=0.1"]}]}, r"sweep.yaml: arms: 'a' is listed twice"),
 ])
 def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sweep, message) -> None:
     from jobs.sweep import run_sweep
