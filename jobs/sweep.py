@@ -108,7 +108,11 @@ def load_sweep(path: str | Path) -> Sweep:
 def _first_repeat(values: list[Any]) -> Any:
     """The first value of `values` seen before, or None."""
     seen: set[Any] = set()
-    return next((v for v in values if v in seen or seen.add(v)), None)
+    for v in values:
+        if v in seen:
+            return v
+        seen.add(v)
+    return None
 
 
 def _seed_set_elsewhere(sw: Sweep) -> str | None:
