@@ -248,6 +248,7 @@ class RayBackend:
         self._where: WorkerPlacement | None = None  # how workers are placed (runtime.placement)
         self._host: list[int] = []  # the slot whose actor serves each slot: itself, or a survivor after a node loss
         self._holds: list[bool] = []  # whether each slot's actor may hold personal states (as its last reply said)
+        self._room_by: dict[str, float] = {}  # a lost node's id: when the wait for room for its workers ends
 
     @property
     def num_workers(self) -> int:
@@ -387,9 +388,12 @@ class RayBackend:
         slots = [i for i, h in enumerate(self._host) if h == lost]
         node = self.placement[index].get("node_id", "")
         await_marked_dead(node, min(self.cfg.runtime.startup_timeout_s, 60.0))
+        # one wait per lost node, not per lost worker: once Ray has had the grace to re-place the node's bundles,
+        # its other workers are only looked up (two workers of one node took 10 s each before)
+        room_by = self._room_by.setdefault(node, time.monotonic() + min(self.cfg.runtime.startup_timeout_s, 10.0))
         node = node[:12]
         assert self._where is not None
-        if self._where.fits(index, min(self.cfg.runtime.startup_timeout_s, 10.0)):
+        if self._where.fits(index, max(0.0, room_by - time.monotonic())):
             self.workers[index], self._host[index] = self._create(index), index
             self.placement[index] = self._attach([index])[0]
             host = index

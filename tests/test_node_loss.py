@@ -1,0 +1,63 @@
+"""What the Ray pool does with the workers of a node that left, without a cluster: where their clients go, and
+how long it waits for room (once per lost node)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import actors.pool as pool
+from actors.pool import RayBackend
+from fedsim.errors import FedsimError
+
+
+class NoRoom:
+    """A placement in which no lost worker fits again: each look-up records its grace and waits it out on a clock
+    of its own (the pool's `time.monotonic`)."""
+
+    def __init__(self) -> None:
+        self.graces: list[float] = []
+        self.now = 1000.0
+
+    def fits(self, index: int, grace_s: float) -> bool:
+        self.graces.append(grace_s)
+        self.now += grace_s
+        return False
+
+
+def lost_node_backend(monkeypatch, make_config, nodes: list[str]) -> tuple[RayBackend, NoRoom]:
+    """A started-looking pool with one worker per entry of `nodes` (its node id); the first node is the lost one."""
+    monkeypatch.setattr(pool, "await_marked_dead", lambda node, limit: None)
+    monkeypatch.setattr(pool, "alive_nodes", lambda: set(nodes) - {nodes[0]})
+    backend = RayBackend()
+    backend.cfg = make_config("runtime.startup_timeout_s=30")
+    backend.workers = [f"actor{i}" for i in range(len(nodes))]
+    backend.placement = [{"index": i, "node_id": n} for i, n in enumerate(nodes)]
+    backend._host, backend._holds = list(range(len(nodes))), [True] * len(nodes)
+    where = backend._where = NoRoom()
+    monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=lambda: where.now))
+    return backend, where
+
+
+def test_the_workers_of_one_lost_node_wait_for_room_once(monkeypatch, make_config):
+    backend, where = lost_node_backend(monkeypatch, make_config, ["dead" * 4, "dead" * 4, "live" * 4])
+    assert backend._replace_lost(0) == [0]
+    assert backend._replace_lost(1) == [1]
+    assert where.graces == [10.0, 0.0]  # min(startup_timeout_s, 10 s), then the same wait, over: a look-up
+    assert backend._host == [2, 2, 2] and backend.workers == ["actor2"] * 3  # both slots served by the survivor
+    assert backend.placement[0]["hosted_by"] == 2 and backend.placement[1]["hosted_by"] == 2
+
+
+def test_each_lost_node_gets_its_own_wait(monkeypatch, make_config):
+    backend, where = lost_node_backend(monkeypatch, make_config, ["a" * 16, "b" * 16, "c" * 16])
+    monkeypatch.setattr(pool, "alive_nodes", lambda: {"c" * 16})
+    backend._replace_lost(0)
+    backend._replace_lost(1)
+    assert where.graces == [10.0, 10.0]
+
+
+def test_no_survivor_left_is_one_error(monkeypatch, make_config):
+    backend, _ = lost_node_backend(monkeypatch, make_config, ["dead" * 4])
+    with pytest.raises(FedsimError, match="worker 0 was lost with its node and no worker on a live node is left"):
+        backend._replace_lost(0)
