@@ -17,6 +17,15 @@ import pytest  # noqa: E402
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_local_ray():
     """The session's local Ray: 2 CPUs and 2 logical GPUs (for placement tests), started unless Ray is up."""
     import ray

@@ -43,7 +43,8 @@ def cluster():
 
     was_up = ray.is_initialized()
     ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                     "_system_config": FAST_NODE_DEATH})
     ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield c
     ray.shutdown()

@@ -20,7 +20,7 @@ from fedsim.config import load_config
 from fedsim.errors import ConfigError
 from fedsim.results import load
 from jobs.cli import main
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 from tests.runtime.test_loop import deterministic
 
 EXAMPLE = Path(ROOT) / "examples" / "my_method.yaml"
@@ -224,12 +224,10 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
     """On a Ray head with 2 CPUs, a driver that joins it from a folder where nothing makes the plugin importable,
     and a job submitted with --working-dir (whose workers see the repository root, not examples/): both get the
     plugin to their two workers through the job's py_modules, and both give the local backend's numbers."""
-    from tests.test_ray import _free_port
-
     ray_bin = Path(sys.executable).parent / "ray"
     temp = tempfile.mkdtemp(prefix="fsplug", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONPATH": ROOT}
-    gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (_free_port() for _ in range(7))
+    gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (free_port() for _ in range(7))
     head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
                              f"--temp-dir={temp}",

@@ -1,16 +1,11 @@
 """The Ray layer: placement on fractional (logical) GPUs, equality with the local backend, worker death,
-the Jobs API on a loopback head, and the cluster config."""
+and the cluster config (the Jobs API on a loopback head: tests/test_plugins.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -173,42 +168,6 @@ def test_a_phase_past_the_timeout_closes_with_what_arrived(ray_local, make_confi
     assert row["wall_clients_s"] < 60  # the loop did not wait for the 10000 epochs (minutes per client)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-SUBMIT = """
-import json, sys, time
-from ray.job_submission import JobStatus, JobSubmissionClient
-address, root, out = sys.argv[1:]
-end = time.time() + 500
-job = None
-while job is None:
-    try:  # the dashboard and its job agent take a while to come up
-        client = JobSubmissionClient(address)
-        job = client.submit_job(
-            entrypoint=f"{sys.executable} -m jobs.run configs/demo.yaml --quiet -o rounds=2 -o data.num_clients=6 "
-                       f"-o participation.clients_per_round=3 -o train.epochs=1 -o results.root={out} "
-                       f"-o results.run_id=submitted",
-            runtime_env={"working_dir": root, "excludes": [".venv", "results", ".git", "*.pt", ".pytest_cache"],
-                         "env_vars": {"RAY_USAGE_STATS_ENABLED": "0"}})
-    except Exception as exc:
-        if time.time() > end:
-            raise
-        print("retry:", type(exc).__name__, str(exc)[:200], flush=True)
-        time.sleep(2)
-status = client.get_job_status(job)
-while status not in {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED} and time.time() < end:
-    time.sleep(1)
-    status = client.get_job_status(job)
-print(status)
-if status != JobStatus.SUCCEEDED:
-    print(client.get_job_logs(job)[-3000:])
-"""
-
-
 def test_a_hung_or_dead_worker_cannot_hang_a_checkpoint_or_a_restore(ray_local, make_config):
     """State export/import and memory probes wait at most runtime.round_timeout_s, then fail in one line."""
     import ray
@@ -246,39 +205,6 @@ def test_a_hung_or_dead_worker_cannot_hang_a_checkpoint_or_a_restore(ray_local, 
         assert "\n" not in str(err.value) and time.monotonic() - t0 < 20
     for actor in actors:
         ray.kill(actor)
-
-
-def test_job_submission_on_a_loopback_head(tmp_path):
-    ray_bin = Path(sys.executable).parent / "ray"
-    temp = tempfile.mkdtemp(prefix="fsray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    # A loopback-only head for this test: token authentication off, on the head and the client alike.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    gcs, dash, agent, agent_grpc, metrics, env_agent, client_port = (_free_port() for _ in range(7))
-    # --block keeps the head in this process group, so the test stops only its own head (never `ray stop`,
-    # which would stop every Ray instance on the machine).
-    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={gcs}",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
-                             "--include-dashboard=true", f"--temp-dir={temp}",
-                             # its own agent ports: the session's Ray instance already holds the defaults
-                             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-                             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
-                             f"--ray-client-server-port={client_port}"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        # The Jobs API client runs in its own process, away from this test session's own Ray instance.
-        out = tmp_path / "out"
-        proc = subprocess.run([sys.executable, "-c", SUBMIT, f"http://127.0.0.1:{dash}", ROOT, str(out)], env=env,
-                              capture_output=True, text=True, timeout=600, cwd=ROOT)
-        assert proc.returncode == 0 and "SUCCEEDED" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
-        res = load(out / "submitted")
-        assert list(res["rounds"]["round"]) == [0, 1] and res["meta"]["backend"] == "RayBackend"
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_cluster_config_passes_ray_validation():

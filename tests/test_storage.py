@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import uuid
 
 import fsspec
@@ -20,7 +19,7 @@ from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.loop import run
 from fedsim.storage import StorePath, location
 from jobs.cli import main
-from tests.conftest import small_config
+from tests.conftest import free_port, small_config
 
 RUN_FILES = ["config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
              "checkpoints/last.pt"]
@@ -156,18 +155,12 @@ def test_bad_uri_is_one_line_and_exit_2(root, message, config_file, elsewhere, m
     assert capsys.readouterr().err.startswith(f"fedsim: error: --resume: {root}/r: ")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_server():
     """A local S3-compatible server (moto) with one bucket; s3fs reaches it through AWS_ENDPOINT_URL."""
     server_mod = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
     s3fs = pytest.importorskip("s3fs", reason="s3fs is in the s3 and dev extras")
-    port = _free_port()
+    port = free_port()
     server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     with pytest.MonkeyPatch.context() as env:
