@@ -348,8 +348,8 @@ def load_svhn(root: Path, download: bool, *, extra: bool = False, verify: bool =
     for s in splits:
         where = f"svhn: {root / f'{s}_32x32.mat'}"
         xs[s] = _pixels(_entry(mats[s], "X", where), (32, 32, 3, None), f"{where} 'X'").transpose(3, 2, 0, 1)
-        ys[s] = _class_ids(_entry(mats[s], "y", where), len(xs[s]), 11, f"{where} 'y'")
-        ys[s][ys[s] == 10] = 0
+        # 1..10 in the file, shifted to 0..9 (digit d at d - 1, digit 0 at 9); then digit d is class d again
+        ys[s] = (_class_ids(_entry(mats[s], "y", where), len(xs[s]), 10, f"{where} 'y'", first=1) + 1) % 10
     train = [s for s in splits if s != "test"]
     x_tr, y_tr = np.concatenate([xs[s] for s in train]), np.concatenate([ys[s] for s in train])
     return _finish("svhn", x_tr, y_tr, xs["test"], ys["test"], 10)

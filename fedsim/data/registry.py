@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsim.configtools import check_kwargs
-from fedsim.errors import ConfigError
+from fedsim.errors import ConfigError, DataError
 
 
 @dataclass
@@ -85,6 +85,11 @@ def dataset_names() -> list[str]:
 
 
 def load_dataset(name: str, root: str | Path = "data", download: bool = False, **options) -> Dataset:
-    """Load a registered dataset; an unknown name lists the valid ones."""
+    """Load a registered dataset; an unknown name lists the valid ones, and a split with no samples is refused here,
+    naming the folder, rather than later as a partition that cannot be made."""
     options = check_options(name, options)
-    return _LOADERS[name](Path(root).expanduser(), download, **options)
+    ds = _LOADERS[name](Path(root).expanduser(), download, **options)
+    for split, y in (("training", ds.y_train), ("test", ds.y_test)):
+        if len(y) == 0:
+            raise DataError(f"{name}: no {split} samples (data.root={root})")
+    return ds

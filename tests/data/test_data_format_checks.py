@@ -208,6 +208,7 @@ def _svhn(root: Path, **train: np.ndarray) -> Path:
     ({"y": np.full((15, 1), 1.7)}, "'y': expected N or N×1 integer class ids, got float64"),
     ({"y": np.ones((10, 1), np.uint8)}, "'y': 10 labels for 15 images"),
     ({"y": np.ones((15, 2), np.uint8)}, r"'y': .*shape \(15, 2\)"),
+    ({"y": np.zeros((15, 1), np.uint8)}, r"'y': labels outside 1\.\.10 \(found 0\.\.0\)"),  # SVHN has no label 0
 ])
 def test_svhn_mat_arrays_are_checked(tmp_path: Path, change: dict, problem: str) -> None:
     file = _svhn(tmp_path, **change)
@@ -225,3 +226,13 @@ def test_a_pickle_still_cannot_call_bytes_with_an_argument(tmp_path: Path) -> No
     file.write_bytes(b"\x80\x02c__builtin__\nbytes\nJ\x00\x00\x00\x40\x85R.")  # bytes(2**30)
     _refused("cifar10", tmp_path, tmp_path / "cifar-10-batches-py", "data_batch_2.*refusing to call bytes")
     assert pickle.loads(b"\x80\x02c__builtin__\nbytes\nK\x03\x85R.") == b"\0\0\0"  # the control: plain pickle does
+
+
+@pytest.mark.parametrize("empty,split", [([f"data_batch_{i}" for i in range(1, 6)], "training"),
+                                         (["test_batch"], "test")])
+def test_a_split_with_no_images_is_refused_naming_the_folder(tmp_path: Path, empty: list[str], split: str) -> None:
+    """Batches that are well formed but empty: refused at load, not later as '20 clients but only 0 samples'."""
+    _write_cifar10(tmp_path)
+    for name in empty:
+        _pickle(tmp_path / "cifar-10-batches-py" / name, _batch(labels=[], data=np.zeros((0, 3072), np.uint8)))
+    _refused("cifar10", tmp_path, tmp_path, rf"^cifar10: no {split} samples \(data\.root=")
