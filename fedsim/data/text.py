@@ -77,9 +77,12 @@ def _load(path: str, mtime: int, max_vocab: int | None) -> tuple[dict[str, int],
             if len(parts) < 2:
                 continue
             try:
-                vec = np.asarray(parts[1:], dtype=np.float32)
+                with np.errstate(over="ignore"):  # a number past float32's range becomes inf, refused below
+                    vec = np.asarray(parts[1:], dtype=np.float32)
             except ValueError:
                 raise DataError(f"{file} line {lineno}: expected a word then numbers") from None
+            if not np.isfinite(vec).all():  # 'nan', 'inf', or past float32's range
+                raise DataError(f"{file} line {lineno}: NaN or infinite values (or numbers past float32's range)")
             if dim is None:
                 dim = len(vec)
             elif len(vec) != dim:

@@ -89,3 +89,11 @@ def test_text_npz_embedding_must_be_a_finite_float_table(tmp_path, embedding, pr
              embedding=embedding)
     with pytest.raises(DataError, match=f"{re.escape(str(path))}: the embedding .*{problem}"):
         load_dataset("text_npz", tmp_path, False, path=str(path))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e40"])
+def test_a_glove_text_line_with_a_value_that_is_not_finite_is_refused(tmp_path, value) -> None:
+    glove = tmp_path / "g.txt"
+    glove.write_text(f"the 0.1 0.2 0.3\ncat 0.4 {value} 0.6\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(glove))} line 2: NaN or infinite values"):
+        load_embedding_table(str(glove))
