@@ -297,6 +297,8 @@ def load(path: str | Path | StorePath) -> RunTables:
 
     p = run_folder(path)
     rounds = read_table(p / "rounds.parquet")
+    if "round" not in rounds.columns:  # a parquet file of something else: no table of it would mean anything
+        raise CheckpointError(f"{p / 'rounds.parquet'}: not a fedsim rounds table (it has no 'round' column)")
     clients = read_table(p / "clients.parquet") if (p / "clients.parquet").exists() else pd.DataFrame()
     return {"rounds": rounds, "clients": clients, "config": _read_text(p / "config.yaml", yaml.safe_load),
             "meta": _read_text(p / "meta.json", json.loads)}

@@ -166,6 +166,18 @@ def test_damaged_tables_fail_in_one_line_naming_the_file(run_copy, capsys, table
     assert tree(run_copy) == before
 
 
+def test_a_rounds_file_that_is_another_table_is_one_line(run_copy, capsys):
+    """A parquet file that is not a rounds table (no 'round' column): one line naming it, not an empty frame."""
+    from jobs.cli import main
+
+    pd.DataFrame({"x": [1.0, 2.0]}).to_parquet(run_copy / "rounds.parquet")
+    for args in (["results", "show", str(run_copy)], ["plot", str(run_copy)]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fedsim: error: ") and err.count("\n") == 1, err  # plot: "no run to plot: ..."
+        assert err.endswith(f"{run_copy / 'rounds.parquet'}: not a fedsim rounds table (it has no 'round' column)\n")
+
+
 def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkeypatch):
     """Arrow frees what a read used on its pool threads, after the read has returned. A Python object freed there
     needs the GIL, and a process that exits meanwhile aborts: CI saw SIGABRT (exit -6) after the one-line error of
