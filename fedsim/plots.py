@@ -98,7 +98,7 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     Folders without a readable table are skipped with a warning (fedsim.collect); none left is a one-line error."""
     import warnings
 
-    from fedsim.results import collect, find_runs
+    from fedsim.results import SkippedRuns, collect, find_runs
 
     items = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if out is not None:
@@ -110,7 +110,8 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     if df.empty:
         raise CheckpointError("no run to plot" + (f": {'; '.join(skipped)}" if skipped else ""))
     if skipped:
-        warnings.warn(f"fedsim plot skipped {len(skipped)} folder(s): " + "; ".join(skipped), stacklevel=2)
+        warnings.warn(f"plot skipped {len(skipped)} folder(s): " + "; ".join(skipped), SkippedRuns,
+                      stacklevel=2)
     data = curves(df, x, y)
     if data.empty:
         raise CheckpointError(f"{', '.join(sorted(df['run'].unique()))}: no rounds with both {x} and {y} to plot")

@@ -280,6 +280,10 @@ def run_folder(path: str | Path | StorePath) -> Location:
     return p
 
 
+class SkippedRuns(UserWarning):
+    """Run folders that `collect` (or a plot) passed over, each with its reason: the one warning the CLI prints."""
+
+
 class RunTables(TypedDict):
     """What `load` returns for a run folder."""
 
@@ -407,7 +411,8 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         frames.append(df)
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if skipped:
-        warnings.warn(f"fedsim.collect skipped {len(skipped)} folder(s): " + "; ".join(skipped), stacklevel=2)
+        warnings.warn(f"fedsim.collect skipped {len(skipped)} folder(s): " + "; ".join(skipped), SkippedRuns,
+                      stacklevel=2)
     out.attrs["skipped"] = skipped
     return out
 

@@ -164,12 +164,14 @@ def cmd_plot(args: argparse.Namespace) -> int:
     import warnings
 
     from fedsim.plots import plot_runs
+    from fedsim.results import SkippedRuns
 
-    with warnings.catch_warnings(record=True) as skipped:  # folders without a readable table: one line each
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = plot_runs(args.runs, x=args.x, y=args.y, out=args.out)
-    for w in skipped:
-        print(f"fedsim: {w.message}", file=sys.stderr)
+    for w in caught:  # folders without a readable table, one line; not numpy's or matplotlib's remarks on values
+        if issubclass(w.category, SkippedRuns):
+            print(f"fedsim: {w.message}", file=sys.stderr)
     print(out)
     return 0
 

@@ -147,6 +147,23 @@ def test_a_rounds_table_without_a_model_column_plots(root, tmp_path):
     assert main(["plot", str(run)]) == 0 and (run / "accuracy.png").is_file()
 
 
+def test_plot_prints_the_folders_it_skipped_and_nothing_of_numpys(root, tmp_path, capsys):
+    """An infinite value makes numpy warn while the ± std band is computed: that is not a line for the user."""
+    from jobs.cli import main
+
+    for name in ("a0", "a1"):
+        shutil.copytree(root / name, tmp_path / name)
+    table = pd.read_parquet(tmp_path / "a0" / "rounds.parquet")
+    table.loc[table["round"] == 1, "accuracy"] = float("inf")
+    table.to_parquet(tmp_path / "a0" / "rounds.parquet")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "rounds.parquet").write_bytes(b"not parquet")
+    assert main(["plot", str(tmp_path / "a0"), str(tmp_path / "a1"), str(tmp_path / "broken"),
+                 "--out", str(tmp_path / "p.png")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedsim: plot skipped 1 folder(s): ") and "broken" in err[0], err
+
+
 def test_fedsim_run_takes_a_yaml_path_a_dict_or_a_run_config(tmp_path):
     rows: list[list[str]] = []
 
