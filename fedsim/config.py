@@ -280,8 +280,8 @@ def read_yaml(path: str | Path | StorePath) -> dict:
 
 
 def build_config(raw: dict) -> RunConfig:
-    """Validate a raw dict into a RunConfig, including the algorithm's own params."""
-    from fedsim.algorithms import get_algorithm  # registers the built-in algorithms
+    """Validate a raw dict into a RunConfig, including the algorithm's own params. The common sections come first:
+    they need no registry, so a typo there is reported before the methods (and torch) are imported."""
     from fedsim.plugins import load_plugins
 
     raw = copy.deepcopy(raw)
@@ -293,6 +293,8 @@ def build_config(raw: dict) -> RunConfig:
     if not isinstance(name, str):
         raise ConfigError(f"algorithm.name: expected a string, got {name!r}"[:200])
     cfg = from_dict(RunConfig, raw)
+    from fedsim.algorithms import get_algorithm  # registers the built-in algorithms
+
     algo_cls = get_algorithm(name)
     params = from_dict(algo_cls.Params, algo_raw, prefix="algorithm")
     cfg.algorithm = AlgorithmConfig(name=name, params=params)
