@@ -126,10 +126,57 @@ def test_rays_own_wait_is_put_back_after_the_start_even_when_it_fails():
     assert services.get_node is original
 
 
-SHUTDOWN = """
+def test_a_local_start_skips_the_monitor_and_with_usage_stats_off_the_dashboard_process(monkeypatch):
+    from ray._private.node import Node
+
+    from actors.boot import lean_local_start
+
+    monitor, api_server = Node.start_monitor, Node.start_api_server
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    with pytest.raises(KeyError), lean_local_start():
+        assert Node.start_monitor is not monitor and Node.start_api_server is not api_server
+        raise KeyError("ray.init failed")
+    assert (Node.start_monitor, Node.start_api_server) == (monitor, api_server)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")  # the dashboard process is what reports them
+    with lean_local_start():
+        assert Node.start_monitor is not monitor and Node.start_api_server is api_server
+    assert Node.start_monitor is monitor
+
+
+LEAN = """
 import psutil, ray
 from actors.boot import init_ray, shutdown_ray
 init_ray(None)
+from ray._private import ray_constants
+node = ray._private.worker._global_node
+kinds = sorted(node.all_processes)
+daemons = [i.process.pid for infos in node.all_processes.values() for i in infos]
+@ray.remote
+def hello():
+    print("hello from a worker")
+    return 7
+answer = ray.get(hello.remote())
+import time; time.sleep(1.5)  # the log monitor's poll
+shutdown_ray()
+alive = [p for p in daemons if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+print(ray_constants.PROCESS_TYPE_MONITOR in kinds, ray_constants.PROCESS_TYPE_DASHBOARD in kinds,
+      ray_constants.PROCESS_TYPE_LOG_MONITOR in kinds, answer, alive)
+"""
+
+
+def test_a_local_ray_of_a_run_runs_tasks_and_forwards_their_output_without_monitor_or_dashboard():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_USAGE_STATS_ENABLED": "0"}
+    out = subprocess.run([sys.executable, "-c", LEAN], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "False False True 7 []"
+    assert "hello from a worker" in out.stdout + out.stderr
+
+
+SHUTDOWN = """
+import psutil, ray
+from actors.boot import shutdown_ray
+ray.init(include_dashboard=False, configure_logging=False)  # Ray's own start, monitor included
 from ray._private import ray_constants
 node = ray._private.worker._global_node
 monitor = node.all_processes[ray_constants.PROCESS_TYPE_MONITOR][0].process.pid
@@ -146,9 +193,9 @@ print(monitor in daemons, seen, ray.is_initialized(), alive)
 """
 
 
-def test_a_local_ray_is_shut_down_whole_its_autoscaler_monitor_stopped_first(tmp_path):
-    """The monitor is killed before Ray's own shutdown (which would wait a second on its SIGTERM handler); every
-    daemon of the node is gone after, and nothing is said about the monitor."""
+def test_a_local_ray_with_a_monitor_is_shut_down_whole_the_monitor_stopped_first(tmp_path):
+    """Where a Ray was started with its monitor, the monitor is killed before Ray's own shutdown (which would wait
+    a second on its SIGTERM handler); every daemon of the node is gone after, and nothing is said about it."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", SHUTDOWN], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=180)
