@@ -1,11 +1,12 @@
 """The raw fixed cost of Ray on this machine, with no fedsim in it: the floor fedsim's Ray start-up and shutdown
 are held to.
 
-    python -m bench.ray_floor [--workers 2]
+    python -m bench.ray_floor [--workers 2] [--start ray|fedsim]
 
 Times `import ray`, `ray.init()` (with fedsim's arguments), `--workers` one-CPU actors that import torch and answer a
 call, and `ray.shutdown()`, and prints them as RESULT_JSON (startup_seconds = all but the shutdown, from
-process start, as the other programs count it).
+process start, as the other programs count it). `--start fedsim` starts and stops Ray as a run does for itself
+(actors/boot.py: the quicker wait for the raylet, no monitor or dashboard process, the monitor-first shutdown).
 """
 
 import time
@@ -23,13 +24,20 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.ray_floor", description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2, help="actors to start (one CPU each)")
+    ap.add_argument("--start", choices=["ray", "fedsim"], default="ray",
+                    help="Ray's own init and shutdown (the floor), or fedsim's (actors/boot.py)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     import ray
 
     t_import = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)  # as fedsim starts it
+    if args.start == "fedsim":
+        from actors.boot import init_ray
+
+        init_ray(None)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)  # fedsim's arguments
     t_init = time.perf_counter()
 
     @ray.remote(num_cpus=1)
@@ -42,11 +50,16 @@ def main(argv: list[str] | None = None) -> int:
     actors = [Probe.remote() for _ in range(args.workers)]
     ray.get([a.ready.remote() for a in actors])
     t_actors = time.perf_counter()
-    ray.shutdown()
+    if args.start == "fedsim":
+        from actors.boot import shutdown_ray
+
+        shutdown_ray()
+    else:
+        ray.shutdown()
     t_end = time.perf_counter()
     from bench.common import emit_result
 
-    emit_result({"tag": args.tag, "import_ray_seconds": round(t_import - t0, 3),
+    emit_result({"tag": args.tag, "start": args.start, "import_ray_seconds": round(t_import - t0, 3),
                  "ray_init_seconds": round(t_init - t_import, 3), "actors_seconds": round(t_actors - t_init, 3),
                  "startup_seconds": round(t_actors - T_START, 3), "shutdown_seconds": round(t_end - t_actors, 3),
                  "total_seconds": round(t_end - T_START, 3)})
