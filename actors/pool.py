@@ -366,13 +366,21 @@ class RayBackend:
                 failed[w] = self._node_failure(w, exc) or WorkerFailure(type(exc).__name__, _short(exc))
         return replies, failed
 
-    def restart_worker(self, index: int) -> list[int] | None:
-        if self._node_failure(index, None) is not None:
-            return self._replace_lost(index)
-        ray.kill(self.workers[index], no_restart=True)
-        self.workers[index], self._holds[index] = self._create(index), True
-        self.placement[index] = self._attach([index])[0]
-        return None
+    def restart_workers(self, indices: list[int]) -> list[int]:
+        """Workers on live nodes start again side by side (each start imports torch: seconds); those of a lost node
+        one by one, since each takes room that the next one's placement must see."""
+        slots, fresh = set(indices), []
+        for i in sorted(indices):
+            if self._node_failure(i, None) is not None:
+                slots.update(self._replace_lost(i))
+                continue
+            ray.kill(self.workers[i], no_restart=True)
+            self.workers[i], self._holds[i] = self._create(i), True
+            fresh.append(i)
+        if fresh:
+            for i, facts in zip(fresh, self._attach(fresh), strict=True):
+                self.placement[i] = facts
+        return sorted(slots)
 
     def _node_failure(self, index: int, exc: BaseException | None) -> WorkerFailure | None:
         """The failure of worker `index` when its node has left the cluster (None while the node is alive)."""

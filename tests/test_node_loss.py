@@ -61,3 +61,23 @@ def test_no_survivor_left_is_one_error(monkeypatch, make_config):
     backend, _ = lost_node_backend(monkeypatch, make_config, ["dead" * 4])
     with pytest.raises(FedsimError, match="worker 0 was lost with its node and no worker on a live node is left"):
         backend._replace_lost(0)
+
+
+def test_workers_on_live_nodes_start_again_together_and_a_lost_nodes_alone(monkeypatch, make_config):
+    """Three failed workers: two on live nodes are created, then attached in one wait (each start imports torch);
+    the one whose node left goes through the lost-node path; the slots returned are all three."""
+    backend, _ = lost_node_backend(monkeypatch, make_config, ["dead" * 4, "live" * 4, "live" * 4, "live" * 4])
+    monkeypatch.setattr(pool, "node_gone", lambda node, error: node == "dead" * 4)
+    killed, created, attached = [], [], []
+    monkeypatch.setattr(pool.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(backend, "_create", lambda i: created.append(i) or f"new{i}")
+
+    def attach(indices):
+        attached.append(list(indices))
+        return [{"index": i, "node_id": "live" * 4, "pid": 100 + i} for i in indices]
+
+    monkeypatch.setattr(backend, "_attach", attach)
+    assert backend.restart_workers([3, 0, 1]) == [0, 1, 3]
+    assert killed == ["actor1", "actor3"] and created == [1, 3] and attached == [[1, 3]]
+    assert backend.workers[1:] == ["new1", "actor2", "new3"] and backend.placement[3]["pid"] == 103
+    assert backend._host[0] != 0  # worker 0's node had no room: its clients moved to a survivor

@@ -92,8 +92,9 @@ class Backend(Protocol):
         calls `idle` once the work is handed out (one that trains in this process: as it starts); the driver's files
         are written from then on."""
 
-    def restart_worker(self, index: int) -> list[int] | None:
-        """Start worker `index` again; the slots whose clients' states it lost (None: just `index`)."""
+    def restart_workers(self, indices: list[int]) -> list[int]:
+        """Start workers `indices` again, together where the backend can; the slots whose clients' states were
+        lost: `indices`, and after a node loss every slot that a lost actor served."""
     def export_states(self) -> dict[int, Any]: ...
     def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
     def shutdown(self) -> None: ...

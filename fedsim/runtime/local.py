@@ -80,8 +80,10 @@ class LocalBackend:
                     failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
         return replies, failed
 
-    def restart_worker(self, index: int) -> None:
-        self.workers[index] = self._make(index)
+    def restart_workers(self, indices: list[int]) -> list[int]:
+        for i in indices:
+            self.workers[i] = self._make(i)
+        return sorted(indices)
 
     def export_states(self) -> dict[int, Any]:
         out: dict[int, Any] = {}

@@ -265,29 +265,32 @@ class Simulation:
             rows.extend(row(c, w, "failed", 0, math.nan, **failure_columns(lost.error_type, lost.message,
                                                                             lost.traceback))
                         for c in assignments.get(w, []))
-            self.replace_worker(w)
+        if failed:
+            self.replace_workers(sorted(failed))
         if skip:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
         rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
         return replies
 
-    def replace_worker(self, w: int) -> None:
-        """Restart a dead worker; its clients get their states back from the last checkpoint, if any (the clients
-        of every slot the backend says the dead worker served: after a node loss, one worker may serve several)."""
-        slots = self.backend.restart_worker(w) or [w]
+    def replace_workers(self, ws: list[int]) -> None:
+        """Restart dead workers, together; their clients get their states back from the last checkpoint, if any
+        (the clients of every slot the backend says the dead workers served: after a node loss, one worker may
+        serve several)."""
+        slots = self.backend.restart_workers(ws)
+        named = f"worker{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"
         self.writes.wait()  # the last checkpoint queued
         if self.ckpt_path.exists():
             ck = load_run_checkpoint(self.ckpt_path)
-            for slot in slots:
-                self.backend.load_states({c: s for c, s in ck["client_states"].items()
-                                          if owner(c, self.backend.num_workers) == slot}, workers=[slot])
-            log.warning("worker %d replaced: its clients' personal states come back from round %d's checkpoint", w,
+            n = self.backend.num_workers
+            self.backend.load_states({c: s for c, s in ck["client_states"].items() if owner(c, n) in slots},
+                                     workers=slots)
+            log.warning("%s replaced: their clients' personal states come back from round %d's checkpoint", named,
                         ck["round"])
         elif self.cfg.results.checkpoint_every:
-            log.warning("worker %d replaced before the first checkpoint: its clients' personal states start afresh", w)
+            log.warning("%s replaced before the first checkpoint: their clients' personal states start afresh", named)
         else:
-            log.warning("worker %d replaced and results.checkpoint_every=0: its clients' personal states start "
-                        "afresh", w)
+            log.warning("%s replaced and results.checkpoint_every=0: their clients' personal states start afresh",
+                        named)
 
 
 def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -201,6 +201,56 @@ def test_a_failing_worker_costs_only_its_clients(make_config, monkeypatch):
     assert rounds["accuracy"].notna().all()
 
 
+def test_workers_failing_in_one_phase_are_restarted_together_and_restored_from_one_read(make_config, monkeypatch,
+                                                                                      caplog):
+    """Both workers fail in round 2 of a method with personal state: one restart of both, one restore of every
+    client they held from round 1's checkpoint, one warning naming both; round 3 runs on both again."""
+    import fedsim.runtime.loop as loop_mod
+    from fedsim.runtime.worker import ClientWorker
+
+    original = ClientWorker.run_phase
+    failed_once: set[int] = set()
+
+    def flaky(self, round, *args, **kw):
+        if round == 2 and self.index not in failed_once:
+            failed_once.add(self.index)
+            raise RuntimeError("worker lost")
+        return original(self, round, *args, **kw)
+
+    restarts: list[list[int]] = []
+    loads: list[tuple[list[int] | None, list[int]]] = []
+    reads: list[str] = []
+    real_restart, real_load, real_read = LocalBackend.restart_workers, LocalBackend.load_states, \
+        loop_mod.load_run_checkpoint
+
+    def restart(self, indices):
+        restarts.append(list(indices))
+        return real_restart(self, indices)
+
+    def load_states(self, states, workers=None):
+        loads.append((workers, sorted(states)))
+        return real_load(self, states, workers)
+
+    def read(path):
+        reads.append(str(path))
+        return real_read(path)
+
+    monkeypatch.setattr(ClientWorker, "run_phase", flaky)
+    monkeypatch.setattr(LocalBackend, "restart_workers", restart)
+    monkeypatch.setattr(LocalBackend, "load_states", load_states)
+    monkeypatch.setattr(loop_mod, "load_run_checkpoint", read)
+    cfg = make_config("algorithm.name=local_only", "data.client_test=balanced", "algorithm.pretrain_epochs=1",
+                      "results.checkpoint_every=1", rounds=4)
+    with caplog.at_level("WARNING", logger="fedsim"):
+        res = load(run(cfg, LocalBackend(num_workers=2)))
+    rounds = res["rounds"].set_index("round")
+    assert failed_once == {0, 1} and restarts == [[0, 1]] and len(reads) == 1
+    assert len(loads) == 1 and loads[0][0] == [0, 1] and len(loads[0][1]) > 0  # every held client, in one call
+    assert rounds.loc[2, "arrived"] == 0 and rounds.loc[3, "failures"] == 0
+    warned = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    assert warned == ["workers 0, 1 replaced: their clients' personal states come back from round 1's checkpoint"]
+
+
 def test_results_load_collect_show_plot(make_config, tmp_path):
     a = run(make_config("algorithm.name=fedavg"))
     b = run(make_config("algorithm.name=fedprox", "algorithm.mu=0.1"))
