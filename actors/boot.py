@@ -111,9 +111,10 @@ def _skip(self: Any, *args: Any, **kwargs: Any) -> None:
 def lean_local_start() -> Iterator[None]:
     """While Ray starts a node of this run's own, it starts neither the autoscaler's monitor (a local node has a
     fixed size and nothing to scale) nor, with usage stats off, the headless dashboard process, which then loads
-    only the usage-stats module and which `ray.init` waits on until it has published its address. On 2 cores, Ray up
-    with two actors took 6.49 s instead of 8.74 s (medians of 5 interleaved starts). A cluster joined by address is
-    not touched: these start only on a new head. Ray's internals are left as they are where they are not the
+    only the usage-stats module and which `ray.init` waits on until it has published its address. On 2 cores, two
+    torch actors were ready 6.81 s after process start instead of 8.79 s (medians of 5 interleaved pairs of `python
+    -m bench.ray_floor --start fedsim|ray`). A cluster joined by address is not touched: these start only on a new
+    head. Ray's internals are left as they are where they are not the
     expected ones."""
     try:
         from ray._common.usage import usage_lib

@@ -281,8 +281,8 @@ class Simulation:
         self.writes.wait()  # the last checkpoint queued
         if self.ckpt_path.exists():
             ck = load_run_checkpoint(self.ckpt_path)
-            n = self.backend.num_workers
-            self.backend.load_states({c: s for c, s in ck["client_states"].items() if owner(c, n) in slots},
+            n, lost = self.backend.num_workers, set(slots)
+            self.backend.load_states({c: s for c, s in ck["client_states"].items() if owner(c, n) in lost},
                                      workers=slots)
             log.warning("%s replaced: their clients' personal states come back from round %d's checkpoint", named,
                         ck["round"])
