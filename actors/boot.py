@@ -107,6 +107,16 @@ def _skip(self: Any, *args: Any, **kwargs: Any) -> None:
     """Stands in for a daemon's start that a run's own Ray does without."""
 
 
+def _usage_stats_on() -> bool:
+    """Whether Ray reports usage stats (where it keeps that answer has moved between releases; unknown: yes)."""
+    import importlib
+
+    for where in ("ray._common.usage.usage_lib", "ray._private.usage.usage_lib"):
+        with contextlib.suppress(Exception):
+            return bool(importlib.import_module(where).usage_stats_enabled())
+    return True
+
+
 @contextlib.contextmanager
 def lean_local_start() -> Iterator[None]:
     """While Ray starts a node of this run's own, it starts neither the autoscaler's monitor (a local node has a
@@ -117,15 +127,13 @@ def lean_local_start() -> Iterator[None]:
     head. Ray's internals are left as they are where they are not the
     expected ones."""
     try:
-        from ray._common.usage import usage_lib
         from ray._private.node import Node
     except ImportError:
         yield
         return
     skipped = ["start_monitor"]
-    with contextlib.suppress(Exception):  # unknown: the dashboard process starts as before
-        if not usage_lib.usage_stats_enabled():
-            skipped.append("start_api_server")
+    if not _usage_stats_on():
+        skipped.append("start_api_server")
     originals = {name: Node.__dict__[name] for name in skipped if callable(Node.__dict__.get(name))}
     for name in originals:
         setattr(Node, name, _skip)

@@ -143,6 +143,24 @@ def test_a_local_start_skips_the_monitor_and_with_usage_stats_off_the_dashboard_
     assert Node.start_monitor is monitor
 
 
+def test_where_usage_stats_cannot_be_read_the_dashboard_process_is_kept(monkeypatch):
+    import importlib
+
+    from actors import boot
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    real = importlib.import_module
+
+    def moved(name, *args):
+        if "usage" in name:
+            raise ImportError(name)
+        return real(name, *args)
+
+    assert boot._usage_stats_on() is False  # read where this Ray keeps it
+    monkeypatch.setattr(importlib, "import_module", moved)
+    assert boot._usage_stats_on() is True
+
+
 LEAN = """
 import psutil, ray
 from actors.boot import init_ray, shutdown_ray
