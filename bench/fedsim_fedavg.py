@@ -173,7 +173,7 @@ class RoundProfiler(Callback):
         events = self.prof.key_averages()
         device = any(e.self_device_time_total > 0 for e in events)
         count = {e.key: e.count for e in events}
-        busy_s = sum(e.self_device_time_total for e in events if not e.key.startswith("cuda")) / 1e6
+        busy_s = device_busy_seconds(events)
         self.table = events.table(sort_by="self_device_time_total" if device else "self_cpu_time_total", row_limit=30)
         self.fields = {
             "profile_rounds": [self.first, self.last], "profile_wall_s": round(self.wall, 4),
@@ -184,6 +184,14 @@ class RoundProfiler(Callback):
             "profile_device_waits": sum(count.get(k, 0) for k in self.SYNCS),
             "profile_host_to_device_copies": sum(c for k, c in count.items() if k.startswith("Memcpy HtoD")),
         }
+
+
+def device_busy_seconds(events: Any) -> float:
+    """The device's busy time in profiler `events`: the kernels' and copies' own rows only (an operator's self device
+    time is its kernels' time again, so adding both would count each kernel twice)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in events if e.device_type not in (DeviceType.CPU, None)) / 1e6
 
 
 def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: GpuSampler, boot: Any) -> int:

@@ -1,6 +1,7 @@
 """The bench on one GPU: batched against one-after-another client training, and pfl-research beside fedsim.
 
-    python -m bench.gpu_bench [--configs P,A,B,C] [--systems ...] [--out results/bench] [--python PY]
+    python -m bench.gpu_bench [--configs P,A,B,C] [--systems ...] [--rounds R|P=12,B=5] [--out results/bench]
+                               [--python PY]
 
 Configs: P = the shape of pfl-research's CIFAR-10 benchmark (1,000 users × 50 images, iid, cohort 50, its small
 CNN without dropout, batch 10, SGD lr 0.1 without momentum, one local epoch; synthetic 3×32×32 images in place of
@@ -69,6 +70,28 @@ def command(system: str, folder: Path, python: str, device: str, runs: Path) -> 
     }[system]
 
 
+def rounds_arg(text: str) -> dict[str, int]:
+    """--rounds: one number for every config ({"": R}) or CONFIG=R pairs ({"P": 12, "B": 5})."""
+    import argparse
+
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        try:
+            out[name.strip().upper()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a number of rounds (R or CONFIG=R)") from None
+    if "" in out and len(out) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one number or CONFIG=R pairs, not both")
+    return out
+
+
+def _rounds_of(config: str, rounds: dict[str, int]) -> dict[str, int]:
+    """The rounds override of `config`, as Workload.with_ keywords (none: the config's own rounds)."""
+    value = rounds.get(config, rounds.get(""))
+    return {} if value is None else {"rounds": value}
+
+
 def table(rows: list[dict], configs: dict[str, Workload]) -> list[str]:
     """One row per (config, system): s/round, total, GPU utilisation, memory, accuracy, and s/round against pfl's."""
     out = ["| config | system | s/round | total s | GPU util % (steady rounds) | GPU MiB peak | final acc | "
@@ -124,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.gpu_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="P,A,B,C", help="comma-separated: P (pfl's CIFAR-10 shape), A, B, C")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(SYSTEMS))
-    ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
+    ap.add_argument("--rounds", type=rounds_arg, default={}, metavar="R|CONFIG=R,...",
+                    help="override the rounds: of every config (12), or of some (P=12,B=5)")
     ap.add_argument("--n-train", type=int, default=None, help="override every config's training images (smoke runs)")
     ap.add_argument("--n-test", type=int, default=None, help="override every config's test images (smoke runs)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu only to try the script itself")
@@ -140,9 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"bench.gpu_bench: error: {bad[0]}", file=sys.stderr)
         return 2
-    over = {k: v for k, v in (("rounds", args.rounds), ("n_train", args.n_train), ("n_test", args.n_test))
-            if v is not None}
-    configs = {c: CONFIGS[c].with_(**over) for c in names}
+    bad = [f"--rounds: config {c!r} is not among --configs {','.join(names)}" for c in args.rounds if c
+           and c not in names]
+    if bad:
+        print(f"bench.gpu_bench: error: {bad[0]}", file=sys.stderr)
+        return 2
+    over = {k: v for k, v in (("n_train", args.n_train), ("n_test", args.n_test)) if v is not None}
+    configs = {c: CONFIGS[c].with_(**over, **_rounds_of(c, args.rounds)) for c in names}
     try:
         for w in configs.values():  # every config's knobs before anything is prepared
             check(w)
@@ -197,7 +225,9 @@ def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload])
              f"Measured {meta['date']} on {meta['machine']}: {meta['gpu']}, {meta['cpus']} CPUs; "
              f"torch {v.get('torch')}, pfl {v.get('pfl')}, ray {v.get('ray')}.", "",
              "s/round = mean of the rounds after the first (each round ends with the central evaluation); total = "
-             "process start to exit; GPU util = NVML's share of time a kernel ran, averaged over those rounds.", "",
+             "process start to exit; GPU util = NVML's share of time a kernel ran, averaged over those rounds. fedsim "
+             "computes in full float32 (its default `runtime.tf32: false`); the plain loop and pfl keep PyTorch's "
+             "default, TF32 tensor cores for convolutions, so their accuracies may part from fedsim's.", "",
              *table(rows, configs)]
     (out / "gpu.md").write_text("\n".join(lines) + "\n")
     return lines

@@ -300,6 +300,16 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
     assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
 
 
+def test_gpu_bench_rounds_apply_to_every_config_or_to_those_named():
+    from bench import gpu_bench
+
+    assert gpu_bench.rounds_arg("12") == {"": 12}
+    assert gpu_bench.rounds_arg("p=12, B=5") == {"P": 12, "B": 5}
+    assert gpu_bench._rounds_of("B", {"P": 12, "B": 5}) == {"rounds": 5}
+    assert gpu_bench._rounds_of("C", {"P": 12, "B": 5}) == {}  # C keeps its own rounds
+    assert gpu_bench._rounds_of("C", {"": 7}) == {"rounds": 7}
+
+
 def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(tmp_path, capsys):
     from bench import gpu_bench
 
@@ -310,7 +320,16 @@ def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(t
     assert gpu_bench.main(["--configs", "A,C", "--n-train", "5000", "--device", "cpu", *common]) == 2  # C's 10,000
     if not torch.cuda.is_available():
         assert gpu_bench.main(["--configs", "C", *common]) == 2
+    assert gpu_bench.main(["--configs", "P,C", "--rounds", "P=3,Q=2", "--device", "cpu", *common]) == 2
+    assert gpu_bench.main(["--configs", "P,C", "--rounds", "P=3,C=0", "--device", "cpu", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2:] == ["bench.gpu_bench: error: --rounds: config 'Q' is not among --configs P,C",
+                        "bench.gpu_bench: error: --rounds: must be >= 1, got 0"]
+    for bad in ("P=x", "12,P=3"):
+        with pytest.raises(SystemExit) as exc:
+            gpu_bench.main(["--rounds", bad, "--device", "cpu", *common])
+        assert exc.value.code == 2
+    assert capsys.readouterr().err.count("bench.gpu_bench: error: argument --rounds: ") == 2
     assert err[:4] == ["bench.gpu_bench: error: --configs: unknown config 'Q'; choose from P, A, B, C",
                        "bench.gpu_bench: error: --systems: unknown system 'flower'; choose from plain, pfl, pfl_2proc, "
                        "fedsim_seq, fedsim_batched, fedsim_ray_seq, fedsim_ray_batched",
@@ -336,6 +355,22 @@ def test_fedsim_program_profiles_the_rounds_asked_for(cache, tmp_path, capsys):
     assert got["profile_rounds"] == [2, 3] and 0 < got["profile_wall_s"] < got["total_seconds"]
     assert got["profile_aten_ops"] > 0 and "aten::" in out.read_text() and "Self CPU" in out.read_text()
     assert got["profile_device_busy_s"] == 0 and got["profile_kernel_launches"] == got["profile_device_waits"] == 0
+
+
+def test_the_profile_counts_each_kernel_once():
+    """An operator's self device time repeats its kernels' time: the device's busy time is the kernel rows' sum."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.fedsim_fedavg import device_busy_seconds
+
+    events = [SimpleNamespace(key="aten::conv2d", self_device_time_total=700.0, device_type=DeviceType.CPU),
+              SimpleNamespace(key="implicit_sgemm", self_device_time_total=500.0, device_type=DeviceType.CUDA),
+              SimpleNamespace(key="elementwise_kernel", self_device_time_total=200.0, device_type=DeviceType.CUDA),
+              SimpleNamespace(key="Memcpy HtoD", self_device_time_total=50.0, device_type=DeviceType.CUDA),
+              SimpleNamespace(key="cudaLaunchKernel", self_device_time_total=0.0, device_type=DeviceType.CPU)]
+    assert device_busy_seconds(events) == pytest.approx(750e-6)
 
 
 @pytest.mark.parametrize("args, message", [
