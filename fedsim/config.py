@@ -148,6 +148,10 @@ class RuntimeConfig:
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU)")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
+    tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
+                      "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
+                      "differ from the CPU's, and batched from one-after-another training, by more than float32 "
+                      "rounding; off: full float32 (PyTorch's own default turns it on for convolutions)")
     placement: Literal["none", "spread", "pack"] = knob(
         "none", doc="on Ray, where client workers go: spread over the nodes or pack onto as few as fit (one placement "
         "group), or none (Ray's default scheduling)")

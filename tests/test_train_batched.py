@@ -4,6 +4,7 @@ every client the weights, buffers and metrics that training them one after anoth
 from __future__ import annotations
 
 import dataclasses
+import os
 from unittest import mock
 
 import numpy as np
@@ -22,6 +23,7 @@ from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientOutcome, ClientWorker
 from fedsim.train_batched import train_together, unbatchable_reason
 
+DEVICE = os.environ.get("FEDSIM_TEST_DEVICE", "cpu")  # "cuda" runs these comparisons on a GPU (where one is lent)
 SIZES = (7, 13, 40, 21)  # with batch 8: 1, 2, 5 and 3 steps an epoch, three of them ending in a partial batch
 
 
@@ -44,7 +46,7 @@ def make_worker(mode: str, *overrides: str, sizes: tuple[int, ...] = SIZES, bad_
     meta = {"num_classes": 3, "mean": (0.0,), "std": (1.0,)}
     cfg = load_config(None, [f"data.num_clients={len(sizes)}", "seed=3", "train.batch_size=8", "train.lr=0.05",
                              f"runtime.batch_clients={mode}", *overrides])
-    return Server(cfg, arrays, part, meta, device="cpu"), ClientWorker(cfg, arrays, part, meta, 0, device="cpu")
+    return Server(cfg, arrays, part, meta, device=DEVICE), ClientWorker(cfg, arrays, part, meta, 0, device=DEVICE)
 
 
 class RecordingSum(WeightedSum):

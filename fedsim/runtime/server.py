@@ -15,6 +15,7 @@ import torch
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate, Updates
 from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
+from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
@@ -34,6 +35,7 @@ class Server:
         from fedsim.data import Dataset
 
         self.device = torch.device(device) if device else pick_device()
+        set_cuda_math(self.device, cfg.runtime.tf32)
         data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
                        extras=meta.get("extras", {}), **arrays)
         self.env = build_env(cfg, data, part, self.device)

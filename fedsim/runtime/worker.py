@@ -23,6 +23,7 @@ from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, 
 from fedsim.errors import ClientFailedError
 from fedsim.local_training import DROPOUT_STREAM
 from fedsim.runtime.batching import ClientBatcher
+from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
@@ -105,6 +106,7 @@ class ClientWorker:
             torch.set_num_threads(threads)
         self.index = worker_index
         self.device = torch.device(device) if device else pick_device()
+        set_cuda_math(self.device, cfg.runtime.tf32)
         from fedsim.data import Dataset
 
         data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
