@@ -15,7 +15,6 @@ from fedsim.runtime import worker as worker_module
 from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.setup import Partition, Ragged
 
-
 NAMES = (("cudnn", "allow_tf32"), ("cuda.matmul", "allow_tf32"), ("cudnn", "deterministic"), ("cudnn", "benchmark"))
 
 
@@ -57,7 +56,8 @@ def test_the_setting_is_off_by_default_and_reaches_the_workers_and_the_server(fl
     meta = {"num_classes": 3, "mean": (0.0,), "std": (1.0,)}
     for value in (False, True):
         cfg = load_config(None, ["data.num_clients=2", "model.name=mlp", f"runtime.tf32={str(value).lower()}"])
-        with mock.patch.object(worker_module, "set_cuda_math") as w, mock.patch.object(server_module, "set_cuda_math") as s:
+        with mock.patch.object(worker_module, "set_cuda_math") as w, \
+                mock.patch.object(server_module, "set_cuda_math") as s:
             worker_module.ClientWorker(cfg, arrays, part, meta, 0, device="cpu")
             server_module.Server(cfg, arrays, part, meta, device="cpu")
         assert w.call_args.args == (torch.device("cpu"), value)
