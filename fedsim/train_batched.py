@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -271,22 +272,22 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     for i in order:
         offsets.append(offsets[-1] + len(plans[i].y))
     width = max((len(b) for s in scheds for b in s.batches), default=1)
-    index = torch.full((steps, n, width), -1, dtype=torch.long)
-    fresh = torch.zeros(steps, n, dtype=torch.bool)
-    stage = torch.zeros(steps, n, dtype=torch.long)
-    lengths = torch.zeros(steps, n, dtype=torch.long)
+    # filled in numpy: a torch call per client and step costs more than the group's steps on a GPU
+    index_np = np.full((steps, n, width), -1, dtype=np.int64)
+    fresh_np = np.zeros((steps, n), dtype=bool)
+    stage_np = np.zeros((steps, n), dtype=np.int64)
+    lengths_np = np.zeros((steps, n), dtype=np.int64)
     for pos, i in enumerate(order):
         s = scheds[i]
-        if not s.batches:
-            continue
-        padded = nn.utils.rnn.pad_sequence(s.batches, batch_first=True, padding_value=-1)
-        index[:len(s.batches), pos, :padded.shape[1]] = torch.where(padded >= 0, padded + offsets[pos], -1)
-        fresh[:len(s.batches), pos] = torch.tensor(s.fresh)
-        stage[:len(s.batches), pos] = torch.tensor(s.stage)
-        lengths[:len(s.batches), pos] = torch.tensor([len(b) for b in s.batches])
-    active = [int((lengths[t] > 0).sum()) for t in range(steps)]
-    widths = [int(lengths[t].max()) for t in range(steps)]
-    index_d, fresh_d, stage_d = index.to(device), fresh.to(device), stage.to(device)
+        fresh_np[:len(s.batches), pos] = s.fresh
+        stage_np[:len(s.batches), pos] = s.stage
+        for t, b in enumerate(s.batches):
+            lengths_np[t, pos] = len(b)
+            index_np[t, pos, :len(b)] = b.numpy() + offsets[pos]
+    active = (lengths_np > 0).sum(1).tolist()
+    widths = lengths_np.max(1).tolist()
+    lengths = torch.from_numpy(lengths_np)
+    index_d, fresh_d, stage_d = (torch.from_numpy(a).to(device) for a in (index_np, fresh_np, stage_np))
     lengths_d = lengths.to(device=device, dtype=torch.float64)
 
     io = _StepInputs()

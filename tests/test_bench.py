@@ -389,3 +389,19 @@ def test_fedsim_program_refuses_a_bad_profile_request_in_one_line(cache, tmp_pat
     assert "fedsim_fedavg: error: " in proc.stderr and message in proc.stderr
     assert proc.stderr.strip().count("\n") == 0  # one line: no usage, no traceback
     assert not any(tmp_path.iterdir())  # no run folder left behind
+
+
+def test_batch_host_cost_times_the_batched_phase_and_its_trainer(capsys):
+    from bench import batch_host_cost
+
+    assert batch_host_cost.main(["--clients", "6", "--phases", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT_JSON "))
+    got = json.loads(line.removeprefix("RESULT_JSON "))
+    assert got["clients"] == 6 and got["phases"] == 2
+    assert 0 < got["train_together_ms"] < got["phase_ms"]  # the trainer ran, inside the phase
+    import fedsim.runtime.batching as batching
+    from fedsim.train_batched import train_together
+
+    assert batching.train_together is train_together  # put back
+    assert batch_host_cost.main(["--clients", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "batch_host_cost: error: --clients and --phases must be at least 1"

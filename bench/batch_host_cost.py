@@ -1,0 +1,84 @@
+"""The host's cost of training clients together, where the clients' compute is negligible: on a GPU a batched
+phase of small clients waits on this Python side, not on the device (C's batched round kept an H100 8% busy).
+
+    python -m bench.batch_host_cost [--clients 100] [--phases 8]
+
+One worker in this process, on the CPU, with `--clients` clients of 2 to 19 samples (1×4×4 inputs) and an MLP
+with one hidden layer of 8 units, `runtime.batch_clients: on`. After a warm-up phase it runs `--phases` FedAvg
+phases and prints RESULT_JSON with the medians, in milliseconds, of the phase and of its `train_together` call
+(the batched trainer: schedules, stacking, the vmapped steps, the clients' weights handed back).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+from bench.cli import OneLineParser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="python -m bench.batch_host_cost", description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--phases", type=int, default=8)
+    args = ap.parse_args(argv)
+    if args.clients < 1 or args.phases < 1:
+        print("batch_host_cost: error: --clients and --phases must be at least 1", file=sys.stderr)
+        return 2
+    import numpy as np
+    import torch
+
+    import fedsim.runtime.batching as batching
+    from bench.common import emit_result
+    from fedsim.algorithms.base import RoundInfo
+    from fedsim.config import load_config
+    from fedsim.runtime.server import Server
+    from fedsim.runtime.setup import Partition, Ragged
+    from fedsim.runtime.worker import ClientWorker
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(2, 20, args.clients)
+    bounds = np.cumsum([0, *sizes])
+    x = rng.normal(size=(int(bounds[-1]), 1, 4, 4)).astype(np.float32)
+    y = (np.arange(len(x)) % 10).astype(np.int64)
+    arrays = {"x_train": x, "y_train": y, "x_test": x[:100], "y_test": y[:100]}
+    part = Partition(Ragged.from_list([np.arange(bounds[i], bounds[i + 1]) for i in range(args.clients)]),
+                     Ragged.from_list([np.array([], int)] * args.clients), None)
+    meta = {"num_classes": 10, "mean": (0.0,), "std": (1.0,)}
+    cfg = load_config(None, [f"data.num_clients={args.clients}", "train.batch_size=8", "train.lr=0.05",
+                             "model.name=mlp", "model.options={hidden: 8, layers: 1}", "runtime.batch_clients=on",
+                             f"runtime.batch_clients_max={args.clients}"])
+    server, worker = Server(cfg, arrays, part, meta, device="cpu"), ClientWorker(cfg, arrays, part, meta, 0, "cpu")
+    together: list[float] = []
+    trainer = batching.train_together
+
+    def timed(plans: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return trainer(plans)
+        finally:
+            together.append(time.perf_counter() - t0)
+
+    batching.train_together = timed
+    ids = list(range(args.clients))
+    phases: list[float] = []
+    try:
+        for r in range(args.phases + 1):  # the first is a warm-up
+            phase = server.phases(r)[0]
+            common = server.broadcast(phase, RoundInfo(r, phase.name, ids, ids, {i: 1 for i in ids})).broadcast.common
+            t0 = time.perf_counter()
+            worker.run_phase(r, 0, phase, common, {}, ids)
+            phases.append(time.perf_counter() - t0)
+    finally:
+        batching.train_together = trainer
+    emit_result({"clients": args.clients, "phases": args.phases,
+                 "phase_ms": round(statistics.median(phases[1:]) * 1e3, 2),
+                 "train_together_ms": round(statistics.median(together[1:]) * 1e3, 2)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
