@@ -124,8 +124,7 @@ def lean_local_start() -> Iterator[None]:
     only the usage-stats module and which `ray.init` waits on until it has published its address. On 2 cores, two
     torch actors were ready 6.81 s after process start instead of 8.79 s (medians of 5 interleaved pairs of `python
     -m bench.ray_floor --start fedsim|ray`). A cluster joined by address is not touched: these start only on a new
-    head. Ray's internals are left as they are where they are not the
-    expected ones."""
+    head. Ray's internals are left as they are where they are not the expected ones."""
     try:
         from ray._private.node import Node
     except ImportError:
