@@ -30,6 +30,13 @@ def worker_bundle(rt: RuntimeConfig) -> dict[str, float]:
     return bundle
 
 
+NO_ROOM_SETTLE_S = 1.0  # how long "placed nowhere, room nowhere" must hold before a lost worker is given up
+
+
+def _holds(free: dict[str, float], need: dict[str, float]) -> bool:
+    return all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items())
+
+
 def alive_nodes() -> set[str]:
     """Ids of the nodes that are alive now."""
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -82,19 +89,44 @@ class WorkerPlacement:
 
     def fits(self, index: int, grace_s: float) -> bool:
         """Whether worker `index` can be started again on a node that is alive, waiting up to `grace_s` for Ray to
-        re-place a lost node's bundles and to report the survivors' free resources."""
+        re-place a lost node's bundles and to report the survivors' free resources. It answers no sooner when, in
+        two looks NO_ROOM_SETTLE_S apart, the worker's bundle is placed nowhere alive and no alive node has the
+        room to take it: Ray re-places a bundle as soon as it marks the node dead, or never (measured on a local
+        cluster: at the same poll, or still unplaced 10 s later)."""
         from ray._private.state import available_resources_per_node
 
         need = self._free(index)
         end = time.monotonic() + grace_s
+        hopeless_since: float | None = None
         while True:
             alive = alive_nodes()
-            for node, free in available_resources_per_node().items():
-                if node in alive and all(free.get(k, 0.0) >= v - 1e-9 for k, v in need.items()):
-                    return True
-            if time.monotonic() >= end:
+            free = {n: f for n, f in available_resources_per_node().items() if n in alive}
+            if any(_holds(f, need) for f in free.values()):
+                return True
+            now = time.monotonic()
+            if now >= end:
                 return False
-            time.sleep(0.5)
+            if self._unplaced(index, alive) and not any(_holds(f, worker_bundle(self.rt)) for f in free.values()):
+                hopeless_since = now if hopeless_since is None else hopeless_since
+                if now - hopeless_since >= NO_ROOM_SETTLE_S:
+                    return False
+            else:
+                hopeless_since = None
+            time.sleep(min(0.5, max(0.0, end - now)))
+
+    def _unplaced(self, index: int, alive: set[str]) -> bool:
+        """Whether worker `index`'s slot is reserved on no alive node: with no group, there is nothing to reserve;
+        in a group of our own, its bundle (Ray leaves a bundle it cannot re-place unassigned); a captured group is
+        its owner's to re-place, so it counts as placed (the whole grace is waited for)."""
+        if self.group is None:
+            return True
+        if not self.owned:
+            return False
+        try:
+            where = ray.util.placement_group_table(self.group).get("bundles_to_node_id", {})
+        except Exception:  # no answer: as placed, so the whole grace is waited for
+            return False
+        return where.get(index) not in alive
 
     def release(self) -> None:
         """Give back a group of our own (a captured one is its owner's)."""
