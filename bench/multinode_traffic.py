@@ -14,15 +14,34 @@ not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from bench.cli import OneLineParser
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 STORE_BYTES = 600 * 1024**2  # each node's object store: the dataset (270 MB for configs A-C) fits without spilling
+
+
+@contextlib.contextmanager
+def unpublished() -> Iterator[None]:
+    """While inside, ray.cluster_utils.Cluster neither writes nor deletes /tmp/ray/ray_current_cluster, the file
+    where `ray start` publishes a cluster for any `ray.init()` on the machine to join: a cluster started for one
+    bench or test would otherwise draw in every Ray run that starts meanwhile (a head with no CPUs: its workers
+    wait), and its shutdown would remove the address of a cluster the user started."""
+    from ray._common import utils as common
+    from ray._private import utils as private
+
+    keep = private.write_ray_address, common.reset_ray_address
+    private.write_ray_address = common.reset_ray_address = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        private.write_ray_address, common.reset_ray_address = keep
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,7 +55,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import pandas as pd
     import ray
-    from ray.cluster_utils import Cluster
+    from ray import cluster_utils
 
     from actors.pool import RayBackend
     from actors.traffic import StoreTraffic
@@ -50,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     out = tempfile.mkdtemp(prefix="fedsim-traffic-")
     cfg = make_config(w, ["runtime.backend=ray", "runtime.client_cpus=1", f"runtime.num_workers={args.nodes}",
                           "runtime.placement=spread", f"rounds={rounds}", f"results.root={out}"])
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": STORE_BYTES})
+    with unpublished():
+        cluster = cluster_utils.Cluster(initialize_head=True,
+                                        head_node_args={"num_cpus": 0, "object_store_memory": STORE_BYTES})
     try:
         for _ in range(args.nodes):
             cluster.add_node(num_cpus=1, object_store_memory=STORE_BYTES)
@@ -72,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print((table / 1e6).round(3).rename(columns=lambda c: f"{c} (MB)").to_string())
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        with unpublished():
+            cluster.shutdown()
     return 0
 
 

@@ -16,6 +16,7 @@ import torch
 
 from actors.pool import RayBackend
 from actors.traffic import StoreTraffic
+from bench.multinode_traffic import unpublished
 from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import ResourceError
 from fedsim.results import load
@@ -43,12 +44,14 @@ def cluster():
 
     was_up = ray.is_initialized()
     ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                     "_system_config": FAST_NODE_DEATH})
+    with unpublished():  # a run that another test process starts meanwhile must not join this cluster
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                         "_system_config": FAST_NODE_DEATH})
     ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
     yield c
     ray.shutdown()
-    c.shutdown()
+    with unpublished():
+        c.shutdown()
     if was_up:
         start_local_ray()
 
@@ -67,6 +70,9 @@ def node_of(c, node_id: str):
 
 
 def test_spread_and_pack_place_workers_by_node_and_match_one_process(cluster, make_config):
+    from ray._private.utils import read_ray_address
+
+    assert read_ray_address() != cluster.address  # not published: no other process's `ray.init()` joins it
     nodes = worker_nodes(cluster, 3)
     ids = {n.node_id for n in nodes}
     base = ["runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.client_gpus=1", "runtime.num_workers=3",
@@ -100,6 +106,19 @@ def test_spread_and_pack_place_workers_by_node_and_match_one_process(cluster, ma
     on_workers = moved[moved["node"].isin(ids)]
     assert (on_workers.query("stage == 'start'")["bytes"] >= dataset).all()
     assert (on_workers.query("stage != 'start'")["bytes"] < dataset / 2).all()
+
+
+def test_a_cluster_kept_unpublished_neither_writes_nor_removes_the_machines_address_file(tmp_path):
+    from ray._common import utils as common
+    from ray._private import utils as private
+
+    (tmp_path / "ray_current_cluster").write_text("10.0.0.1:6379")  # a cluster the user started
+    with unpublished():
+        private.write_ray_address("10.0.0.2:6379", str(tmp_path))
+        common.reset_ray_address(str(tmp_path))
+    assert private.read_ray_address(str(tmp_path)) == "10.0.0.1:6379"
+    common.reset_ray_address(str(tmp_path))  # Ray's own again after
+    assert private.read_ray_address(str(tmp_path)) is None
 
 
 def _states_equal(a, b) -> bool:
