@@ -312,9 +312,9 @@ def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
 def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
     from jobs.sweep import FINISHED, run_sweep
 
-    # the second run trains 60x longer: two one-epoch runs finished 0.1 s apart (the trial's process is reused),
-    # inside one poll of the loop below, so the kill could find both done
-    path = write_sweep(tmp_path, seeds=[0], grid={"train.epochs": [1, 60]})
+    # the second run trains 15x longer (seconds, against the loop's 0.05 s poll): two one-epoch runs finished 0.1 s
+    # apart (the trial's process is reused), inside one poll of the loop below, so the kill could find both done
+    path = write_sweep(tmp_path, seeds=[0], grid={"train.epochs": [1, 15]})
     out = tmp_path / "out"
     with pytest.raises(ConfigError, match="holds no sweep to resume"):
         run_sweep(path, out_dir=str(out), resume=True)
