@@ -86,8 +86,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "train.epochs=40",
-                      "participation.clients_per_round=10", rounds=3)
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "participation.clients_per_round=10", rounds=3)
     backend = RayBackend(num_workers=2)
     original = backend.run_phase
     killed = {}
