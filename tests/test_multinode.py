@@ -156,7 +156,7 @@ class KeepCheckpoints(Callback):
 def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
     nodes = worker_nodes(cluster, 3, gpus=0)
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
-                      "runtime.placement=spread", "train.epochs=25", "train.keep_optimizer_state=true",
+                      "runtime.placement=spread", "train.epochs=6", "train.keep_optimizer_state=true",
                       "participation.clients_per_round=10", rounds=4)
     backend = RayBackend()
     original = backend.run_phase
@@ -164,13 +164,20 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
 
     def run_phase(round, *args, **kw):
         # round 1: the first node with workers goes (they start again on the others: 2 CPUs free there);
-        # round 2: a full node goes, and nothing has room left (the pool shrinks)
+        # round 2: a full node goes, and nothing has room left (the pool shrinks). The node goes once the
+        # phase has been sent to every worker (the backend's `idle` hook), while its workers train
         if round in (1, 2) and round not in removed:
             held = [p["node_id"] for i, p in enumerate(backend.placement) if backend._host[i] == i]
             victim = sorted(set(held), key=lambda n: (-held.count(n), n))[0] if round == 2 else held[0]
             removed[round] = victim
-            threading.Timer(0.5, cluster.remove_node, args=(node_of(cluster, victim),),
-                            kwargs={"allow_graceful": False}).start()
+            idle = kw.get("idle")
+
+            def sent() -> None:
+                if idle is not None:
+                    idle()
+                cluster.remove_node(node_of(cluster, victim), allow_graceful=False)
+
+            kw["idle"] = sent
         return original(round, *args, **kw)
 
     backend.run_phase = run_phase
