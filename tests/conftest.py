@@ -94,8 +94,8 @@ def together(monkeypatch) -> list[int]:
 
     calls: list[int] = []
 
-    def counted(plans):
-        out = train_together(plans)
+    def counted(plans, conv="auto"):
+        out = train_together(plans, conv)
         calls.append(len(plans))
         return out
 
