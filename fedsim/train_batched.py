@@ -9,9 +9,6 @@ and batch statistics. Clients are sorted by step count, so those still training 
 Dropout draws each client's masks from its own seed (`LocalTraining.dropout_seed`), so a client's masks do
 not depend on which clients it trains with (they differ from the sequential path's, which draws them from
 torch's global stream seeded with the same seed).
-A vmapped convolution reaches the library as one grouped convolution, a group per client, which cuDNN runs as a
-small kernel per client and layer; with `conv="matmul"` each 2-D convolution is an unfold and one batched matrix
-product instead (the same sums in another order).
 """
 
 from __future__ import annotations
@@ -79,26 +76,12 @@ class _StepInputs:
     min_count: torch.Tensor | None = None
 
 
-CONV_MODES = ("auto", "grouped", "matmul")
-
-
-def conv_mode(conv: str, device: torch.device) -> str:
-    """How a group's 2-D convolutions run: `auto` is matmul on CUDA (where cuDNN's grouped kernels are small)
-    and grouped elsewhere."""
-    if conv not in CONV_MODES:
-        raise ValueError(f"conv must be one of {', '.join(CONV_MODES)}, got {conv!r}")
-    if conv == "auto":
-        return "matmul" if device.type == "cuda" else "grouped"
-    return conv
-
-
 class _Patched:
     """Inside: the model's BatchNorm layers use masked batch statistics and return their new running buffers
-    through `io`; its dropout layers multiply by masks made from `io.noise`; with `matmul`, its plain 2-D
-    convolutions are unfolds and matrix products."""
+    through `io`; its dropout layers multiply by masks made from `io.noise`."""
 
-    def __init__(self, model: nn.Module, io: _StepInputs, matmul: bool = False) -> None:
-        self.model, self.io, self.matmul = model, io, matmul
+    def __init__(self, model: nn.Module, io: _StepInputs) -> None:
+        self.model, self.io = model, io
         self.patched: list[nn.Module] = []
 
     def __enter__(self) -> _Patched:
@@ -109,9 +92,6 @@ class _Patched:
                 self.patched.append(m)
             elif isinstance(m, nn.Dropout) and m.p > 0:
                 vars(m)["forward"] = _noise_dropout(m.p, self.io)
-                self.patched.append(m)
-            elif self.matmul and _plain_conv2d(m):
-                vars(m)["forward"] = _matmul_conv2d(m)
                 self.patched.append(m)
         return self
 
@@ -145,28 +125,6 @@ def _masked_batchnorm(m: _BatchNorm, prefix: str, io: _StepInputs) -> Callable[[
             io.new_buffers[keys[1]] = var_old * (1 - factor) + unbiased * factor
             io.new_buffers[keys[2]] = tracked
         return out
-
-    return forward
-
-
-def _plain_conv2d(m: nn.Module) -> bool:
-    """A Conv2d that the unfold-and-multiply form computes: one group, zero padding given as numbers."""
-    return (type(m) is nn.Conv2d and m.groups == 1 and m.padding_mode == "zeros"
-            and not isinstance(m.padding, str))
-
-
-def _matmul_conv2d(m: nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
-    """m's convolution as F.unfold and a matrix product: vmapped over clients, the product is one batched GEMM
-    (reads m.weight and m.bias at call time, where functional_call has put the client's tensors)."""
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        kh, kw = m.kernel_size
-        cols = F.unfold(x, (kh, kw), dilation=m.dilation, padding=m.padding, stride=m.stride)
-        out = m.weight.reshape(m.out_channels, -1) @ cols
-        if m.bias is not None:
-            out = out + m.bias.view(1, -1, 1)
-        size = [(x.shape[d + 2] + 2 * m.padding[d] - m.dilation[d] * (m.kernel_size[d] - 1) - 1) // m.stride[d] + 1
-                for d in range(2)]
-        return out.view(x.shape[0], m.out_channels, *size)
 
     return forward
 
@@ -256,10 +214,10 @@ def _loaded_momentum(plan: LocalTraining, trainable: list[str]) -> dict[str, tor
     return found
 
 
-def train_together(plans: Sequence[LocalTraining], conv: str = "auto") -> list[Trained]:
+def train_together(plans: Sequence[LocalTraining]) -> list[Trained]:
     """Train `plans` (one architecture: the same model instance, the same SGD settings) together; one Trained per
     plan, in order. Raises Unbatchable (or whatever torch.func raises) when they cannot be: nothing is changed
-    then, so the caller may run each plan on its own. `conv`: how 2-D convolutions run (`conv_mode`)."""
+    then, so the caller may run each plan on its own."""
     if not plans:
         return []
     model = plans[0].model
@@ -278,12 +236,11 @@ def train_together(plans: Sequence[LocalTraining], conv: str = "auto") -> list[T
     loaded = [_loaded_momentum(p, trainable) for p in plans]
     scheds = [_schedule(p, m is not None) for p, m in zip(plans, loaded)]
     order = sorted(range(len(plans)), key=lambda i: -len(scheds[i].batches))
-    matmul = conv_mode(conv, plans[0].x.device) == "matmul"
-    return _run(plans, scheds, loaded, order, trainable, keys, matmul)
+    return _run(plans, scheds, loaded, order, trainable, keys)
 
 
 def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[dict[str, torch.Tensor] | None],
-         order: list[int], trainable: list[str], keys: list[str], matmul: bool) -> list[Trained]:
+         order: list[int], trainable: list[str], keys: list[str]) -> list[Trained]:
     first = plans[0]
     model, device = first.model, first.x.device
     cfg = first.train
@@ -353,7 +310,7 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     loss_sum = torch.zeros(n, stages, dtype=torch.float64, device=device)
     too_small = torch.zeros(n, dtype=torch.bool, device=device)
     model.train()
-    with _Patched(model, io, matmul):
+    with _Patched(model, io):
         for t in range(steps):
             a, w = active[t], widths[t]
             idx = index_d[t, :a, :w]

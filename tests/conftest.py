@@ -94,8 +94,8 @@ def together(monkeypatch) -> list[int]:
 
     calls: list[int] = []
 
-    def counted(plans, conv="auto"):
-        out = train_together(plans, conv)
+    def counted(plans):
+        out = train_together(plans)
         calls.append(len(plans))
         return out
 

@@ -122,38 +122,6 @@ def test_every_clients_weights_match_one_after_another(case: str, together: list
         assert tracked == steps and steps == ([7] * 4 if "fixed" in case else [2, 4, 10, 6])
 
 
-@pytest.mark.parametrize("case", ["cnn, plain SGD", "lenet, FedProx", "resnet8 (BatchNorm), 2 epochs, weight decay"])
-def test_convolutions_as_unfold_and_matmul_match_one_after_another(case: str, together: list[int],
-                                                                   monkeypatch) -> None:
-    name, options, extra = CASES[case]
-    model = [f"model.name={name}", f"model.options={options}"]
-    unfolds: list[tuple[int, ...]] = []
-    unfold = torch.nn.functional.unfold
-
-    def counted(x, *args, **kwargs):
-        unfolds.append(tuple(x.shape))
-        return unfold(x, *args, **kwargs)
-
-    one_by_one = one_round(*make_worker("off", *model, *extra))
-    server, worker = make_worker("on", *model, *extra)
-    worker.batcher.conv = "matmul"
-    monkeypatch.setattr(torch.nn.functional, "unfold", counted)
-    assert_same_outcomes(one_by_one, one_round(server, worker))
-    assert sum(together) == len(SIZES)
-    convs = sum(isinstance(m, nn.Conv2d) for m in worker.models.get(worker.env.client_archs[0]).modules())
-    assert convs >= 2 and len(unfolds) >= convs  # every convolution of a step went through the unfold
-
-
-def test_conv_mode_is_matmul_on_cuda_only_under_auto() -> None:
-    from fedsim.train_batched import conv_mode
-
-    assert conv_mode("auto", torch.device("cuda")) == "matmul"
-    assert conv_mode("auto", torch.device("cpu")) == "grouped"
-    assert conv_mode("grouped", torch.device("cuda")) == "grouped"
-    with pytest.raises(ValueError, match="conv must be one of"):
-        conv_mode("fast", torch.device("cpu"))
-
-
 def test_kept_optimizer_state_matches_and_carries_into_the_next_round(together: list[int]) -> None:
     extra = ["train.keep_optimizer_state=true", "train.momentum=0.9", "model.name=mlp",
              "model.options={hidden: 8, layers: 1}"]

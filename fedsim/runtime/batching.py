@@ -60,7 +60,6 @@ class ClientBatcher:
         self.level = logging.INFO if mode == "auto" else logging.WARNING  # asked for explicitly: worth a warning
         self.max_clients = max(1, int(max_clients))
         self.worker_index = worker_index
-        self.conv = "auto"  # how a group's convolutions run (fedsim.train_batched.conv_mode); benches set it
         self.said: set[str] = set()
 
     def note(self, reason: str) -> None:
@@ -102,7 +101,7 @@ class ClientBatcher:
             return
         t0 = time.perf_counter()
         try:
-            trained = train_together(list(plans.values()), self.conv)
+            trained = train_together(list(plans.values()))
         except Exception as exc:
             self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             for cid, plan in plans.items():
