@@ -108,7 +108,7 @@ def table(rows: list[dict], configs: dict[str, Workload]) -> list[str]:
             spr = r.get("seconds_per_round")
             ratio = f"{spr / pfl:.2f}x" if spr and pfl else "n/a"
             out.append(f"| {shape} | {LABEL[r['system']]} | {fmt(spr, 3)} | {fmt(r.get('total_seconds'), 1)} | "
-                       f"{fmt(r.get('gpu_util_mean'), 0)} | {fmt(r.get('gpu_mem_peak_mb'), 0)} | "
+                       f"{fmt(r.get('gpu_util_mean'), 1)} | {fmt(r.get('gpu_mem_peak_mb'), 0)} | "
                        f"{fmt(r.get('final_accuracy'), 3)} | {ratio} |")
     return out
 
@@ -156,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "results" / "bench"), help="folder of gpu.json, gpu.md, gpu.csv")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per program")
+    ap.add_argument("--render", type=Path, metavar="GPU_JSON",
+                    help="run nothing: write the .md and .csv of GPU_JSON (beside it, same name) again from its runs")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        return render(args.render)
     names = [c.strip().upper() for c in args.configs.split(",") if c.strip()]
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}" for c in names if c not in CONFIGS] + [
@@ -213,10 +217,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload]) -> list[str]:
+def render(path: Path) -> int:
+    """The .md and .csv of a gpu.json (or a copy under another name) written again from its command, date and runs,
+    as the run wrote them."""
+    try:
+        data = json.loads(path.read_text())
+        rows = data.pop("runs")
+        configs: dict[str, Workload] = {}
+        for r in rows:  # the rounds that the runs ran (a failed run may not say)
+            w = configs.setdefault(r["config"], CONFIGS[r["config"]])
+            configs[r["config"]] = w.with_(rounds=int(r["R"])) if r.get("R") else w
+        write(path.parent, data, rows, configs, path.stem)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"bench.gpu_bench: error: --render {path}: not a gpu.json written by this bench "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    return 0
+
+
+def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload], stem: str = "gpu") -> list[str]:
     """gpu.json (every run's RESULT_JSON), gpu.csv (the table's columns) and gpu.md; returns the markdown lines."""
-    (out / "gpu.json").write_text(json.dumps({**meta, "runs": rows}, indent=1) + "\n")
-    with open(out / "gpu.csv", "w", newline="") as fh:
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "runs": rows}, indent=1) + "\n")
+    with open(out / f"{stem}.csv", "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=KEYS, extrasaction="ignore")
         wr.writeheader()
         wr.writerows(rows)
@@ -229,7 +251,7 @@ def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload])
              "computes in full float32 (its default `runtime.tf32: false`); the plain loop and pfl keep PyTorch's "
              "default, TF32 tensor cores for convolutions, so their accuracies may part from fedsim's.", "",
              *table(rows, configs)]
-    (out / "gpu.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return lines
 
 

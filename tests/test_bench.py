@@ -300,6 +300,32 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
     assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
 
 
+def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path, capsys):
+    """--render writes the .md and .csv of a saved gpu JSON under its own name (running nothing), with the
+    utilisation to a tenth of a percent (79.5 is not shown as 80); a file that is not one exits 2 in one line."""
+    from bench import gpu_bench
+
+    run = {"config": "P", "system": "fedsim_ray_seq", "status": "ok", "R": 12, "seconds_per_round": 0.341,
+           "total_seconds": 25.93, "gpu_util_mean": 79.5, "gpu_mem_peak_mb": 8465.0, "final_accuracy": 0.1966}
+    failed = {"config": "B", "system": "plain", "status": "timeout", "log": "gpu-logs/B-plain.log"}
+    meta = {"command": "python -m bench.gpu_bench --configs P,B", "date": "2026-11-27 13:59", "machine": "vm",
+            "cpus": 16, "gpu": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "pfl": "0.6.0", "ray": "2.60.0"}}
+    saved = tmp_path / "gpu_old.json"
+    saved.write_text(json.dumps({**meta, "runs": [run, failed]}))
+    assert gpu_bench.main(["--render", str(saved)]) == 0
+    md = (tmp_path / "gpu_old.md").read_text()
+    assert "Command: `python -m bench.gpu_bench --configs P,B`" in md and "Measured 2026-11-27 13:59 on vm" in md
+    assert "| P: N=1000, K=50, R=12, cnn, batch 10 | fedsim Ray 4 × 0.25 GPU, one after another | 0.341 | 25.9 | " \
+           "79.5 | 8465 | 0.197 | n/a |" in md
+    assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log `gpu-logs/B-plain.log`) |" in md
+    assert len((tmp_path / "gpu_old.csv").read_text().splitlines()) == 3
+    assert not (tmp_path / "gpu.md").exists()  # the saved run's own name, never the current table's
+    (tmp_path / "bad.json").write_text("{}")
+    assert gpu_bench.main(["--render", str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"bench.gpu_bench: error: --render {tmp_path / 'bad.json'}: not a gpu")
+
+
 def test_gpu_bench_rounds_apply_to_every_config_or_to_those_named():
     from bench import gpu_bench
 
