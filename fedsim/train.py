@@ -17,14 +17,12 @@ LossTerm = Callable[[nn.Module], torch.Tensor | float]
 
 
 def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer | SGD:
-    """The optimizer the config names, over `params` (SGD on CPU is fedsim's equal of torch.optim's: see optim)."""
+    """The optimizer the config names, over `params` (SGD is fedsim's equal of torch.optim's: see fedsim.optim)."""
     lr = train.lr if lr is None else lr
     params = list(params)
     if train.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, weight_decay=train.weight_decay)
-    if all(p.device.type == "cpu" for p in params):
-        return SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
+    return SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
 @contextmanager

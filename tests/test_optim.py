@@ -1,4 +1,5 @@
-"""fedsim's CPU SGD against torch.optim.SGD: the same parameters, bit for bit, and interchangeable state."""
+"""fedsim's SGD against torch.optim.SGD: the same parameters, bit for bit, with per-tensor and multi-tensor
+(`foreach`, a GPU's default) steps, and interchangeable state."""
 
 from __future__ import annotations
 
@@ -30,23 +31,25 @@ KW = [dict(lr=0.1), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, wei
       dict(lr=0.05, momentum=0.5, dampening=0.3), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)]
 
 
+@pytest.mark.parametrize("ours", [False, True], ids=["ours per tensor", "ours multi-tensor"])
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("kw", KW)
-def test_sgd_equals_torch_sgd_bit_for_bit(kw, foreach):
+def test_sgd_equals_torch_sgd_bit_for_bit(kw, foreach, ours):
     a, b = _model(), _model()
-    _steps(a, SGD(a.parameters(), **kw), 7)
+    _steps(a, SGD(a.parameters(), foreach=ours, **kw), 7)
     _steps(b, torch.optim.SGD(b.parameters(), foreach=foreach, **kw), 7)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
 
 
-def test_sgd_leaves_a_parameter_without_gradient_and_the_gradients_alone():
+@pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])
+def test_sgd_leaves_a_parameter_without_gradient_and_the_gradients_alone(ours):
     kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
     a, b = _model(), _model()
     for m in (a, b):
         m[0].bias.requires_grad_(False)  # never trained
-    opt_a, opt_b = SGD(a.parameters(), **kw), torch.optim.SGD(b.parameters(), foreach=False, **kw)
+    opt_a, opt_b = SGD(a.parameters(), foreach=ours, **kw), torch.optim.SGD(b.parameters(), foreach=False, **kw)
     frozen = a[2].bias.detach().clone()
     for step in range(4):
         for m, opt in ((a, opt_a), (b, opt_b)):
@@ -86,6 +89,28 @@ def test_saved_state_resumes_across_the_two_optimizers(ours_first):
         assert all(torch.equal(saved["state"][i]["momentum_buffer"], kept[i]) for i in kept)
 
 
+def test_multi_tensor_steps_are_the_default_on_a_gpu_only():
+    assert SGD(_model().parameters(), lr=0.1).foreach is False  # CPU: per tensor (torch.optim's CPU default too)
+    assert SGD([], lr=0.1).foreach is False
+    if torch.cuda.is_available():
+        assert SGD(_model().cuda().parameters(), lr=0.1).foreach is True
+
+
+def test_a_float64_parameter_beside_float32_ones_steps_in_its_own_group():
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+    a, b = _model(), _model()
+    a[2].double(), b[2].double()  # multi-tensor operations take one dtype at a time
+    for m, opt in ((a, SGD(a.parameters(), foreach=True, **kw)), (b, torch.optim.SGD(b.parameters(), foreach=False,
+                                                                                        **kw))):
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            m[2](m[1](m[0](x)).double()).sum().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert pa.dtype == pb.dtype and torch.equal(pa, pb)
+
+
 def test_load_state_dict_rejects_another_models_state():
     opt = SGD(_model().parameters(), lr=0.1, momentum=0.9)
     other = torch.nn.Linear(2, 2)
@@ -93,7 +118,7 @@ def test_load_state_dict_rejects_another_models_state():
         opt.load_state_dict(torch.optim.SGD(other.parameters(), lr=0.1).state_dict())
 
 
-def test_cpu_training_never_imports_the_compiler():
+def test_sgd_training_never_imports_the_compiler():
     code = ("import sys, torch\nfrom fedsim.config import TrainConfig\nfrom fedsim.train import make_optimizer\n"
             "m = torch.nn.Linear(3, 2)\nopt = make_optimizer(m.parameters(), TrainConfig(momentum=0.9))\n"
             "m(torch.ones(1, 3)).sum().backward()\nopt.step()\nprint('torch._dynamo' in sys.modules)")
