@@ -65,22 +65,23 @@ class SGD:
                 groups.setdefault((p.device, p.dtype), []).append(i)
         for ids in groups.values():
             params = [self.params[i] for i in ids]
-            grads = [self.params[i].grad for i in ids]
-            d = torch._foreach_add(grads, params, alpha=decay) if decay != 0 else grads
+            grads = [p.grad for p in params if p.grad is not None]  # all of them: grouped by having one
+            d = list(torch._foreach_add(grads, params, alpha=decay)) if decay != 0 else grads
             if momentum != 0:
-                if all(self._buffers[i] is not None for i in ids):
-                    bufs = [self._buffers[i] for i in ids]
+                bufs = [b for b in (self._buffers[i] for i in ids) if b is not None]
+                if len(bufs) == len(ids):
                     torch._foreach_mul_(bufs, momentum)
                     torch._foreach_add_(bufs, d, alpha=1 - dampening)
                 else:  # a buffer starts as a copy of its first step's direction
-                    for i, di in zip(ids, d):
+                    bufs = []
+                    for i, di in zip(ids, d, strict=True):
                         buf = self._buffers[i]
                         if buf is None:
-                            self._buffers[i] = torch.clone(di).detach()
+                            buf = self._buffers[i] = torch.clone(di).detach()
                         else:
                             buf.mul_(momentum).add_(di, alpha=1 - dampening)
-                    bufs = [self._buffers[i] for i in ids]
-                d = torch._foreach_add(d, bufs, alpha=momentum) if g["nesterov"] else bufs
+                        bufs.append(buf)
+                d = list(torch._foreach_add(d, bufs, alpha=momentum)) if g["nesterov"] else bufs
             torch._foreach_add_(params, d, alpha=-lr)
 
     def state_dict(self) -> dict:

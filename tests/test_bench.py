@@ -309,7 +309,8 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
            "total_seconds": 25.93, "gpu_util_mean": 79.5, "gpu_mem_peak_mb": 8465.0, "final_accuracy": 0.1966}
     failed = {"config": "B", "system": "plain", "status": "timeout", "log": "gpu-logs/B-plain.log"}
     meta = {"command": "python -m bench.gpu_bench --configs P,B", "date": "2026-11-27 13:59", "machine": "vm",
-            "cpus": 16, "gpu": "NVIDIA H100 80GB HBM3", "versions": {"torch": "2.11.0", "pfl": "0.6.0", "ray": "2.60.0"}}
+            "cpus": 16, "gpu": "NVIDIA H100 80GB HBM3",
+            "versions": {"torch": "2.11.0", "pfl": "0.6.0", "ray": "2.60.0"}}
     saved = tmp_path / "gpu_old.json"
     saved.write_text(json.dumps({**meta, "runs": [run, failed]}))
     assert gpu_bench.main(["--render", str(saved)]) == 0
@@ -317,7 +318,8 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
     assert "Command: `python -m bench.gpu_bench --configs P,B`" in md and "Measured 2026-11-27 13:59 on vm" in md
     assert "| P: N=1000, K=50, R=12, cnn, batch 10 | fedsim Ray 4 × 0.25 GPU, one after another | 0.341 | 25.9 | " \
            "79.5 | 8465 | 0.197 | n/a |" in md
-    assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log `gpu-logs/B-plain.log`) |" in md
+    assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log " \
+           "`gpu-logs/B-plain.log`) |" in md
     assert len((tmp_path / "gpu_old.csv").read_text().splitlines()) == 3
     assert not (tmp_path / "gpu.md").exists()  # the saved run's own name, never the current table's
     (tmp_path / "bad.json").write_text("{}")
