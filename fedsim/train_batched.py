@@ -1,7 +1,8 @@
 """Local training of many same-architecture clients together: one vmapped SGD step for all of them.
 
-On a GPU one small client's step leaves the device mostly idle; stacking the clients' weights and taking
-per-client gradients with torch.func (vmap over grad over functional_call) gives it one large step instead.
+On a GPU one small client's step leaves the device mostly idle; stacking the clients' weights, computing their
+losses with torch.func.vmap over functional_call and their gradients by one backward pass of the losses' sum
+gives it one large step instead.
 The update is the sequential one (fedsim.local_training.LocalTraining.run) to float rounding: every client
 keeps its own batch order (drawn from its own generator by batch_indices), momentum, weight decay, proximal
 term and BatchNorm statistics. A client's partial last batch is padded and the padding masked out of its loss
@@ -252,9 +253,9 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     def stack(name: str) -> torch.Tensor:
         starts = [plans[i].start[name] for i in order]
         if all(t is starts[0] for t in starts):  # one broadcast for all (FedAvg's global model): one copy to the device
-            one = starts[0].to(device)
+            one = starts[0].detach().to(device)
             return one.unsqueeze(0).expand(n, *one.shape).clone(memory_format=torch.contiguous_format)
-        return torch.stack([t.to(device) for t in starts])
+        return torch.stack([t.detach().to(device) for t in starts])
 
     params = {k: stack(k) for k in trainable}
     buffers = {k: stack(k) for k in keys if k not in params}
@@ -295,7 +296,7 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     gens = [torch.Generator(device=device).manual_seed(plans[i].dropout_seed) for i in order] if shapes else []
 
     def client_loss(p: dict, b: dict, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor, noise: list,
-                    a: dict) -> tuple[torch.Tensor, tuple]:
+                    a: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         io.mask, io.noise, io.new_buffers, io.min_count = m, list(noise), {}, None
         logits = torch.func.functional_call(model, {**p, **b}, (x,))
         if clip is not None:
@@ -304,13 +305,17 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
         if mu > 0:
             loss = loss + 0.5 * mu * sum(((p[k] - a[k]) ** 2).sum() for k in p)
         low = io.min_count if io.min_count is not None else m.sum() + 2
-        return loss, (loss.detach(), dict(io.new_buffers), low)
+        return loss, dict(io.new_buffers), low
 
-    step = torch.func.vmap(torch.func.grad(client_loss, has_aux=True), randomness="error")
+    # the clients' losses vmapped, their gradients by one backward pass of their sum: each client's weights reach
+    # only its own loss, so that is every client's gradient (torch.func.grad would import PyTorch's compiler)
+    forward = torch.func.vmap(client_loss, randomness="error")
+    for v in params.values():
+        v.requires_grad_(True)
     loss_sum = torch.zeros(n, stages, dtype=torch.float64, device=device)
     too_small = torch.zeros(n, dtype=torch.bool, device=device)
     model.train()
-    with _Patched(model, io):
+    with _Patched(model, io), torch.enable_grad():
         for t in range(steps):
             a, w = active[t], widths[t]
             idx = index_d[t, :a, :w]
@@ -318,9 +323,11 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
             flat = torch.where(valid, idx, idx[:, :1])
             xb, yb, mb = x_all[flat], y_all[flat], valid.to(x_all.dtype if x_all.is_floating_point() else torch.float32)
             noise = _noise(gens[:a], shapes, lengths[t, :a].tolist(), w, device) if shapes else []
-            grads, (loss, new, low) = step({n_: v[:a] for n_, v in params.items()},
-                                           {n_: v[:a] for n_, v in buffers.items()}, xb, yb, mb, noise,
-                                           {n_: v[:a] for n_, v in anchor.items()})
+            active_params = {n_: v[:a] for n_, v in params.items()}
+            loss, new, low = forward(active_params, {n_: v[:a] for n_, v in buffers.items()}, xb, yb, mb, noise,
+                                     {n_: v[:a] for n_, v in anchor.items()})
+            grads = dict(zip(active_params, torch.autograd.grad(loss.sum(), list(active_params.values()))))
+            loss = loss.detach()
             _sgd_step(params, grads, mom, fresh_d[t, :a], a, lr, momentum, decay)
             with torch.no_grad():
                 for name, v in new.items():
@@ -328,6 +335,8 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
                 rows = torch.arange(a, device=device)
                 loss_sum.index_put_((rows, stage_d[t, :a]), loss.double() * lengths_d[t, :a], accumulate=True)
                 too_small[:a] |= low <= 1
+    for v in params.values():
+        v.requires_grad_(False)
     finite = _finite_rows([*params.values(), *buffers.values()], n)
     return _collect(plans, scheds, loaded, order, params, buffers, mom, loss_sum.cpu(), too_small.cpu(), finite)
 

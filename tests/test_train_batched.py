@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -22,6 +24,7 @@ from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientOutcome, ClientWorker
 from fedsim.train_batched import train_together, unbatchable_reason
+from tests.conftest import ROOT
 
 DEVICE = os.environ.get("FEDSIM_TEST_DEVICE", "cpu")  # "cuda" runs these comparisons on a GPU (where one is lent)
 SIZES = (7, 13, 40, 21)  # with batch 8: 1, 2, 5 and 3 steps an epoch, three of them ending in a partial batch
@@ -266,3 +269,15 @@ def test_the_group_finiteness_check_names_exactly_the_clients_with_a_non_finite_
     counts = torch.tensor([1, 2, 3, 4])
     assert _finite_rows([big, weights, counts], 4) == [True, False, True, False]
     assert _finite_rows([counts], 4) == [True] * 4
+
+
+def test_a_batched_phase_never_imports_the_compiler() -> None:
+    """torch.func.grad imports torch._dynamo and torch._inductor (1-3 s per process, in the first round): the batched
+    trainer differentiates the vmapped losses with plain autograd instead."""
+    code = ("import sys\nfrom tests.test_train_batched import make_worker, one_round\n"
+            "outcomes = one_round(*make_worker('on', 'model.name=cnn', 'train.momentum=0.9'))\n"
+            "assert all(o.status == 'ok' for o in outcomes), outcomes\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
