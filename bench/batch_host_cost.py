@@ -1,12 +1,14 @@
 """The host's cost of training clients together, where the clients' compute is negligible: on a GPU a batched
 phase of small clients waits on this Python side, not on the device (C's batched round kept an H100 8% busy).
 
-    python -m bench.batch_host_cost [--clients 100] [--phases 8]
+    python -m bench.batch_host_cost [--clients 100] [--phases 8] [--model mlp|cnn|resnet8]
 
-One worker in this process, on the CPU, with `--clients` clients of 2 to 19 samples (1×4×4 inputs) and an MLP
-with one hidden layer of 8 units, `runtime.batch_clients: on`. After a warm-up phase it runs `--phases` FedAvg
-phases and prints RESULT_JSON with the medians, in milliseconds, of the phase and of its `train_together` call
-(the batched trainer: schedules, stacking, the vmapped steps, the clients' weights handed back).
+One worker in this process, on the CPU, with `--clients` clients of 2 to 19 samples and `runtime.batch_clients:
+on`: by default an MLP with one hidden layer of 8 units on 1×4×4 inputs; `cnn` or `resnet8` on 3×8×8 inputs.
+After a first phase (timed alone: it includes whatever the process imports or builds on first use) it runs
+`--phases` FedAvg phases and prints RESULT_JSON with the first phase and the medians of the later phases and of
+their `train_together` calls (the batched trainer: schedules, stacking, the vmapped steps, the clients' weights
+handed back), in milliseconds.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.batch_host_cost", description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--phases", type=int, default=8)
+    ap.add_argument("--model", choices=("mlp", "cnn", "resnet8"), default="mlp")
     args = ap.parse_args(argv)
     if args.clients < 1 or args.phases < 1:
         print("batch_host_cost: error: --clients and --phases must be at least 1", file=sys.stderr)
@@ -42,14 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     sizes = rng.integers(2, 20, args.clients)
     bounds = np.cumsum([0, *sizes])
-    x = rng.normal(size=(int(bounds[-1]), 1, 4, 4)).astype(np.float32)
+    shape = (1, 4, 4) if args.model == "mlp" else (3, 8, 8)
+    x = rng.normal(size=(int(bounds[-1]), *shape)).astype(np.float32)
     y = (np.arange(len(x)) % 10).astype(np.int64)
     arrays = {"x_train": x, "y_train": y, "x_test": x[:100], "y_test": y[:100]}
     part = Partition(Ragged.from_list([np.arange(bounds[i], bounds[i + 1]) for i in range(args.clients)]),
                      Ragged.from_list([np.array([], int)] * args.clients), None)
-    meta = {"num_classes": 10, "mean": (0.0,), "std": (1.0,)}
+    meta = {"num_classes": 10, "mean": (0.0,) * shape[0], "std": (1.0,) * shape[0]}
+    model = ["model.name=mlp", "model.options={hidden: 8, layers: 1}"] if args.model == "mlp" else [
+        f"model.name={args.model}"]
     cfg = load_config(None, [f"data.num_clients={args.clients}", "train.batch_size=8", "train.lr=0.05",
-                             "model.name=mlp", "model.options={hidden: 8, layers: 1}", "runtime.batch_clients=on",
+                             *model, "runtime.batch_clients=on",
                              f"runtime.batch_clients_max={args.clients}"])
     server, worker = Server(cfg, arrays, part, meta, device="cpu"), ClientWorker(cfg, arrays, part, meta, 0, "cpu")
     together: list[float] = []
@@ -74,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             phases.append(time.perf_counter() - t0)
     finally:
         batching.train_together = trainer
-    emit_result({"clients": args.clients, "phases": args.phases,
+    emit_result({"clients": args.clients, "phases": args.phases, "model": args.model,
+                 "first_phase_ms": round(phases[0] * 1e3, 2),
                  "phase_ms": round(statistics.median(phases[1:]) * 1e3, 2),
                  "train_together_ms": round(statistics.median(together[1:]) * 1e3, 2)})
     return 0
