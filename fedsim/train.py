@@ -50,7 +50,8 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
         return
     done = 0
     while True:
-        perm = torch.randperm(n, generator=generator).to(device)
+        # non_blocking: a blocking copy to a GPU waits for the GPU's queue; this one waits only for the staging
+        perm = torch.randperm(n, generator=generator).to(device, non_blocking=True)
         for start in range(0, n, batch_size):
             yield perm[start:start + batch_size]
             done += 1

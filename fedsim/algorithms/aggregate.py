@@ -21,9 +21,10 @@ WEIGHT_KEY = "__weight__"
 
 
 def as_summable(arch: str, state: Mapping[str, torch.Tensor]) -> State:
-    """Prefix keys with the architecture and add a weight counter, so one sum serves every architecture."""
+    """Prefix keys with the architecture and add a weight counter, so one sum serves every architecture. The
+    counter lies where the state does: a GPU worker's sum then copies no CPU tensor, which would wait for the GPU."""
     out = {f"{arch}/{k}": v for k, v in state.items()}
-    out[f"{arch}/{WEIGHT_KEY}"] = torch.ones(())
+    out[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), device=next(iter(state.values())).device if state else None)
     return out
 
 

@@ -132,3 +132,12 @@ def test_a_misfit_upload_fails_its_client_and_the_round_goes_on() -> None:
     assert [o.status for o in reply.outcomes] == ["ok", "failed", "ok"]
     assert "AggregationError" in str(reply.outcomes[1].error) and "client 1" in str(reply.outcomes[1].error)
     assert reply.summed.count == 2 and reply.summed.weight == 6.0
+
+
+def test_the_weight_counter_lies_where_the_state_does():
+    """On a GPU worker the counter is a GPU tensor, so adding an upload to the worker's sum copies nothing from the
+    CPU (a blocking copy that would wait for the GPU's queue); the meta device stands in for the GPU here."""
+    on_meta = as_summable("a", {"w": torch.empty(3, device="meta"), "b": torch.empty(2, device="meta")})
+    assert on_meta["a/__weight__"].device.type == "meta" and on_meta["a/__weight__"].shape == ()
+    assert as_summable("a", {"w": torch.ones(3)})["a/__weight__"].device.type == "cpu"
+    assert torch.equal(as_summable("a", {})["a/__weight__"], torch.ones(()))
