@@ -47,8 +47,9 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[st
         model.load_state_dict(state)
         return model.state_dict()
     with torch.no_grad():
-        for k, t in own.items():
-            t.copy_(state[k])
+        for k, t in own.items():  # CPU weights into a GPU model: staged at once, without waiting for the GPU
+            v = state[k]
+            t.copy_(v, non_blocking=t.device.type == "cuda" and v.device.type == "cpu")
     return own
 
 

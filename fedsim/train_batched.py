@@ -250,12 +250,13 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     steps = len(scheds[order[0]].batches)
     stages = max(len(p.stages) for p in plans)
 
+    # non_blocking: a blocking copy from the CPU to a GPU waits for the GPU's queue; these are staged at once
     def stack(name: str) -> torch.Tensor:
         starts = [plans[i].start[name] for i in order]
         if all(t is starts[0] for t in starts):  # one broadcast for all (FedAvg's global model): one copy to the device
-            one = starts[0].detach().to(device)
+            one = starts[0].detach().to(device, non_blocking=True)
             return one.unsqueeze(0).expand(n, *one.shape).clone(memory_format=torch.contiguous_format)
-        return torch.stack([t.detach().to(device) for t in starts])
+        return torch.stack([t.detach().to(device, non_blocking=True) for t in starts])
 
     params = {k: stack(k) for k in trainable}
     buffers = {k: stack(k) for k in keys if k not in params}
@@ -288,8 +289,9 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     active = (lengths_np > 0).sum(1).tolist()
     widths = lengths_np.max(1).tolist()
     lengths = torch.from_numpy(lengths_np)
-    index_d, fresh_d, stage_d = (torch.from_numpy(a).to(device) for a in (index_np, fresh_np, stage_np))
-    lengths_d = lengths.to(device=device, dtype=torch.float64)
+    index_d, fresh_d, stage_d = (torch.from_numpy(a).to(device, non_blocking=True)
+                                 for a in (index_np, fresh_np, stage_np))
+    lengths_d = lengths.to(device=device, dtype=torch.float64, non_blocking=True)
 
     io = _StepInputs()
     shapes = _dropout_shapes(model, x_all[:1]) if steps else []
