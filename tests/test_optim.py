@@ -111,6 +111,23 @@ def test_a_float64_parameter_beside_float32_ones_steps_in_its_own_group():
         assert pa.dtype == pb.dtype and torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.05, momentum=0.9)])
+def test_sparse_gradients_step_as_in_torch_sgd_with_multi_tensor_steps(kw):
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+
+    a, b = model(), model()
+    for m, opt in ((a, SGD(a.parameters(), foreach=True, **kw)), (b, torch.optim.SGD(b.parameters(), **kw))):
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            m(torch.tensor([[step, step + 1], [3, 4]])).sum().backward()
+            opt.step()
+    assert a[0].weight.grad.is_sparse
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
 def test_load_state_dict_rejects_another_models_state():
     opt = SGD(_model().parameters(), lr=0.1, momentum=0.9)
     other = torch.nn.Linear(2, 2)
