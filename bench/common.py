@@ -463,6 +463,7 @@ class GpuSampler(threading.Thread):
         super().__init__(daemon=True)
         self.interval = interval
         self.samples: list[tuple[float, int, int]] = []  # (time.time(), utilisation %, used bytes)
+        self.raw: dict[int, int] = {}  # NVML's own sample buffer: its CPU time stamp (µs) -> utilisation %
         self._halt = threading.Event()
         self._nvml = None
         self._handle = None
@@ -489,7 +490,21 @@ class GpuSampler(threading.Thread):
             except Exception:
                 return
             self.samples.append((time.time(), int(util), int(used)))
+            self._read_raw()
             self._halt.wait(self.interval)
+
+    def _read_raw(self) -> None:
+        """Append NVML's buffered utilisation samples newer than the last one read. Each covers a period far
+        shorter than nvmlDeviceGetUtilizationRates' trailing one (up to 1 s), which smears a slow first round
+        into the steady window's first readings; none where the driver keeps no such buffer."""
+        try:
+            last = max(self.raw, default=0)
+            _, found = self._nvml.nvmlDeviceGetSamples(self._handle, self._nvml.NVML_GPU_UTILIZATION_SAMPLES, last)
+        except Exception:  # no new sample since `last` (NVML_ERROR_NOT_FOUND), or no such buffer on this driver
+            return
+        for sample in found:
+            if sample.timeStamp > last:
+                self.raw[int(sample.timeStamp)] = int(sample.sampleValue.uiVal)
 
     def stop(self) -> None:
         self._halt.set()
@@ -497,14 +512,19 @@ class GpuSampler(threading.Thread):
             self.join(timeout=5)
 
     def fields(self, t0: float | None, t1: float | None) -> dict:
-        """Mean utilisation over the wall-clock window [t0, t1] (the steady rounds) and peak memory over the run;
-        empty without samples."""
+        """Mean utilisation over the wall-clock window [t0, t1] (the steady rounds), by the polled readings and, where
+        the driver buffers them, by NVML's own samples; peak memory over the run; empty without samples."""
         if not self.samples:
             return {}
         inside = [u for t, u, _ in self.samples if t0 is not None and t1 is not None and t0 <= t <= t1]
-        return {"gpu_util_mean": round(float(np.mean(inside)), 1) if inside else None,
-                "gpu_util_samples": len(inside),
-                "gpu_mem_peak_mb": round(max(m for _, _, m in self.samples) / 2**20, 1)}
+        out = {"gpu_util_mean": round(float(np.mean(inside)), 1) if inside else None,
+               "gpu_util_samples": len(inside),
+               "gpu_mem_peak_mb": round(max(m for _, _, m in self.samples) / 2**20, 1)}
+        if self.raw:
+            raw = [u for t, u in self.raw.items() if t0 is not None and t1 is not None and t0 <= t / 1e6 <= t1]
+            out.update({"gpu_util_raw_mean": round(float(np.mean(raw)), 1) if raw else None,
+                        "gpu_util_raw_samples": len(raw)})
+        return out
 
 
 def steady_window(round_end_wall: list[float]) -> tuple[float | None, float | None]:

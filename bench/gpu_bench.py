@@ -49,7 +49,7 @@ LABEL = {"plain": "plain loop", "pfl": "pfl, 1 process", "pfl_2proc": "pfl, 2 pr
          "fedsim_ray_seq": "fedsim Ray 4 × 0.25 GPU, one after another",
          "fedsim_ray_batched": "fedsim Ray 4 × 0.25 GPU, batched"}
 KEYS = ["config", "system", "status", "total_seconds", "startup_seconds", "seconds_per_round", "gpu_util_mean",
-        "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
+        "gpu_util_raw_mean", "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
 
 
 def command(system: str, folder: Path, python: str, device: str, runs: Path) -> list[str]:
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {**res, "config": name, "system": system, "log": str(log_path.relative_to(out))}
             rows.append(row)
             print(f"[gpu] {name} {system}: {res['status']}, {res.get('seconds_per_round')} s/round, total "
-                  f"{res.get('total_seconds')} s, GPU {res.get('gpu_util_mean')} %, acc {res.get('final_accuracy')}",
+                  f"{res.get('total_seconds')} s, GPU {res.get('gpu_util_mean')} % (NVML's buffer: "
+                  f"{res.get('gpu_util_raw_mean')} %), acc {res.get('final_accuracy')}",
                   flush=True)
             write(out, meta, rows, configs)  # after every run: a run cut short still leaves the earlier ones
     lines = write(out, meta, rows, configs)

@@ -271,6 +271,43 @@ def test_gpu_sampler_averages_over_the_steady_window_and_is_idle_without_nvml(mo
     gpu.samples = []
     gpu.run()  # samples until the fake runs out of readings (an NVML error ends the thread quietly)
     assert [u for _, u, _ in gpu.samples] == [40, 90]
+    assert gpu.raw == {}  # a driver without a sample buffer: no raw fields, the polled ones as before
+
+
+def test_gpu_sampler_reads_nvml_sample_buffer_once_per_sample_and_averages_it_over_the_window(monkeypatch):
+    from types import SimpleNamespace
+
+    from bench.common import GpuSampler
+
+    def sample(stamp_s: float, util: int) -> SimpleNamespace:
+        return SimpleNamespace(timeStamp=int(stamp_s * 1e6), sampleValue=SimpleNamespace(uiVal=util))
+
+    buffer = [sample(0.9, 0), sample(1.6, 70), sample(2.0, 90), sample(2.4, 100), sample(3.6, 5)]
+    asked: list[int] = []
+
+    def get_samples(handle, kind, last_seen):
+        assert kind == 1
+        asked.append(last_seen)
+        newer = [s for s in buffer if s.timeStamp > last_seen]
+        if not newer:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return 1, newer[:2]  # the buffer hands back at most two at a time here
+
+    readings = iter([20, 30, 40, 50])
+    fake = SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: "gpu0",
+                           nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=next(readings)),
+                           nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=2**20),
+                           nvmlDeviceGetSamples=get_samples, NVML_GPU_UTILIZATION_SAMPLES=1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu = GpuSampler(interval=0.0)
+    gpu.run()  # four polls, then the fake's readings run out
+    assert asked == [0, int(1.6e6), int(2.4e6), int(3.6e6)]  # each poll asks only for what is newer
+    assert sorted(gpu.raw.values()) == [0, 5, 70, 90, 100]
+    fields = gpu.fields(1.5, 2.5)
+    assert fields["gpu_util_raw_mean"] == pytest.approx((70 + 90 + 100) / 3, abs=0.05)
+    assert fields["gpu_util_raw_samples"] == 3
+    assert fields["gpu_util_mean"] is None  # the polled readings were stamped now, outside this window
 
 
 @pytest.mark.slow
@@ -438,3 +475,32 @@ def test_batch_host_cost_times_the_batched_phase_and_its_trainer(capsys):
     assert batching.train_together is train_together  # put back
     assert batch_host_cost.main(["--clients", "0"]) == 2
     assert capsys.readouterr().err.strip() == "batch_host_cost: error: --clients and --phases must be at least 1"
+
+
+def test_gpu_util_probe_summary_sets_each_reading_beside_the_true_busy_share():
+    from bench.gpu_util_probe import summarise
+
+    phases = [{"label": "idle", "t0": 0.0, "t1": 2.0, "busy_s": 0.0},
+              {"label": "busy", "t0": 2.0, "t1": 4.0, "busy_s": 1.9}]
+    # a polled reading that trails the step by about 0.6 s, and a buffer that follows it at once
+    polled = [(0.5, 0), (1.5, 0), (2.25, 0), (2.5, 20), (2.75, 60), (3.0, 95), (3.5, 95), (3.9, 95)]
+    raw = {int(t * 1e6): u for t, u in [(1.0, 0), (1.9, 0), (2.2, 95), (2.8, 95), (3.4, 95)]}
+    idle, busy = summarise(phases, polled, raw)
+    assert idle["true_util"] == 0.0 and idle["polled_mean"] == 0.0 and idle["raw_samples"] == 2
+    assert busy["true_util"] == 95.0
+    assert busy["polled_mean"] == pytest.approx((0 + 20 + 60 + 95 * 3) / 6, abs=0.05)
+    assert busy["polled_mean_after_0.5s"] == pytest.approx((20 + 60 + 95 * 3) / 5, abs=0.05)
+    assert busy["polled_mean_after_1s"] == 95.0 and busy["raw_mean"] == 95.0
+    assert busy["polled_half_step_s"] == 0.75  # first reading at or past halfway (47.5) from 0 to 95
+
+
+def test_gpu_util_probe_without_a_gpu_says_so_in_one_line(capsys):
+    import torch
+
+    from bench.gpu_util_probe import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the probe would run")
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["gpu_util_probe: error: needs a CUDA GPU (torch.cuda.is_available() is False)"]
