@@ -93,9 +93,11 @@ def _rounds_of(config: str, rounds: dict[str, int]) -> dict[str, int]:
 
 
 def table(rows: list[dict], configs: dict[str, Workload]) -> list[str]:
-    """One row per (config, system): s/round, total, GPU utilisation, memory, accuracy, and s/round against pfl's."""
-    out = ["| config | system | s/round | total s | GPU util % (steady rounds) | GPU MiB peak | final acc | "
-           "s/round vs pfl (1 process) |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    """One row per (config, system): s/round, the first round, total, GPU utilisation (polled, and NVML's own
+    buffer where the run read it), memory, accuracy, and s/round against pfl's."""
+    out = ["| config | system | s/round | first round s | total s | GPU util % (steady rounds) | "
+           "GPU util %, NVML's buffer | GPU MiB peak | final acc | s/round vs pfl (1 process) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, w in configs.items():
         here = [r for r in rows if r["config"] == name]
         pfl = next((r.get("seconds_per_round") for r in here if r["system"] == "pfl" and r["status"] == "ok"), None)
@@ -103,12 +105,14 @@ def table(rows: list[dict], configs: dict[str, Workload]) -> list[str]:
         for r in here:
             if r["status"] != "ok":
                 out.append(f"| {shape} | {LABEL[r['system']]} | failed ({r['status']}; log `{r['log']}`) |"
-                           " | | | | |")
+                           " | | | | | | |")
                 continue
             spr = r.get("seconds_per_round")
             ratio = f"{spr / pfl:.2f}x" if spr and pfl else "n/a"
-            out.append(f"| {shape} | {LABEL[r['system']]} | {fmt(spr, 3)} | {fmt(r.get('total_seconds'), 1)} | "
-                       f"{fmt(r.get('gpu_util_mean'), 1)} | {fmt(r.get('gpu_mem_peak_mb'), 0)} | "
+            first = (r.get("round_seconds") or [None])[0]
+            out.append(f"| {shape} | {LABEL[r['system']]} | {fmt(spr, 3)} | {fmt(first, 2)} | "
+                       f"{fmt(r.get('total_seconds'), 1)} | {fmt(r.get('gpu_util_mean'), 1)} | "
+                       f"{fmt(r.get('gpu_util_raw_mean'), 1)} | {fmt(r.get('gpu_mem_peak_mb'), 0)} | "
                        f"{fmt(r.get('final_accuracy'), 3)} | {ratio} |")
     return out
 
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="override the rounds: of every config (12), or of some (P=12,B=5)")
     ap.add_argument("--n-train", type=int, default=None, help="override every config's training images (smoke runs)")
     ap.add_argument("--n-test", type=int, default=None, help="override every config's test images (smoke runs)")
+    ap.add_argument("--clients-per-round", type=int, default=None,
+                    help="override every config's cohort (how much work a round gives the GPU)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu only to try the script itself")
     ap.add_argument("--python", default=sys.executable, help="the interpreter of every program")
     ap.add_argument("--out", default=str(REPO / "results" / "bench"), help="folder of gpu.json, gpu.md, gpu.csv")
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"bench.gpu_bench: error: {bad[0]}", file=sys.stderr)
         return 2
-    over = {k: v for k, v in (("n_train", args.n_train), ("n_test", args.n_test)) if v is not None}
+    over = {k: v for k, v in (("n_train", args.n_train), ("n_test", args.n_test),
+                              ("clients_per_round", args.clients_per_round)) if v is not None}
     configs = {c: CONFIGS[c].with_(**over, **_rounds_of(c, args.rounds)) for c in names}
     try:
         for w in configs.values():  # every config's knobs before anything is prepared
@@ -248,7 +255,9 @@ def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload],
              f"Measured {meta['date']} on {meta['machine']}: {meta['gpu']}, {meta['cpus']} CPUs; "
              f"torch {v.get('torch')}, pfl {v.get('pfl')}, ray {v.get('ray')}.", "",
              "s/round = mean of the rounds after the first (each round ends with the central evaluation); total = "
-             "process start to exit; GPU util = NVML's share of time a kernel ran, averaged over those rounds. fedsim "
+             "process start to exit; GPU util = NVML's share of time a kernel ran, averaged over those rounds: the "
+             "readings polled every 50 ms, and NVML's own buffered samples where the run read them (`python -m "
+             "bench.gpu_util_probe` sets both beside a known busy share). fedsim "
              "computes in full float32 (its default `runtime.tf32: false`); the plain loop and pfl keep PyTorch's "
              "default, TF32 tensor cores for convolutions, so their accuracies may part from fedsim's.", "",
              *table(rows, configs)]

@@ -319,20 +319,20 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
 
     out = tmp_path / "out"
     rc = gpu_bench.main(["--configs", "P", "--rounds", "2", "--n-train", "1000", "--n-test", "100", "--device", "cpu",
-                         "--systems", "plain,fedsim_seq,fedsim_batched", "--out", str(out), "--cache",
-                         str(tmp_path / "cache"), "--timeout", "600"])
+                         "--clients-per-round", "20", "--systems", "plain,fedsim_seq,fedsim_batched", "--out", str(out),
+                         "--cache", str(tmp_path / "cache"), "--timeout", "600"])
     assert rc == 0
     runs = json.loads((out / "gpu.json").read_text())["runs"]
     assert [r["system"] for r in runs] == ["plain", "fedsim_seq", "fedsim_batched"]
     assert [r["status"] for r in runs] == ["ok"] * 3, [r["log"] for r in runs]
     plain, seq, batched = runs
-    assert seq["final_accuracy"] == plain["final_accuracy"]  # the same math, as on the GPU (0.824 in both)
+    assert seq["final_accuracy"] == plain["final_accuracy"]  # the same math, as on the GPU
     assert abs(batched["final_accuracy"] - seq["final_accuracy"]) <= 0.02  # batched: to float rounding
     assert (seq["batch_clients"], batched["batch_clients"]) == ("False", "True")
-    assert all(r["R"] == 2 and r["K"] == 50 and r["model"] == "cnn" and r["seconds_per_round"] > 0 for r in runs)
+    assert all(r["R"] == 2 and r["K"] == 20 and r["model"] == "cnn" and r["seconds_per_round"] > 0 for r in runs)
     assert all("gpu_util_mean" not in r for r in runs)  # no GPU here: no utilisation is claimed
     md = (out / "gpu.md").read_text()
-    assert "| P: N=1000, K=50, R=2, cnn, batch 10 | fedsim local, batched |" in md
+    assert "| P: N=1000, K=20, R=2, cnn, batch 10 | fedsim local, batched |" in md
     assert len((out / "gpu.csv").read_text().splitlines()) == 4
     assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
 
@@ -343,21 +343,26 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
     from bench import gpu_bench
 
     run = {"config": "P", "system": "fedsim_ray_seq", "status": "ok", "R": 12, "seconds_per_round": 0.341,
-           "total_seconds": 25.93, "gpu_util_mean": 79.5, "gpu_mem_peak_mb": 8465.0, "final_accuracy": 0.1966}
+           "round_seconds": [1.119, 0.3], "total_seconds": 25.93, "gpu_util_mean": 79.5, "gpu_util_raw_mean": 78.94,
+           "gpu_mem_peak_mb": 8465.0, "final_accuracy": 0.1966}
+    older = {**run, "config": "C", "system": "fedsim_seq", "R": 5, "round_seconds": [6.297, 0.3]}
+    del older["gpu_util_raw_mean"]  # a run from before the sampler read NVML's buffer
     failed = {"config": "B", "system": "plain", "status": "timeout", "log": "gpu-logs/B-plain.log"}
     meta = {"command": "python -m bench.gpu_bench --configs P,B", "date": "2026-11-27 13:59", "machine": "vm",
             "cpus": 16, "gpu": "NVIDIA H100 80GB HBM3",
             "versions": {"torch": "2.11.0", "pfl": "0.6.0", "ray": "2.60.0"}}
     saved = tmp_path / "gpu_old.json"
-    saved.write_text(json.dumps({**meta, "runs": [run, failed]}))
+    saved.write_text(json.dumps({**meta, "runs": [run, failed, older]}))
     assert gpu_bench.main(["--render", str(saved)]) == 0
     md = (tmp_path / "gpu_old.md").read_text()
     assert "Command: `python -m bench.gpu_bench --configs P,B`" in md and "Measured 2026-11-27 13:59 on vm" in md
-    assert "| P: N=1000, K=50, R=12, cnn, batch 10 | fedsim Ray 4 × 0.25 GPU, one after another | 0.341 | 25.9 | " \
-           "79.5 | 8465 | 0.197 | n/a |" in md
+    assert "| P: N=1000, K=50, R=12, cnn, batch 10 | fedsim Ray 4 × 0.25 GPU, one after another | 0.341 | 1.12 | " \
+           "25.9 | 79.5 | 78.9 | 8465 | 0.197 | n/a |" in md
+    assert "| C: N=10000, K=100, R=5, mlp, batch 32 | fedsim local, one after another | 0.341 | 6.30 | 25.9 | 79.5 | " \
+           "n/a | 8465 | 0.197 | n/a |" in md
     assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log " \
            "`gpu-logs/B-plain.log`) |" in md
-    assert len((tmp_path / "gpu_old.csv").read_text().splitlines()) == 3
+    assert len((tmp_path / "gpu_old.csv").read_text().splitlines()) == 4
     assert not (tmp_path / "gpu.md").exists()  # the saved run's own name, never the current table's
     (tmp_path / "bad.json").write_text("{}")
     assert gpu_bench.main(["--render", str(tmp_path / "bad.json")]) == 2
@@ -387,9 +392,11 @@ def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(t
         assert gpu_bench.main(["--configs", "C", *common]) == 2
     assert gpu_bench.main(["--configs", "P,C", "--rounds", "P=3,Q=2", "--device", "cpu", *common]) == 2
     assert gpu_bench.main(["--configs", "P,C", "--rounds", "P=3,C=0", "--device", "cpu", *common]) == 2
+    assert gpu_bench.main(["--configs", "P", "--clients-per-round", "2000", "--device", "cpu", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2:] == ["bench.gpu_bench: error: --rounds: config 'Q' is not among --configs P,C",
-                        "bench.gpu_bench: error: --rounds: must be >= 1, got 0"]
+    assert err[-3:] == ["bench.gpu_bench: error: --rounds: config 'Q' is not among --configs P,C",
+                        "bench.gpu_bench: error: --rounds: must be >= 1, got 0",
+                        "bench.gpu_bench: error: --clients-per-round: 2000 is more than the 1000 clients"]
     for bad in ("P=x", "12,P=3"):
         with pytest.raises(SystemExit) as exc:
             gpu_bench.main(["--rounds", bad, "--device", "cpu", *common])
