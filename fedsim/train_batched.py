@@ -5,8 +5,9 @@ losses with torch.func.vmap over functional_call and their gradients by one back
 gives it one large step instead.
 The update is the sequential one (fedsim.local_training.LocalTraining.run) to float rounding: every client
 keeps its own batch order (drawn from its own generator by batch_indices), momentum, weight decay, proximal
-term and BatchNorm statistics. A client's partial last batch is padded and the padding masked out of its loss
-and batch statistics. Clients are sorted by step count, so those still training at a step are a prefix.
+term and BatchNorm statistics. Every batch is padded to the batch size (not to the group's longest batch, so a
+client's shapes are its own) and the padding masked out of its loss and batch statistics. Clients are sorted by
+step count, so those still training at a step are a prefix.
 Dropout draws each client's masks from its own seed (`LocalTraining.dropout_seed`), so a client's masks do
 not depend on which clients it trains with (they differ from the sequential path's, which draws them from
 torch's global stream seeded with the same seed).
@@ -273,7 +274,10 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     offsets = [0]
     for i in order:
         offsets.append(offsets[-1] + len(plans[i].y))
-    width = max((len(b) for s in scheds for b in s.batches), default=1)
+    # every step padded to the configured batch size, not to the group's longest batch: a client's shapes, and so
+    # its rounding, do not depend on which clients share its group (or how many workers split the cohort)
+    width = max([plans[i].stage_config(st).batch_size for i in order for st in plans[i].stages]
+                + [len(b) for s in scheds for b in s.batches] + [1])
     # filled in numpy: a torch call per client and step costs more than the group's steps on a GPU
     index_np = np.full((steps, n, width), -1, dtype=np.int64)
     fresh_np = np.zeros((steps, n), dtype=bool)
@@ -287,7 +291,7 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
             lengths_np[t, pos] = len(b)
             index_np[t, pos, :len(b)] = b.numpy() + offsets[pos]
     active = (lengths_np > 0).sum(1).tolist()
-    widths = lengths_np.max(1).tolist()
+    widths = [width] * steps
     lengths = torch.from_numpy(lengths_np)
     index_d, fresh_d, stage_d = (torch.from_numpy(a).to(device, non_blocking=True)
                                  for a in (index_np, fresh_np, stage_np))

@@ -125,6 +125,26 @@ def test_every_clients_weights_match_one_after_another(case: str, together: list
         assert tracked == steps and steps == ([7] * 4 if "fixed" in case else [2, 4, 10, 6])
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the batched matrix products round by the number of clients "
+                    "(an H100 parted every model's weights in the last bits between groups of 1 to 4)")
+def test_a_clients_weights_do_not_depend_on_which_clients_share_its_group(together: list[int]) -> None:
+    """Each step is padded to the batch size, not to the group's longest batch, so a client's shapes are its own:
+    on the CPU, for a model of linear layers, its weights are the same bits in a group of four, of three and one, of
+    two and two, and alone (a worker's group is the clients that it holds, so this keeps a batched run's numbers
+    from depending on runtime.num_workers). A convolution's weight gradient still depends on the number of groups."""
+    mlp = ["model.name=mlp", "model.options={hidden: 16, layers: 2}", "train.momentum=0.9", "train.epochs=2"]
+    runs = {}
+    for most in (4, 3, 2, 1):
+        together.clear()
+        runs[most] = {o.client_id: o.result.payload for o in one_round(*make_worker("on", *mlp,
+                                                                                  f"runtime.batch_clients_max={most}"))}
+        assert together == {4: [4], 3: [3, 1], 2: [2, 2], 1: [1, 1, 1, 1]}[most]
+    for most in (3, 2, 1):
+        for client, upload in runs[4].items():
+            for k, v in upload.items():
+                assert torch.equal(runs[most][client][k], v), (most, client, k)
+
+
 def test_kept_optimizer_state_matches_and_carries_into_the_next_round(together: list[int]) -> None:
     extra = ["train.keep_optimizer_state=true", "train.momentum=0.9", "model.name=mlp",
              "model.options={hidden: 8, layers: 1}"]
