@@ -232,9 +232,10 @@ def render(path: Path) -> int:
         data = json.loads(path.read_text())
         rows = data.pop("runs")
         configs: dict[str, Workload] = {}
-        for r in rows:  # the rounds that the runs ran (a failed run may not say)
+        for r in rows:  # the rounds and cohort that the runs ran (a failed run may not say)
             w = configs.setdefault(r["config"], CONFIGS[r["config"]])
-            configs[r["config"]] = w.with_(rounds=int(r["R"])) if r.get("R") else w
+            ran = {k: int(r[key]) for k, key in (("rounds", "R"), ("clients_per_round", "K")) if r.get(key)}
+            configs[r["config"]] = w.with_(**ran)
         write(path.parent, data, rows, configs, path.stem)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"bench.gpu_bench: error: --render {path}: not a gpu.json written by this bench "

@@ -345,7 +345,7 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
     run = {"config": "P", "system": "fedsim_ray_seq", "status": "ok", "R": 12, "seconds_per_round": 0.341,
            "round_seconds": [1.119, 0.3], "total_seconds": 25.93, "gpu_util_mean": 79.5, "gpu_util_raw_mean": 78.94,
            "gpu_mem_peak_mb": 8465.0, "final_accuracy": 0.1966}
-    older = {**run, "config": "C", "system": "fedsim_seq", "R": 5, "round_seconds": [6.297, 0.3]}
+    older = {**run, "config": "C", "system": "fedsim_seq", "R": 5, "K": 200, "round_seconds": [6.297, 0.3]}
     del older["gpu_util_raw_mean"]  # a run from before the sampler read NVML's buffer
     failed = {"config": "B", "system": "plain", "status": "timeout", "log": "gpu-logs/B-plain.log"}
     meta = {"command": "python -m bench.gpu_bench --configs P,B", "date": "2026-11-27 13:59", "machine": "vm",
@@ -358,7 +358,7 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
     assert "Command: `python -m bench.gpu_bench --configs P,B`" in md and "Measured 2026-11-27 13:59 on vm" in md
     assert "| P: N=1000, K=50, R=12, cnn, batch 10 | fedsim Ray 4 × 0.25 GPU, one after another | 0.341 | 1.12 | " \
            "25.9 | 79.5 | 78.9 | 8465 | 0.197 | n/a |" in md
-    assert "| C: N=10000, K=100, R=5, mlp, batch 32 | fedsim local, one after another | 0.341 | 6.30 | 25.9 | 79.5 | " \
+    assert "| C: N=10000, K=200, R=5, mlp, batch 32 | fedsim local, one after another | 0.341 | 6.30 | 25.9 | 79.5 | " \
            "n/a | 8465 | 0.197 | n/a |" in md
     assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log " \
            "`gpu-logs/B-plain.log`) |" in md
