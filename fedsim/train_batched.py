@@ -274,8 +274,8 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     offsets = [0]
     for i in order:
         offsets.append(offsets[-1] + len(plans[i].y))
-    # every step padded to the configured batch size, not to the group's longest batch: a client's shapes, and so
-    # its rounding, do not depend on which clients share its group (or how many workers split the cohort)
+    # every step padded to the configured batch size, not to the group's longest batch: a client's shapes do not
+    # depend on which clients share its group (what still rounds by the group: README, "Training clients together")
     width = max([plans[i].stage_config(st).batch_size for i in order for st in plans[i].stages]
                 + [len(b) for s in scheds for b in s.batches] + [1])
     # filled in numpy: a torch call per client and step costs more than the group's steps on a GPU
