@@ -293,11 +293,13 @@ def test_the_group_finiteness_check_names_exactly_the_clients_with_a_non_finite_
 
 def test_a_batched_phase_never_imports_the_compiler() -> None:
     """torch.func.grad imports torch._dynamo and torch._inductor (1-3 s per process, in the first round): the batched
-    trainer differentiates the vmapped losses with plain autograd instead."""
+    trainer differentiates the vmapped losses with plain autograd instead. A vmapped F.cross_entropy goes through a
+    decomposition that imports sympy (0.7 s of the first batched phase): the loss is a log-softmax and a gather."""
+    heavy = ('torch._dynamo', 'torch._inductor', 'sympy', 'torch.fx.experimental.symbolic_shapes')
     code = ("import sys\nfrom tests.test_train_batched import make_worker, one_round\n"
             "outcomes = one_round(*make_worker('on', 'model.name=cnn', 'train.momentum=0.9'))\n"
             "assert all(o.status == 'ok' for o in outcomes), outcomes\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
