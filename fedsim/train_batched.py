@@ -166,6 +166,8 @@ class _Schedule:
     stage: list[int]
     fresh: list[bool]  # whether the optimizer starts afresh at this step (a stage's first, unless state was loaded)
     last_stage_steps: int
+    sizes: list[int]  # each batch's length, read once (len() of a tensor is a Python call per batch)
+    widest: int  # the largest batch size its stages ask for
 
 
 def _schedule(plan: LocalTraining, loaded: bool) -> _Schedule:
@@ -174,16 +176,17 @@ def _schedule(plan: LocalTraining, loaded: bool) -> _Schedule:
     batches: list[torch.Tensor] = []
     stage: list[int] = []
     fresh: list[bool] = []
-    last = 0
+    last = widest = 0
     for s, st in enumerate(plan.stages):
         cfg = plan.stage_config(st)
+        widest = max(widest, cfg.batch_size)
         last = 0
         for idx in batch_indices(len(plan.y), cfg.batch_size, gen, cfg.epochs, cfg.steps):
             fresh.append(last == 0 and not (s == 0 and loaded))
             batches.append(idx)
             stage.append(s)
             last += 1
-    return _Schedule(batches, stage, fresh, last)
+    return _Schedule(batches, stage, fresh, last, [int(b.shape[0]) for b in batches], widest)
 
 
 def _hyper(plan: LocalTraining) -> tuple:
@@ -276,8 +279,7 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
         offsets.append(offsets[-1] + len(plans[i].y))
     # every step padded to the configured batch size, not to the group's longest batch: a client's shapes do not
     # depend on which clients share its group (what still rounds by the group: README, "Training clients together")
-    width = max([plans[i].stage_config(st).batch_size for i in order for st in plans[i].stages]
-                + [len(b) for s in scheds for b in s.batches] + [1])
+    width = max([1] + [max(s.widest, *s.sizes) if s.sizes else s.widest for s in scheds])
     # filled in numpy: a torch call per client and step costs more than the group's steps on a GPU
     index_np = np.full((steps, n, width), -1, dtype=np.int64)
     fresh_np = np.zeros((steps, n), dtype=bool)
@@ -287,9 +289,9 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
         s = scheds[i]
         fresh_np[:len(s.batches), pos] = s.fresh
         stage_np[:len(s.batches), pos] = s.stage
-        for t, b in enumerate(s.batches):
-            lengths_np[t, pos] = len(b)
-            index_np[t, pos, :len(b)] = b.numpy() + offsets[pos]
+        lengths_np[:len(s.sizes), pos] = s.sizes
+        for t, (b, size) in enumerate(zip(s.batches, s.sizes)):
+            index_np[t, pos, :size] = b.numpy() + offsets[pos]
     active = (lengths_np > 0).sum(1).tolist()
     widths = [width] * steps
     lengths = torch.from_numpy(lengths_np)
@@ -398,7 +400,7 @@ def _collect(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: li
         state = {k: (params[k] if k in params else buffers[k])[pos] for k in plan.start}
         metrics: dict[str, float] = {}
         for st_i, st in enumerate(plan.stages):
-            lens = [len(b) for b, si in zip(s.batches, s.stage) if si == st_i]
+            lens = [size for size, si in zip(s.sizes, s.stage) if si == st_i]
             total = float(loss_sum[pos, st_i])
             metrics.update({st.prefix + "train_loss": total / max(sum(lens), 1), st.prefix + "steps": float(len(lens))})
         # the last stage's buffers: stepped, or (one stage, no step) the loaded ones as they were
@@ -408,5 +410,5 @@ def _collect(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: li
         if bool(too_small[pos]):
             error = ValueError("Expected more than 1 value per channel when training: a batch of one sample "
                                "reached a BatchNorm layer")
-        out[i] = Trained(state, metrics, momentum, sum(len(b) for b in s.batches), error, finite[pos])
+        out[i] = Trained(state, metrics, momentum, sum(s.sizes), error, finite[pos])
     return [t for t in out if t is not None]
