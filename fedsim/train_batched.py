@@ -279,7 +279,7 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
         offsets.append(offsets[-1] + len(plans[i].y))
     # every step padded to the configured batch size, not to the group's longest batch: a client's shapes do not
     # depend on which clients share its group (what still rounds by the group: README, "Training clients together")
-    width = max([1] + [max(s.widest, *s.sizes) if s.sizes else s.widest for s in scheds])
+    width = max([1, *(s.widest for s in scheds)])  # batch_indices yields no batch longer than its batch size
     # filled in numpy: a torch call per client and step costs more than the group's steps on a GPU
     index_np = np.full((steps, n, width), -1, dtype=np.int64)
     fresh_np = np.zeros((steps, n), dtype=bool)
@@ -293,7 +293,6 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
         for t, (b, size) in enumerate(zip(s.batches, s.sizes)):
             index_np[t, pos, :size] = b.numpy() + offsets[pos]
     active = (lengths_np > 0).sum(1).tolist()
-    widths = [width] * steps
     lengths = torch.from_numpy(lengths_np)
     index_d, fresh_d, stage_d = (torch.from_numpy(a).to(device, non_blocking=True)
                                  for a in (index_np, fresh_np, stage_np))
@@ -328,12 +327,12 @@ def _run(plans: Sequence[LocalTraining], scheds: list[_Schedule], loaded: list[d
     model.train()
     with _Patched(model, io), torch.enable_grad():
         for t in range(steps):
-            a, w = active[t], widths[t]
-            idx = index_d[t, :a, :w]
+            a = active[t]
+            idx = index_d[t, :a]
             valid = idx >= 0
             flat = torch.where(valid, idx, idx[:, :1])
             xb, yb, mb = x_all[flat], y_all[flat], valid.to(x_all.dtype if x_all.is_floating_point() else torch.float32)
-            noise = _noise(gens[:a], shapes, lengths[t, :a].tolist(), w, device) if shapes else []
+            noise = _noise(gens[:a], shapes, lengths[t, :a].tolist(), width, device) if shapes else []
             active_params = {n_: v[:a] for n_, v in params.items()}
             loss, new, low = forward(active_params, {n_: v[:a] for n_, v in buffers.items()}, xb, yb, mb, noise,
                                      {n_: v[:a] for n_, v in anchor.items()})
