@@ -11,7 +11,7 @@ one row of a DataFrame, written as parquet and markdown with a log-log plot of t
   sampled by a thread; with `ray job submit` the cluster's daemons are not the driver's children, so the
   workers and the server are found by pid instead;
 - peak Ray object-store bytes in use; peak GPU memory per worker (nvidia-smi) where there is a GPU;
-- personal-state cache: bytes spilled to disk at the end.
+- personal-state cache: the most states (and their bytes) spilled to disk at a round's end.
 
 `--repeat N` runs the whole sweep N times, interleaved, so a busy machine slows every point alike; `--save NAME`
 also writes the table as `results/bench/stress_NAME.csv` and `.md`, from which `python -m jobs.stress_readme`
@@ -158,8 +158,9 @@ def dir_stats(path: Path) -> tuple[int, int]:
 
 
 class StressProbe(Callback):
-    """The callback that times a stress point: when its rounds start and end, its rows, and which of the processes
-    the sampler sees are workers and which the server."""
+    """The callback that times a stress point: when its rounds start and end, its rows, which of the processes
+    the sampler sees are workers and which the server, and the most client states its spill folder held at a
+    round's end (the workers remove that folder when the run ends, so it is read while the run goes on)."""
 
     def __init__(self, sampler: MemorySampler) -> None:
         self.sampler = sampler
@@ -167,8 +168,14 @@ class StressProbe(Callback):
         self.marks: list[float] = []
         self.rows: list[dict] = []
         self.clients: list[dict] = []
+        self.spill: Path | None = None
+        self.spilled_bytes = 0
+        self.spilled_files = 0
 
     def on_setup_end(self, run: RunInfo) -> None:
+        from fedsim.runtime.rundir import spill_folder
+
+        self.spill = spill_folder(run.cfg, run.run_dir)
         roles = self.sampler.roles
         roles.update({int(p["pid"]): "worker" for p in run.backend.get("placement", []) if "pid" in p})
         server_pid = int(run.backend.get("server", {}).get("pid", os.getpid()))
@@ -181,6 +188,10 @@ class StressProbe(Callback):
         self.marks.append(time.perf_counter())
         self.rows.append(rows.row)
         self.clients.extend(rows.clients)
+        if self.spill is not None:
+            size, files = dir_stats(self.spill)
+            if files >= self.spilled_files:
+                self.spilled_bytes, self.spilled_files = size, files
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
         self.sampler.sample()  # the last round's memory, before the backend goes
@@ -208,10 +219,6 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
     steady = times[1:] if len(times) > 1 else times
     first_phase = {c["phase"] for c in clients[:1]}
     computed = [c for c in clients if c["phase"] in first_phase and c["wall_s"] and c["wall_s"] > 0]
-    from fedsim.runtime.rundir import spill_folder
-
-    spill = spill_folder(cfg, run_dir)
-    spilled_bytes, spilled_files = dir_stats(spill)
     gb = 2 ** 30
     R = len(rows)
     return {
@@ -229,7 +236,7 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
         "arrived": float(np.mean([r.get("arrived", np.nan) for r in rows])) if rows else float("nan"),
         "late": float(np.mean([r.get("stragglers", np.nan) for r in rows])) if rows else float("nan"),
         "computed": len(computed) / max(R, 1),
-        "spilled_mb": spilled_bytes / 2 ** 20, "spilled_states": spilled_files,
+        "spilled_mb": probe.spilled_bytes / 2 ** 20, "spilled_states": probe.spilled_files,
         "workers": backend_workers(sampler), "processes": sampler.processes, "total_s": t_done - t_start,
         "run_dir": str(run_dir), "status": "ok",
     }

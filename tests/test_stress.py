@@ -48,6 +48,19 @@ def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path, capsys
         assert (run_dir / "checkpoints" / "config.yaml").is_file()
 
 
+def test_stress_reports_the_states_a_point_spilled_though_the_run_removes_them(tmp_path):
+    out = tmp_path / "stress"
+    code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "40", "--rounds", "3",
+                "--participants", "10", "--in-process", "--out", str(out),
+                "-o", "runtime.backend=local", "-o", "runtime.threads=1", "-o", SMALL_DATA,
+                "-o", "train.keep_optimizer_state=true", "-o", "train.momentum=0.9", "-o", "runtime.cache_bytes=1"])
+    assert code == 0
+    row = pd.read_parquet(out / "stress.parquet").iloc[0]
+    # a one-byte cache keeps no state in memory: every client that trained has its momentum on disk
+    assert row["spilled_states"] >= 10 and row["spilled_mb"] > 0
+    assert not (Path(row["run_dir"]) / "spill").exists()  # the run removed them at its end
+
+
 def test_a_stress_point_that_cannot_start_leaves_no_run_folder(tmp_path, capsys):
     out = tmp_path / "stress"
     code = cli(["stress", f"{ROOT}/configs/stress/fedavg.yaml", "--clients", "10", "--rounds", "1", "--in-process",
