@@ -471,11 +471,12 @@ def test_batch_host_cost_times_the_batched_phase_and_its_trainer(capsys):
     got = json.loads(line.removeprefix("RESULT_JSON "))
     assert got["clients"] == 6 and got["phases"] == 2 and got["model"] == "mlp"
     assert 0 < got["train_together_ms"] < got["phase_ms"]  # the trainer ran, inside the phase
+    assert got["trained_together"] == 6 * 3  # every client of every phase, the first included, trained together
     assert got["first_phase_ms"] > 0
     assert batch_host_cost.main(["--clients", "3", "--phases", "1", "--model", "cnn"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT_JSON "))
     got = json.loads(line.removeprefix("RESULT_JSON "))
-    assert got["model"] == "cnn" and 0 < got["train_together_ms"] < got["phase_ms"]
+    assert got["model"] == "cnn" and 0 < got["train_together_ms"] < got["phase_ms"] and got["trained_together"] == 3 * 2
     import fedsim.runtime.batching as batching
     from fedsim.train_batched import train_together
 

@@ -89,8 +89,21 @@ def test_saved_state_resumes_across_the_two_optimizers(ours_first):
         assert all(torch.equal(saved["state"][i]["momentum_buffer"], kept[i]) for i in kept)
 
 
+class OnGpu(torch.Tensor):
+    """A CPU tensor that reports a GPU device: the default's choice is tested without a GPU."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
 def test_multi_tensor_steps_are_the_default_on_a_gpu_only():
-    assert SGD(_model().parameters(), lr=0.1).foreach is False  # CPU: per tensor (torch.optim's CPU default too)
+    cpu = list(_model().parameters())
+    gpu = [torch.zeros(3, requires_grad=True).as_subclass(OnGpu) for _ in range(2)]
+    assert all(p.device.type == "cuda" and p.requires_grad for p in gpu)
+    assert SGD(cpu, lr=0.1).foreach is False  # CPU: per tensor (torch.optim's CPU default too)
+    assert SGD(gpu, lr=0.1).foreach is True
+    assert SGD(gpu + cpu, lr=0.1).foreach is False  # some on the CPU: per tensor
     assert SGD([], lr=0.1).foreach is False
     if torch.cuda.is_available():
         assert SGD(_model().cuda().parameters(), lr=0.1).foreach is True

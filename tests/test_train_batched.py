@@ -296,9 +296,14 @@ def test_a_batched_phase_never_imports_the_compiler() -> None:
     trainer differentiates the vmapped losses with plain autograd instead. A vmapped F.cross_entropy goes through a
     decomposition that imports sympy (0.7 s of the first batched phase): the loss is a log-softmax and a gather."""
     heavy = ('torch._dynamo', 'torch._inductor', 'sympy', 'torch.fx.experimental.symbolic_shapes')
-    code = ("import sys\nfrom tests.test_train_batched import make_worker, one_round\n"
+    code = ("import sys\nimport fedsim.runtime.batching as b\n"
+            "from tests.test_train_batched import make_worker, one_round\n"
+            "real, trained = b.train_together, []\n"
+            "def counted(plans):\n    out = real(plans)\n    trained.append(len(plans))\n    return out\n"
+            "b.train_together = counted\n"
             "outcomes = one_round(*make_worker('on', 'model.name=cnn', 'train.momentum=0.9'))\n"
             "assert all(o.status == 'ok' for o in outcomes), outcomes\n"
+            "assert trained == [len(outcomes)], trained  # trained together, not one after another\n"
             f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

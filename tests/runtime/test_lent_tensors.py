@@ -4,12 +4,14 @@ worker keeps past the client step is copied, so every client keeps its own numbe
 from __future__ import annotations
 
 from collections import namedtuple
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+import fedsim.runtime.batching as batching_module
 from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, register_algorithm
 from fedsim.algorithms.fedavg import FedAvg
 from fedsim.config import load_config
@@ -36,6 +38,17 @@ class KeepsViews(FedAvg):
                             state={"model": ctx.models.get(ctx.arch).state_dict()})
 
 
+@register_algorithm
+class UploadsViews(FedAvg):
+    """FedAvg whose uploads come one by one (reduce="each"), each a view of the worker's pooled model; its client
+    step is FedAvg's plain local training, so a worker may train its clients together."""
+
+    name = "test_uploads_views"
+
+    def phases(self, round: int) -> list[Phase]:
+        return [Phase("train", "each")]
+
+
 def make(algorithm: str, *overrides: str) -> tuple[Server, ClientWorker]:
     n = sum(SIZES)
     rng = np.random.default_rng(1)
@@ -57,17 +70,28 @@ def run(server: Server, worker: ClientWorker, ids: list[int], late: bool) -> lis
     return worker.run_phase(0, 0, phase, bc.common, bc.per_client or {}, ids, late=ids if late else None).outcomes
 
 
-@pytest.mark.parametrize("batching", ["off", "on"])
-def test_each_kept_upload_is_the_clients_own(batching: str) -> None:
+@pytest.mark.parametrize("algorithm, batching", [("test_keeps_views", "off"), ("test_uploads_views", "off"),
+                                                  ("test_uploads_views", "on")])
+def test_each_kept_upload_is_the_clients_own(algorithm: str, batching: str) -> None:
     """A reduce="each" method whose uploads view the worker's model: every upload equals the one the client makes
-    alone and shares no memory with the worker's model."""
+    alone and shares no memory with the worker's model, whether the clients trained one by one or together."""
     ids = list(range(len(SIZES)))
-    server, worker = make("test_keeps_views", f"runtime.batch_clients={batching}")
-    together = run(server, worker, ids, late=False)
+    server, worker = make(algorithm, f"runtime.batch_clients={batching}")
+    trained = []
+    real = batching_module.train_together
+
+    def counted(plans):
+        out = real(plans)
+        trained.append(len(plans))
+        return out
+
+    with mock.patch.object(batching_module, "train_together", counted):
+        together = run(server, worker, ids, late=False)
+    assert trained == ([len(ids)] if batching == "on" else [])  # "on": the phase really trained them together
     lent = worker.models.storages()
     assert lent
     for o in together:
-        alone = run(*make("test_keeps_views", f"runtime.batch_clients={batching}"), [o.client_id], False)[0]
+        alone = run(*make(algorithm, f"runtime.batch_clients={batching}"), [o.client_id], False)[0]
         assert o.status == alone.status == "ok"
         for k, v in alone.result.payload.items():
             torch.testing.assert_close(o.result.payload[k], v, rtol=1e-6, atol=1e-7)
