@@ -246,6 +246,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
         **sampler.fields(), **gpu.fields(*steady_window(clock.marks_wall)),
         **(profiler.fields if profiler is not None else {}),
         "batch_clients": str(cfg.runtime.batch_clients), "client_gpus": cfg.runtime.client_gpus,
+        "clients_batched": int(sum(r.get("clients_batched", 0) for r in rows)),  # trained together, all rounds
         "final_accuracy": round(float(rows[-1].get("accuracy", float("nan"))), 4) if rows else None,
         "final_loss": round(float(rows[-1].get("loss", float("nan"))), 4) if rows else None,
         "run_dir": str(run_dir), "pid": os.getpid(),

@@ -329,6 +329,7 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
     assert seq["final_accuracy"] == plain["final_accuracy"]  # the same math, as on the GPU
     assert abs(batched["final_accuracy"] - seq["final_accuracy"]) <= 0.02  # batched: to float rounding
     assert (seq["batch_clients"], batched["batch_clients"]) == ("False", "True")
+    assert (seq["clients_batched"], batched["clients_batched"]) == (0, 2 * 20)  # batched: every client step
     assert all(r["R"] == 2 and r["K"] == 20 and r["model"] == "cnn" and r["seconds_per_round"] > 0 for r in runs)
     assert all("gpu_util_mean" not in r for r in runs)  # no GPU here: no utilisation is claimed
     md = (out / "gpu.md").read_text()

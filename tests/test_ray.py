@@ -78,6 +78,19 @@ def test_ray_matches_local(ray_local, make_config):
     assert sorted(kept[0]) == sorted(kept[1]) == sorted(on_ray["clients"].query("status == 'ok'")["client"].unique())
 
 
+def test_ray_workers_train_clients_together_as_the_local_backend_does(ray_local, make_config):
+    """runtime.batch_clients=on on Ray: every round's client steps are trained together (rounds.parquet's
+    clients_batched counts them) and give the numbers of the local backend with as many workers."""
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.threads=1",
+                      "runtime.batch_clients=on", rounds=2)
+    on_ray = load(run(cfg, RayBackend(num_workers=2)))
+    cfg.results.run_id = None
+    local = load(run(cfg, LocalBackend(num_workers=2)))
+    assert on_ray["rounds"]["clients_batched"].tolist() == local["rounds"]["clients_batched"].tolist() == [4, 4]
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    pd.testing.assert_frame_equal(deterministic(on_ray["clients"]), deterministic(local["clients"]))
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

@@ -61,6 +61,7 @@ class ClientBatcher:
         self.max_clients = max(1, int(max_clients))
         self.worker_index = worker_index
         self.said: set[str] = set()
+        self.trained = 0  # client steps the batched trainer has run (a group that fell back one by one: none)
 
     def note(self, reason: str) -> None:
         """Log once per reason that some clients run one after another."""
@@ -108,6 +109,7 @@ class ClientBatcher:
                 yield cid, _alone(plan, seconds[cid])
             return
         elapsed = time.perf_counter() - t0
+        self.trained += len(trained)
         total = sum(t.samples for t in trained)
         for (cid, plan), t in zip(plans.items(), trained):
             t1 = time.perf_counter()

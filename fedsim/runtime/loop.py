@@ -86,6 +86,7 @@ class _RoundRecord:
     bytes_down: int = 0
     failures: int = 0
     clients_s: float = 0.0
+    batched: int = 0  # client steps the workers' batched trainer ran (runtime.batch_clients)
 
 
 @dataclass
@@ -222,7 +223,7 @@ class Simulation:
                 "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
                 "bytes_down": rec.bytes_down, "virtual_round": vround, "deadline": sch.deadline,
                 "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": rec.clients_s,
-                "wall_server_s": server_s, "wall_eval_s": eval_s, **rec.metrics}
+                "wall_server_s": server_s, "wall_eval_s": eval_s, "clients_batched": rec.batched, **rec.metrics}
         return [{**base, **row} for row in eval_rows], rec.client_rows, vround
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
@@ -240,6 +241,7 @@ class Simulation:
         replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
                                                  self.cfg.runtime.round_timeout_s, idle=self.writes.start)
         rec.clients_s += time.perf_counter() - t0
+        rec.batched += sum(int(reply.info.get("batched", 0)) for reply in replies.values())
         self.writes.start()  # for a backend that never called `idle`
 
         def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:

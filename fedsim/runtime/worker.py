@@ -148,6 +148,7 @@ class ClientWorker:
                                  env=self.env, phase_index=phase_index)
 
         outcomes: dict[int, ClientOutcome] = {}
+        batched_before = self.batcher.trained
         if self.batcher.on:  # clients trained together, settled chunk by chunk
             for cid, (res, exc, seconds) in self.batcher.run(self.algorithm, phase, ids, self.env.client_archs, (
                     lambda c: self.algorithm.local_training(phase, self.store.get(c), _merge(common, per_client, c),
@@ -170,7 +171,7 @@ class ClientWorker:
         return WorkerReply([outcomes[cid] for cid in ids], summed.to_cpu() if summed is not None else None,
                            time.perf_counter() - start,
                            info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills,
-                                 "states": len(self.store)})
+                                 "states": len(self.store), "batched": self.batcher.trained - batched_before})
 
     def _settle(self, cid: int, status: str, res: ClientResult | None, exc: BaseException | None, t0: float,
                 summed: WeightedSum | None, round: int, phase: str) -> ClientOutcome:

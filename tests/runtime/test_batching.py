@@ -47,6 +47,8 @@ def test_a_run_gives_the_same_numbers_with_batching_on_and_off(method: str, make
         assert (sum(together) > 0) == (mode == "on")
     off, on = results["off"], results["on"]
     assert (on["clients"]["status"] == "ok").sum() > 0
+    # rounds.parquet says how many client steps were trained together: every round's, and none without batching
+    assert (on["rounds"]["clients_batched"] > 0).all() and (off["rounds"]["clients_batched"] == 0).all()
     for table, keys in (("rounds", ["round", "model"]), ("clients", ["round", "phase", "client"])):
         a, b = off[table].sort_values(keys).reset_index(drop=True), on[table].sort_values(keys).reset_index(drop=True)
         exact = [c for c in a.columns if a[c].dtype == object or c in ("status", "steps", "samples", "bytes_up")]
