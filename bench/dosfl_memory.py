@@ -32,7 +32,7 @@ from bench.cli import OneLineParser
 SETTINGS = {
     # name: (model, model kwargs, input shape of real data, distilled settings, config)
     "MNIST LeNet (S_d=10, B_d=10, E_d=3, B=512)": ("lenet", {}, (1, 28, 28), dict(steps=10, batch=10, epochs=3),
-                                                   "configs/dosfl/mnist_*.yaml"),
+                                                   "configs/dosfl/mnist_*.yaml, digits_*.yaml (28×28)"),
     "MNIST LeNet, soft labels + masking p=0.1": ("lenet", {}, (1, 28, 28),
                                                  dict(steps=10, batch=10, epochs=3, soft_labels=True, mask_p=0.1),
                                                  "table1_mnist.sweep.yaml (SR, RM, SL)"),
@@ -42,8 +42,6 @@ SETTINGS = {
     "TREC-6 Bi-LSTM (L=30, D=100, S_d=5, B_d=1, E_d=10, B=512)": (
         "bilstm", {"vocab": 50002, "dim": 100}, (30,), dict(steps=5, batch=1, epochs=10, soft_labels=True),
         "configs/dosfl/trec6_bilstm.yaml"),
-    "digits LeNet 8×8 (embedded run)": ("lenet", {}, (1, 8, 8), dict(steps=10, batch=10, epochs=3),
-                                        "configs/dosfl/digits_*.yaml"),
 }
 
 
