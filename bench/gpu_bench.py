@@ -48,8 +48,8 @@ LABEL = {"plain": "plain loop", "pfl": "pfl, 1 process", "pfl_2proc": "pfl, 2 pr
          "fedsim_seq": "fedsim local, one after another", "fedsim_batched": "fedsim local, batched",
          "fedsim_ray_seq": "fedsim Ray 4 × 0.25 GPU, one after another",
          "fedsim_ray_batched": "fedsim Ray 4 × 0.25 GPU, batched"}
-KEYS = ["config", "system", "status", "total_seconds", "startup_seconds", "seconds_per_round", "gpu_util_mean",
-        "gpu_util_raw_mean", "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
+KEYS = ["config", "system", "status", "total_seconds", "startup_seconds", "seconds_per_round", "first_round_s",
+        "gpu_util_mean", "gpu_util_raw_mean", "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
 
 
 def command(system: str, folder: Path, python: str, device: str, runs: Path) -> list[str]:
@@ -250,7 +250,7 @@ def write(out: Path, meta: dict, rows: list[dict], configs: dict[str, Workload],
     with open(out / f"{stem}.csv", "w", newline="") as fh:
         wr = csv.DictWriter(fh, fieldnames=KEYS, extrasaction="ignore")
         wr.writeheader()
-        wr.writerows(rows)
+        wr.writerows({**r, "first_round_s": (r.get("round_seconds") or [None])[0]} for r in rows)
     v = meta["versions"]
     lines = ["# fedsim, pfl-research and the plain loop on one GPU", "", f"Command: `{meta['command']}`  ",
              f"Measured {meta['date']} on {meta['machine']}: {meta['gpu']}, {meta['cpus']} CPUs; "

@@ -119,7 +119,7 @@ def header(title: str, argv: list[str]) -> list[str]:
     cmd = "python -m " + " ".join(shlex.quote(a) for a in argv)
     return [f"# {title}", "", f"Command: `{cmd}`  ", f"Measured {datetime.now():%Y-%m-%d %H:%M} on {platform.node()}: "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}; 1-min load average at the start of "
-            "each run in the `load` column of the CSV.", ""]
+            "each run in the `load_before` column of the CSV.", ""]
 
 
 def write(df: pd.DataFrame, lines: list[str], stem: str) -> tuple[Path, Path]:

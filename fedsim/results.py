@@ -10,6 +10,7 @@ Timing columns measured on the wall clock end in `_s`; `virtual_*` columns are t
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 from collections.abc import Callable, Iterable
@@ -182,7 +183,8 @@ def run_meta() -> dict:
 
     return {"fedsim": fedsim.__version__, "git_sha": sha, "python": platform.python_version(),
             "torch": torch.__version__, "numpy": numpy.__version__, "ray": ray_version,
-            "platform": platform.platform(), "processor": platform.processor(),
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
             "cuda": torch.cuda.is_available(),
             "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
 

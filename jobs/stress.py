@@ -171,11 +171,13 @@ class StressProbe(Callback):
         self.spill: Path | None = None
         self.spilled_bytes = 0
         self.spilled_files = 0
+        self.on_ray = False  # whether the run's workers are Ray actors (else no worker memory or object store)
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.runtime.rundir import spill_folder
 
         self.spill = spill_folder(run.cfg, run.run_dir)
+        self.on_ray = run.backend.get("backend") != "LocalBackend"
         roles = self.sampler.roles
         roles.update({int(p["pid"]): "worker" for p in run.backend.get("placement", []) if "pid" in p})
         server_pid = int(run.backend.get("server", {}).get("pid", os.getpid()))
@@ -229,9 +231,10 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
         else float("nan"),
         "startup_s": t_loop - t_start, "round0_s": float(times[0]) if len(times) else float("nan"),
         "peak_rss_gb": sampler.peak["total"] / gb, "peak_rss_driver_gb": sampler.peak["driver"] / gb,
-        "peak_rss_workers_gb": sampler.peak["worker"] / gb,
+        # the local backend's workers are the driver process, and it has no object store: n/a, not 0
+        "peak_rss_workers_gb": sampler.peak["worker"] / gb if probe.on_ray else float("nan"),
         "peak_rss_server_gb": sampler.peak["server"] / gb if "server" in sampler.roles.values() else float("nan"),
-        "object_store_mb": sampler.object_store / 2 ** 20,
+        "object_store_mb": sampler.object_store / 2 ** 20 if probe.on_ray else float("nan"),
         "gpu_mb_per_worker": max(sampler.gpu.values()) if sampler.gpu else float("nan"),
         "arrived": float(np.mean([r.get("arrived", np.nan) for r in rows])) if rows else float("nan"),
         "late": float(np.mean([r.get("stragglers", np.nan) for r in rows])) if rows else float("nan"),

@@ -52,7 +52,8 @@ def render(df: pd.DataFrame, header: str) -> str:
             f"| {int(r['registered']):,}", f"{int(r['participants']):,}", "yes" if r["skip_late"] else "no",
             _num(r["s_per_round"], 3), f"{r['s_per_round'] / base:.2f}×", _num(r["startup_s"], 1),
             f"{_num(r['peak_rss_gb'], 2)} ({_num(r['peak_rss_driver_gb'], 2)} / {_num(r['peak_rss_workers_gb'], 2)})",
-            _num(r["object_store_mb"], 0), _num(r["computed"], 0), _num(r.get("spilled_states", 0.0), 0)]) + " |")
+            _num(r["object_store_mb"], 0), _num(r["computed"], 0),
+            _num(r.get("spilled_states", float("nan")), 0)]) + " |")
     repeats = int(rows["repeats"].max()) if len(rows) else 0
     note = f" Medians of {repeats} interleaved repeats." if repeats > 1 else ""
     failed = int((df["status"] != "ok").sum())

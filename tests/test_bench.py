@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -363,7 +364,8 @@ def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path,
            "n/a | 8465 | 0.197 | n/a |" in md
     assert "| B: N=1000, K=50, R=3, resnet8, batch 32 | plain loop | failed (timeout; log " \
            "`gpu-logs/B-plain.log`) |" in md
-    assert len((tmp_path / "gpu_old.csv").read_text().splitlines()) == 4
+    rows = list(csv.DictReader((tmp_path / "gpu_old.csv").open()))
+    assert len(rows) == 3 and [r["first_round_s"] for r in rows] == ["1.119", "", "6.297"]  # the table's columns
     assert not (tmp_path / "gpu.md").exists()  # the saved run's own name, never the current table's
     (tmp_path / "bad.json").write_text("{}")
     assert gpu_bench.main(["--render", str(tmp_path / "bad.json")]) == 2

@@ -35,6 +35,8 @@ def test_stress_command_writes_its_table_for_10_and_100_clients(tmp_path, capsys
     assert df["skip_late"].tolist() == [False, True, False, True]
     assert (df["status"] == "ok").all() and (df["rounds"] == 2).all()
     assert (df["s_per_round"] > 0).all() and (df["startup_s"] > 0).all() and (df["peak_rss_gb"] > 0.1).all()
+    # the local backend trains in the driver and has no object store: n/a, not a measured 0
+    assert df["peak_rss_workers_gb"].isna().all() and df["object_store_mb"].isna().all()
     # 80%-quantile deadline: the late fifth is computed (and dropped) unless skip_late says not to compute it
     assert (df["late"] > 0).all()
     assert (df["computed"] == df["participants"]).where(~df["skip_late"], True).all()

@@ -262,6 +262,7 @@ def test_results_load_collect_show_plot(make_config, tmp_path):
     for col in ["round", "client", "samples", "status", "virtual_duration", "bytes_up", "train_loss"]:
         assert col in res["clients"], col
     assert res["config"]["algorithm"]["name"] == "fedavg" and res["meta"]["torch"]
+    assert res["meta"]["processor"] and res["meta"]["cpus"] >= 1  # the hardware, on Linux too
     both = collect([a, b])
     assert set(both["config.algorithm.name"]) == {"fedavg", "fedprox"} and len(both) == 6
     png = plot(a)
