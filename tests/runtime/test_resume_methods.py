@@ -20,10 +20,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class StopAfter(Callback):
-    def __init__(self, round: int) -> None:
+    """Stops the run after `round` (None: never), and keeps the rounds this run trained."""
+
+    def __init__(self, round: int | None) -> None:
         self.round = round
+        self.ran: list[int] = []
 
     def on_round_end(self, round: int, rows: RoundRows) -> bool:
+        self.ran.append(round)
         return round == self.round
 
 
@@ -39,8 +43,10 @@ def test_stopped_twice_and_resumed_on_other_worker_counts_gives_the_uninterrupte
     cfg = make_config(*overrides, "results.run_id=cut", "results.checkpoint_every=5")
     run_dir = run(cfg, LocalBackend(num_workers=2), callbacks=[StopAfter(0)])
     assert load(run_dir)["rounds"]["round"].max() == 0
-    run(resume=run_dir, backend=LocalBackend(num_workers=3), callbacks=[StopAfter(1)])
-    run(resume=run_dir, backend=LocalBackend(num_workers=1))
+    first, second = StopAfter(1), StopAfter(None)
+    run(resume=run_dir, backend=LocalBackend(num_workers=3), callbacks=[first])
+    run(resume=run_dir, backend=LocalBackend(num_workers=1), callbacks=[second])
+    assert (first.ran, second.ran) == ([1], [2])  # each resume went on from its checkpoint, not from round 0
     cut = load(run_dir)
     assert sorted(set(cut["rounds"]["round"])) == [0, 1, 2]
     for name in ("rounds", "clients"):
