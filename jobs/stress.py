@@ -11,7 +11,9 @@ one row of a DataFrame, written as parquet and markdown with a log-log plot of t
   sampled by a thread; with `ray job submit` the cluster's daemons are not the driver's children, so the
   workers and the server are found by pid instead;
 - peak Ray object-store bytes in use; peak GPU memory per worker (nvidia-smi) where there is a GPU;
-- personal-state cache: the most states (and their bytes) spilled to disk at a round's end.
+- personal-state cache: the most states (and their bytes) spilled to disk at a round's end, in the spill folder
+  the driver sees (on several nodes: every worker's when `runtime.spill_dir` is a folder they share, else only
+  the driver node's).
 
 `--repeat N` runs the whole sweep N times, interleaved, so a busy machine slows every point alike; `--save NAME`
 also writes the table as `results/bench/stress_NAME.csv` and `.md`, from which `python -m jobs.stress_readme`
