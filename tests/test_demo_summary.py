@@ -19,8 +19,10 @@ def test_the_readme_block_is_the_saved_measurement() -> None:
 def fake_run(folder, accuracy: list[float], late: list[int]):
     """A run folder with the tables and config that a demo run leaves (8 clients a round)."""
     folder.mkdir(parents=True)
-    pd.DataFrame({"round": range(len(accuracy)), "accuracy": accuracy}).to_parquet(folder / "rounds.parquet")
-    rows = [{"round": r, "client": c, "status": "late" if c < n else "ok"}
+    pd.DataFrame({"round": range(len(accuracy)), "accuracy": accuracy, "stragglers": late}).to_parquet(
+        folder / "rounds.parquet")
+    # the first late client of each round also failed: it is recorded "failed", and was late all the same
+    rows = [{"round": r, "client": c, "status": ("failed" if c == 0 else "late") if c < n else "ok"}
             for r, n in enumerate(late) for c in range(8)]
     pd.DataFrame(rows).to_parquet(folder / "clients.parquet")
     (folder / "config.yaml").write_text("data: {num_clients: 20}\nparticipation: {clients_per_round: 8}\n")
