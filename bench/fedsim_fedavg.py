@@ -172,18 +172,24 @@ class RoundProfiler(Callback):
     def _summarise(self) -> None:
         events = self.prof.key_averages()
         device = any(e.self_device_time_total > 0 for e in events)
-        count = {e.key: e.count for e in events}
-        busy_s = device_busy_seconds(events)
         self.table = events.table(sort_by="self_device_time_total" if device else "self_cpu_time_total", row_limit=30)
-        self.fields = {
-            "profile_rounds": [self.first, self.last], "profile_wall_s": round(self.wall, 4),
-            "profile_device_busy_s": round(busy_s, 4),
-            "profile_device_busy": round(busy_s / self.wall, 4) if self.wall > 0 else None,
-            "profile_aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
-            "profile_kernel_launches": count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0),
-            "profile_device_waits": sum(count.get(k, 0) for k in self.SYNCS),
-            "profile_host_to_device_copies": sum(c for k, c in count.items() if k.startswith("Memcpy HtoD")),
-        }
+        self.fields = profile_fields(events, self.wall, self.first, self.last)
+
+
+def profile_fields(events: Any, wall: float, first: int, last: int) -> dict[str, Any]:
+    """RESULT_JSON's `profile_*` totals of profiler `events` (key_averages rows) over `wall` seconds of rounds
+    FIRST to LAST: device busy time and share, aten operators, kernel launches, waits for the device, copies to it."""
+    count = {e.key: e.count for e in events}
+    busy_s = device_busy_seconds(events)
+    return {
+        "profile_rounds": [first, last], "profile_wall_s": round(wall, 4),
+        "profile_device_busy_s": round(busy_s, 4),
+        "profile_device_busy": round(busy_s / wall, 4) if wall > 0 else None,
+        "profile_aten_ops": sum(e.count for e in events if e.key.startswith("aten::")),
+        "profile_kernel_launches": count.get("cudaLaunchKernel", 0) + count.get("cuLaunchKernel", 0),
+        "profile_device_waits": sum(count.get(k, 0) for k in RoundProfiler.SYNCS),
+        "profile_host_to_device_copies": sum(c for k, c in count.items() if k.startswith("Memcpy HtoD")),
+    }
 
 
 def device_busy_seconds(events: Any) -> float:

@@ -448,6 +448,28 @@ def test_the_profile_counts_each_kernel_once():
     assert device_busy_seconds(events) == pytest.approx(750e-6)
 
 
+def test_the_profile_totals_count_launches_waits_and_copies_from_the_events():
+    """The device-side totals stay 0 on a CPU run, so they are checked here on events a GPU run records."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from bench.fedsim_fedavg import profile_fields
+
+    def ev(key: str, count: int, device_us: float = 0.0, kind: DeviceType = DeviceType.CPU) -> SimpleNamespace:
+        return SimpleNamespace(key=key, count=count, self_device_time_total=device_us, device_type=kind)
+
+    events = [ev("aten::conv2d", 30, 900.0), ev("aten::add_", 12), ev("cudaLaunchKernel", 40), ev("cuLaunchKernel", 2),
+              ev("cudaStreamSynchronize", 3), ev("cudaEventSynchronize", 1), ev("cudaMemcpyAsync", 9),
+              ev("Memcpy HtoD (Pageable -> Device)", 5, 100.0, DeviceType.CUDA),
+              ev("Memcpy HtoD (Pinned -> Device)", 2, 50.0, DeviceType.CUDA),
+              ev("implicit_sgemm", 30, 850.0, DeviceType.CUDA)]
+    got = profile_fields(events, wall=0.004, first=3, last=5)
+    assert got == {"profile_rounds": [3, 5], "profile_wall_s": 0.004, "profile_device_busy_s": 0.001,
+                   "profile_device_busy": 0.25, "profile_aten_ops": 42, "profile_kernel_launches": 42,
+                   "profile_device_waits": 4, "profile_host_to_device_copies": 7}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--profile-rounds", "2:9"], "the workload has 3 rounds"),
     (["--profile-rounds", "2:9", "--backend", "ray"], "needs --backend local"),
