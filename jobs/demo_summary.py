@@ -42,14 +42,18 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     import yaml
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    counts = [cfg.get(section, {}).get(key) if isinstance(cfg, dict) and isinstance(cfg.get(section), dict) else None
+              for section, key in (("data", "num_clients"), ("participation", "clients_per_round"))]
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        raise ConfigError(f"{run_dir / 'config.yaml'}: not a run's config (no whole data.num_clients and "
+                          "participation.clients_per_round)")
     rounds = pd.read_parquet(run_dir / "rounds.parquet").sort_values("round")
     acc = rounds["accuracy"]
     # the round's stragglers, as the virtual clock scheduled them: a late client whose training also failed is
     # recorded "failed" in clients.parquet, and is still an update that came too late
     late = rounds.groupby("round")["stragglers"].first()
     return {
-        "rounds": len(rounds), "clients": int(cfg["data"]["num_clients"]),
-        "per_round": int(cfg["participation"]["clients_per_round"]),
+        "rounds": len(rounds), "clients": counts[0], "per_round": counts[1],
         "best_accuracy": round(float(acc.max()), 4), "best_after_rounds": int(acc.to_numpy().argmax()) + 1,
         "final_accuracy": round(float(acc.iloc[-1]), 4),
         "rounds_to": {f"{t:.2f}": rounds_to(acc, t) for t in TARGETS},

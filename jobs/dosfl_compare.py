@@ -16,7 +16,7 @@ Runs are named by a hash of their resolved config (jobs.sweep.run_cached), so a 
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import copy
 import math
 import sys
@@ -24,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from fedsim.limits import MAX_ROUNDS
+from jobs.cli import _count, _Parser
 
 
 def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False,
@@ -126,20 +129,33 @@ def main(argv: list[str] | None = None) -> int:
     from fedsim.errors import FedsimError
     from fedsim.io import atomic_write, atomic_write_text
 
-    p = argparse.ArgumentParser(prog="python -m jobs.dosfl_compare", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m jobs.dosfl_compare", description=__doc__.splitlines()[0])
     p.add_argument("configs", nargs="+")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--stat", choices=["best", "mean"], default="best", help="DOSFL accuracy to match")
-    p.add_argument("--fedavg-rounds", type=int, default=None, help="default: the config's rounds")
+    p.add_argument("--fedavg-rounds", type=_count(1), default=None, help="default: the config's rounds")
     p.add_argument("--fedavg", action="append", default=[], metavar="KEY=VALUE", help="FedAvg-only override")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="override for both")
     p.add_argument("--out", default=None)
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     args = p.parse_args(argv)
+    if args.fedavg_rounds is not None and args.fedavg_rounds > MAX_ROUNDS:
+        p.error(f"argument --fedavg-rounds: at most {MAX_ROUNDS:,}, got {args.fedavg_rounds}")
+    dest = Path(args.out or Path("results") / "dosfl" / ("_".join(Path(c).stem for c in args.configs) + ".md"))
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+    try:  # where the table goes is settled before the runs (minutes), not after them
+        if dest.is_dir():
+            raise IsADirectoryError(21, "a folder")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        p.error(f"argument --out: cannot write {dest} ({exc.strerror or type(exc).__name__})")
     try:
         rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override, args.fresh)
                 for c in args.configs]
     except FedsimError as exc:
+        for d in made:  # the folders made for the table, when nothing went into them
+            with contextlib.suppress(OSError):
+                d.rmdir()
         print(f"fedsim: error: {exc}", file=sys.stderr)
         return exc.exit_code
     md = markdown(rows, args.stat)
@@ -148,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             f"accuracy over seeds. FedAvg: same data, model and seeds; bytes = up + down until the matching "
             f"round, averaged over the seeds that reach it.\n")
     print(text)
-    dest = Path(args.out or Path("results") / "dosfl" / ("_".join(Path(c).stem for c in args.configs) + ".md"))
     atomic_write_text(dest, text)
     table = pd.DataFrame([{k: v for k, v in r.items() if k != "per_seed"} for r in rows])
     atomic_write(dest.with_suffix(".csv"), lambda tmp: table.to_csv(tmp, index=False))

@@ -92,8 +92,9 @@ def load_manifest(path: str | Path = MANIFEST) -> Manifest:
     from fedsim.algorithms import get_algorithm
     from fedsim.config import read_yaml
 
+    data = read_yaml(path)  # its errors name the file already
     try:
-        m = from_dict(Manifest, read_yaml(path))
+        m = from_dict(Manifest, data)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     if not m.tables:
@@ -381,7 +382,12 @@ def readme_blocks(text: str) -> dict[str, str]:
 
 def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
     """Put <root>/<id>.md between README's markers for each id whose file exists; returns the ids pasted."""
-    missing = [i for i in ids if i not in readme_blocks(readme.read_text(encoding="utf-8"))]
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{readme}: cannot be read as text ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+                          ) from None
+    missing = [i for i in ids if i not in readme_blocks(text)]
     if missing:
         raise ConfigError(f"{readme}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
     pasted = [i for i in ids if (root / f"{i}.md").is_file()]
@@ -420,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = load_manifest(args.manifest)
         tables = manifest.tables
-        if args.only:
+        if args.only is not None:
             wanted = [i.strip() for i in args.only.split(",") if i.strip()]
             unknown = [i for i in wanted if i not in {t.id for t in tables}]
             if unknown or not wanted:

@@ -474,11 +474,14 @@ def _main(args: argparse.Namespace) -> int:
         if not base.stragglers.enabled:
             raise ConfigError("--skip-late both: the config has stragglers.enabled: false, so nobody is late")
         skips = [False, True]
+    out = Path(args.out or Path("results") / "stress" / f"{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot make the folder {out} ({exc.strerror or type(exc).__name__})") from None
     note = capped_note(ks, configured_participants(args.config, args.override), counts)
     if note:
         print(note, file=sys.stderr, flush=True)
-    out = Path(args.out or Path("results") / "stress" / f"{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for rep in range(args.repeat):
         for k in ks:

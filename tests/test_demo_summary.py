@@ -79,3 +79,14 @@ def test_a_folder_that_is_not_a_run_is_one_line_and_exit_2(readme_copy, tmp_path
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a run folder" in err
     assert readme_copy.read_text() == before and not (tmp_path / "demo.json").exists()
+
+
+@pytest.mark.parametrize("config", ["- a list\n", "data: 5\n", "data: {num_clients: many}\nparticipation: {}\n"])
+def test_a_run_whose_config_is_not_a_runs_is_one_line_and_exit_2(readme_copy, tmp_path, capsys, config) -> None:
+    before = readme_copy.read_text()
+    run = fake_run(tmp_path / "run", [0.5, 0.8], late=[0, 0])
+    (run / "config.yaml").write_text(config)
+    assert demo_summary.main(["--from", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"demo_summary: error: {run / 'config.yaml'}: not a run's config"), err
+    assert readme_copy.read_text() == before

@@ -70,3 +70,43 @@ def test_real_runs_are_named_by_config_and_reused(tmp_path, monkeypatch) -> None
     assert len(first) == 1 and first["bytes_up"].iloc[0] == 3 * (2 * 3 * 64 * 4 + 2 * 3 * 8 + 2 * 4)
     pd.testing.assert_frame_equal(first, again)
     assert folder == folder_again and list(tmp_path.iterdir()) == [folder]
+
+
+def _code(argv: list[str]) -> int:
+    try:
+        return dc.main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fedavg-rounds", "-1"], "argument --fedavg-rounds: must be >= 1, got -1"),
+    (["--fedavg-rounds", "0"], "argument --fedavg-rounds: must be >= 1, got 0"),
+    (["--fedavg-rounds", "10000000000"], "argument --fedavg-rounds: at most 1,000,000"),
+    (["--nope"], "unrecognized arguments: --nope"),
+    (["--out", "{tmp}/afile/out.md"], "argument --out: cannot write {tmp}/afile/out.md ("),
+    (["--out", "{tmp}"], "argument --out: cannot write {tmp} ("),
+])
+def test_bad_arguments_are_one_line_before_any_run(tmp_path, monkeypatch, capsys, extra, message) -> None:
+    def no_runs(*args, **kwargs):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(dc, "_runs", no_runs)
+    (tmp_path / "afile").write_text("x")
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("algorithm: {name: dosfl}\nrounds: 3\n")
+    before = sorted(tmp_path.iterdir())
+    assert _code([str(cfg), *[a.replace("{tmp}", str(tmp_path)) for a in extra]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message.replace("{tmp}", str(tmp_path)) in err[0], err
+    assert err[0].startswith("python -m jobs.dosfl_compare: error: ")
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_failed_comparison_leaves_no_folder_made_for_its_table(tmp_path, capsys) -> None:
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("algorithm: {name: fedavg}\n")
+    out = tmp_path / "new" / "deeper" / "t.md"
+    assert _code([str(cfg), "--out", str(out)]) == 2
+    assert "algorithm.name must be dosfl" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -239,8 +239,14 @@ def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,message", [(["--only", "nosuch"], "--only: unknown table 'nosuch'"),
+                                          (["--only", ""], "--only: unknown table ''"),
                                           (["--readme", "--quick"], "--quick tables never go into README"),
-                                          (["--seeds", "0"], "expected an integer >= 1")])
+                                          (["--seeds", "0"], "expected an integer >= 1"),
+                                          (["--readme", "--readme-file", "/no/such/README.md"],
+                                           "/no/such/README.md: cannot be read as text"),
+                                          (["--readme", "--readme-file", "/"], "/: cannot be read as text"),
+                                          (["--manifest", "/no/such/m.yaml"], "error: config file not found: "
+                                                                              "/no/such/m.yaml")])
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message) -> None:
     proc = run_cli(*args, "--root", str(tmp_path))
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

@@ -54,3 +54,62 @@ def test_bad_stress_flags_are_one_line_errors(tmp_path, capsys):
                                               "digits and _"
     assert cli(["stress", config, "--clients", "10", "--repeat", "0", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "fedsim: error: --repeat: must be >= 1"
+
+
+def test_stress_out_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (afile, afile / "sub"):
+        assert cli(["stress", f"{ROOT}/configs/stress/million.yaml", "--clients", "10", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"fedsim: error: --out: cannot make the folder {out} ("), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+BROKEN_TABLES = {
+    "empty": b"",
+    "binary": bytes(range(256)) * 4,
+    "other columns": b"a,b\n1,2\n",
+    "text for numbers": b"registered,participants,skip_late,status,s_per_round,startup_s,peak_rss_gb,"
+                        b"peak_rss_driver_gb,peak_rss_workers_gb,object_store_mb,computed\n"
+                        b"10,5,False,ok,fast,3,2,1,0.5,10,5\n",
+}
+
+
+def test_a_damaged_stress_table_is_one_line_naming_it(tmp_path, capsys):
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "stress_x.md").write_text("Command: `fedsim stress c.yaml --save x`\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- stress:x -->\nold\n<!-- /stress:x -->\n")
+    for kind, content in BROKEN_TABLES.items():
+        (bench / "stress_x.csv").write_bytes(content)
+        try:
+            stress_readme.block("x", bench)
+        except stress_readme.ConfigError as exc:
+            assert str(exc).startswith(f"{bench / 'stress_x.csv'}: "), (kind, exc)
+            assert "\n" not in str(exc), kind
+        else:
+            raise AssertionError(f"{kind}: accepted")
+    (bench / "stress_x.csv").write_text("registered,participants,skip_late,status,s_per_round,startup_s,peak_rss_gb,"
+                                        "peak_rss_driver_gb,peak_rss_workers_gb,object_store_mb,computed\n"
+                                        "10,5,False,ok,0,3,2,1,0.5,10,5\n")
+    assert "| 10 | 5 | no | 0.000 | n/a |" in stress_readme.block("x", bench)  # no ratio to a zero base
+    (bench / "stress_x.md").write_bytes(bytes(range(256)))
+    try:
+        stress_readme.block("x", bench)
+    except stress_readme.ConfigError as exc:
+        assert str(exc).startswith(f"{bench / 'stress_x.md'}: not text"), exc
+    else:
+        raise AssertionError("a binary .md accepted")
+    assert readme.read_text() == "<!-- stress:x -->\nold\n<!-- /stress:x -->\n"
+
+
+def test_stress_readme_refuses_an_unknown_flag_in_one_line(capsys):
+    try:
+        code = stress_readme.main(["--nope"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m jobs.stress_readme: error: unrecognized arguments: --nope"]
