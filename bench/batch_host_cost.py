@@ -22,6 +22,9 @@ from typing import Any
 
 from bench.cli import OneLineParser
 
+MAX_CLIENTS = 100_000  # clients of one batched phase, all in this process: far above what C's rounds train together
+MAX_PHASES = 100_000  # timed phases: a median needs dozens, not a run that never ends
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.batch_host_cost", description=__doc__.splitlines()[0])
@@ -29,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", type=int, default=8)
     ap.add_argument("--model", choices=("mlp", "cnn", "resnet8"), default="mlp")
     args = ap.parse_args(argv)
-    if args.clients < 1 or args.phases < 1:
-        print("batch_host_cost: error: --clients and --phases must be at least 1", file=sys.stderr)
+    problem = bounds_problem(args.clients, args.phases)
+    if problem:
+        print(f"batch_host_cost: error: {problem}", file=sys.stderr)
         return 2
     import numpy as np
     import torch
@@ -89,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
                  "train_together_ms": round(statistics.median(together[1:]) * 1e3, 2) if len(together) > 1 else None,
                  "trained_together": sum(trained)})
     return 0
+
+
+def bounds_problem(clients: int, phases: int) -> str | None:
+    """--clients and --phases outside 1..their bound (a typo's 10^12 clients is a MemoryError, its phases never end)."""
+    if clients < 1 or phases < 1:
+        return "--clients and --phases must be at least 1"
+    for flag, value, high in (("--clients", clients, MAX_CLIENTS), ("--phases", phases, MAX_PHASES)):
+        if value > high:
+            return f"{flag}: must be at most {high}, got {value}"
+    return None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bench.runner import unwritable
+
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
 MODELS = ("resnet8", "mlp", "cnn")
@@ -32,6 +34,45 @@ FILES = ("workload.json", "partition.npz", "draws.npy", "seeds.npy", "init.pt")
 
 class BenchError(Exception):
     """A bad input of a bench program (a folder that was never prepared, a damaged file): one line, exit 2."""
+
+
+def name_list(text: str, flag: str, what: str, known: list[str]) -> list[str]:
+    """Comma-separated names out of `known`: at least one, each once (a system named twice would run twice and
+    overwrite its log, a config twice would be listed twice)."""
+    given = [t.strip() for t in text.split(",") if t.strip()]
+    if not given:
+        raise BenchError(f"{flag}: no {what} given; choose from {', '.join(known)}")
+    for name in given:
+        if name not in known:
+            raise BenchError(f"{flag}: unknown {what} {name[:60]!r}; choose from {', '.join(known)}")
+        if given.count(name) > 1:
+            raise BenchError(f"{flag}: {what} {name!r} is given twice")
+    return given
+
+
+def check_out_dir(path: str | Path, flag: str) -> Path:
+    """`path` as a folder that outputs may go to (made later, when missing), checked before a long measurement."""
+    if not str(path).strip():
+        raise BenchError(f"{flag}: empty path")
+    problem = unwritable(path, folder=True)
+    if problem:
+        raise BenchError(f"{flag} {problem}")
+    return Path(path)
+
+
+def check_out_file(path: str | Path, flag: str) -> Path:
+    """`path` as a file that may be written, in a folder that exists, checked before a long measurement."""
+    if not str(path).strip():
+        raise BenchError(f"{flag}: empty path")
+    out = Path(path)
+    if not out.is_dir() and (out.is_symlink() or (out.exists() and not out.is_file())):
+        raise BenchError(f"{flag} {out}: exists and is not a plain file")
+    if not out.is_dir() and not out.parent.is_dir():
+        raise BenchError(f"{flag} {out}: its folder does not exist")
+    problem = unwritable(out)
+    if problem:
+        raise BenchError(f"{flag} {problem}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -148,13 +148,30 @@ def measure(name: str, iterations: int) -> dict:
     return out
 
 
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one line, what would measure nothing (0 iterations give a table of nan that says the default
+    fits) or fail after minutes of measuring (an --out that cannot be written)."""
+    from bench.runner import out_of_range, unwritable
+    from fedsim.limits import MAX_STEPS
+
+    problem = out_of_range("--iterations", args.iterations, 1, MAX_STEPS)
+    if problem:
+        p.error(problem)
+    if args.one is not None and args.one not in SETTINGS:
+        p.error(f"--one: unknown setting {args.one[:60]!r}; choose from {'; '.join(SETTINGS)}")
+    problem = None if args.one is not None else unwritable(args.out)
+    if problem:
+        p.error(f"--out: {problem}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m bench.dosfl_memory", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="results/bench/dosfl_memory.md")
-    p.add_argument("--iterations", type=int, default=3)
+    p = OneLineParser(prog="bench.dosfl_memory", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="results/bench/dosfl_memory.md", help="the markdown table, written at the end")
+    p.add_argument("--iterations", type=int, default=3, help="meta-iterations per setting (the last one is sampled)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.one:
+    check(p, args)
+    if args.one is not None:
         print(json.dumps(measure(args.one, args.iterations)))
         return 0
     rows = []

@@ -18,9 +18,11 @@ from __future__ import annotations
 import sys
 
 from bench.cli import OneLineParser
-from bench.common import BenchError
+from bench.common import BenchError, name_list
 from bench.prepare import DEFAULT_CACHE
 from bench.report import (
+    all_failed,
+    check_run_args,
     failed_runs,
     fmt,
     header,
@@ -72,32 +74,34 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="bench.fedavg_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="A,B,C", help="comma-separated configs (A, B, C)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(ALL))
     ap.add_argument("--repeat", type=int, default=1, help="interleaved repeats; the tables use medians")
     ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
     ap.add_argument("--fedsim-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for bench.fedsim_fedavg, e.g. --fedsim-arg=-o --fedsim-arg=runtime.threads=1")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--stem", default="fedavg", help="output name under results/bench/")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per program run")
+    ap.add_argument("--stem", default="fedavg", help="output name under results/bench/ (letters, digits, . _ -)")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     args = ap.parse_args(argv)
-    configs = [c.strip().upper() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in configs if c not in BENCH_CONFIGS]
-    if unknown:
-        ap.error(f"--configs: unknown {unknown}; choose from {sorted(BENCH_CONFIGS)}")
-    rounds = {} if args.rounds is None else {"rounds": args.rounds}
-    workloads = {c: BENCH_CONFIGS[c].with_(**rounds) for c in configs}
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    command = ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])]
     try:
+        configs = name_list(args.configs.upper(), "--configs", "config", list(BENCH_CONFIGS))
+        systems = name_list(args.systems, "--systems", "system", ALL)
+        check_run_args(args.repeat, args.rounds, args.timeout, args.stem, [".csv", ".md", ".json"])
+        rounds = {} if args.rounds is None else {"rounds": args.rounds}
+        workloads = {c: BENCH_CONFIGS[c].with_(**rounds) for c in configs}
         df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout, cache=args.cache)
     except BenchError as exc:
         print(f"bench.fedavg_bench: error: {exc}", file=sys.stderr)
         return 2
-    lines = header("fedsim vs the plain loop vs Flower on the bench's FedAvg workload",
-                   ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])])
-    data = summary(df, workloads, ["bench.fedavg_bench", *(argv if argv is not None else sys.argv[1:])], versions())
+    failed = all_failed(df)
+    if failed:  # the previous results stay: a summary of no run would replace them with n/a
+        print(f"bench.fedavg_bench: error: {failed}", file=sys.stderr)
+        return 1
+    lines = header("fedsim vs the plain loop vs Flower on the bench's FedAvg workload", command)
+    data = summary(df, workloads, command, versions())
     lines += tables(df, configs, workloads)
     lines += ["", "Plain = the faster of the plain loop's 1- and 2-thread runs. Targets, as ratios of these medians:",
               "", *render_targets(data)]

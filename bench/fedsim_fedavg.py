@@ -22,6 +22,8 @@ import time
 T_START = time.perf_counter()
 
 import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,6 +34,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
+from fedsim.config import apply_overrides  # noqa: E402
+from fedsim.errors import ConfigError  # noqa: E402
+from fedsim.limits import MAX_CPUS, MAX_WORKERS  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo  # noqa: E402
 
 if TYPE_CHECKING:
@@ -53,7 +58,68 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.profile_rounds is not None and args.backend != "local":
         ap.error("--profile-rounds needs --backend local (Ray's workers train in other processes)")
+    problem = numbers_problem(args) or profile_out_problem(args) or workload_problem(args.workload, args.override)
+    if problem:
+        ap.error(problem)
     return args
+
+
+def numbers_problem(args: argparse.Namespace) -> str | None:
+    """--workers and --client-cpus outside fedsim's limits (0 is no default, and NaN no number of CPUs)."""
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        return f"--workers: must be from 1 to {MAX_WORKERS}, got {args.workers}"
+    if args.client_cpus is not None and not (0 < args.client_cpus <= MAX_CPUS and math.isfinite(args.client_cpus)):
+        return f"--client-cpus: must be a number above 0 and at most {MAX_CPUS}, got {args.client_cpus}"
+    return None
+
+
+def profile_out_problem(args: argparse.Namespace) -> str | None:
+    """--profile-out: only with --profile-rounds, and a file that can be written, found out before the run rather
+    than after it. --profile-rounds means --backend local, so importing torch here delays no Ray start."""
+    if args.profile_out is None:
+        return None
+    if args.profile_rounds is None:
+        return "--profile-out: needs --profile-rounds (there is no profile to write)"
+    from bench.common import BenchError, check_out_file
+
+    try:
+        check_out_file(args.profile_out, "--profile-out")
+    except BenchError as exc:
+        return str(exc)
+    return None
+
+
+# the config keys a prepared folder's files fix, and the workload.json knob of each
+FIXED = {"rounds": "rounds", "seed": "seed", "data.num_clients": "num_clients",
+         "participation.clients_per_round": "clients_per_round", "model.name": "model"}
+
+
+def workload_problem(folder: str, overrides: list[str]) -> str | None:
+    """Before Ray starts (which takes seconds and writes to stderr): `folder` holds a workload.json, and no -o
+    changes a knob its files fix. The standard library only, not torch: load_prepared checks the rest while Ray
+    starts, and bench.workload.check_matches the resolved config."""
+    meta_path = Path(folder) / "workload.json"
+    if not meta_path.is_file():
+        return (f"{folder}: not a prepared bench workload (no workload.json); create it with "
+                "`python -m bench.prepare`")
+    try:
+        knobs = json.loads(meta_path.read_text())["workload"]
+        raw = apply_overrides({}, overrides)
+    except ConfigError as exc:
+        return str(exc)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{meta_path}: unreadable ({type(exc).__name__}: {exc})"
+    for key, knob in FIXED.items():
+        node: object = raw
+        for part in key.split("."):
+            node = node.get(part, _UNSET) if isinstance(node, dict) else _UNSET
+        if node is not _UNSET and isinstance(knobs, dict) and node != knobs.get(knob):
+            return (f"{key}={node}: the workload {folder} was prepared with {knobs.get(knob)}; prepare another "
+                    "(`python -m bench.prepare`) rather than override it")
+    return None
+
+
+_UNSET = object()  # a key no -o sets
 
 
 def round_span(text: str) -> tuple[int, int]:
@@ -208,7 +274,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
     from jobs.cli import make_backend
 
     overrides = [f"runtime.backend={args.backend}"] + (
-        [f"runtime.client_cpus={args.client_cpus}"] if args.client_cpus else []) + args.override
+        [f"runtime.client_cpus={args.client_cpus}"] if args.client_cpus is not None else []) + args.override
     cfg = make_config(w, overrides)
     print(f"[fedsim] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
           f"backend={cfg.runtime.backend} client_cpus={cfg.runtime.client_cpus}", flush=True)
@@ -220,12 +286,11 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
         if args.profile_rounds[1] > w.rounds:
             raise BenchError(f"--profile-rounds {args.profile_rounds[0]}:{args.profile_rounds[1]}: the workload has "
                              f"{w.rounds} rounds")
-        if args.profile_out and not Path(args.profile_out).resolve().parent.is_dir():
-            raise BenchError(f"--profile-out {args.profile_out}: its folder does not exist")
         profiler = RoundProfiler(*args.profile_rounds)
+    inputs = prepared_inputs(cfg, args.workload)  # checks the config against the folder before anything starts
     clock = BenchClock()
     run_dir = run(cfg, make_backend(cfg, args.workers, boot), callbacks=[clock, *([profiler] if profiler else [])],
-                  inputs=prepared_inputs(cfg, args.workload))
+                  inputs=inputs)
     t_done = time.perf_counter()
     sampler.stop()
     gpu.stop()

@@ -83,11 +83,17 @@ def _run_phase(label: str, seconds: float, share: float, period: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m bench.gpu_util_probe", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="write the phases, readings and summary here as JSON")
+    ap.add_argument("--out", default=None, help="write the phases, readings and summary here as JSON")
     args = ap.parse_args(argv)
-    import torch
+    from bench.common import BenchError, GpuSampler, check_out_file
 
-    from bench.common import GpuSampler
+    try:  # before any GPU phase: a bad --out would otherwise fail after the whole measurement
+        if args.out is not None:
+            check_out_file(args.out, "--out")
+    except BenchError as exc:
+        print(f"gpu_util_probe: error: {exc}", file=sys.stderr)
+        return 2
+    import torch
 
     if not torch.cuda.is_available():
         print("gpu_util_probe: error: needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -109,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print("PROBE " + json.dumps(r))
     print("PROBE " + json.dumps(facts))
-    if args.out:
-        args.out.write_text(json.dumps({"facts": facts, "summary": rows, "phases": phases, "polled": polled,
+    if args.out is not None:
+        Path(args.out).write_text(json.dumps({"facts": facts, "summary": rows, "phases": phases, "polled": polled,
                                         "raw": sorted(gpu.raw.items())}, indent=1))
     return 0
 

@@ -16,11 +16,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from bench.cli import OneLineParser
+from bench.runner import out_of_range
+from fedsim.limits import MAX_ROUNDS, MAX_WORKERS
+
+if TYPE_CHECKING:
+    from bench.common import Workload
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -45,28 +52,63 @@ def unpublished() -> Iterator[None]:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = OneLineParser(prog="python -m bench.multinode_traffic", description=__doc__.splitlines()[0])
+    """The arguments, their ranges checked (one line, exit 2) before Ray or a temporary folder is touched."""
+    ap = OneLineParser(prog="bench.multinode_traffic", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
     ap.add_argument("--nodes", type=int, default=2, help="worker nodes, one single-CPU client worker each")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds to run (default: the workload's)")
-    return ap.parse_args(argv)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds to run, at least 1 (default: the workload's)")
+    args = ap.parse_args(argv)
+    problem = out_of_range("--nodes", args.nodes, 1, MAX_WORKERS)
+    if args.rounds is not None:
+        problem = problem or out_of_range("--rounds", args.rounds, 1, MAX_ROUNDS)
+    if problem:
+        ap.error(problem)
+    return args
+
+
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The prepared workload, with client draws for every round --rounds asks for (BenchError naming the argument)."""
+    from bench.common import BenchError, load_prepared
+
+    try:
+        w = load_prepared(args.workload).workload
+    except BenchError as exc:
+        raise BenchError(f"--workload: {exc}") from None
+    if args.rounds is not None and args.rounds > w.rounds:
+        raise BenchError(f"--rounds: {args.workload} has client draws for {w.rounds} rounds, not {args.rounds}")
+    return w
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from bench.common import BenchError
+    from fedsim.errors import FedsimError
+
+    try:
+        w = workload_of(args)
+        out = tempfile.mkdtemp(prefix="fedsim-traffic-")  # the run's results, removed with it
+        try:
+            traffic(args, w, args.rounds or w.rounds, out)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+    except (BenchError, FedsimError) as exc:
+        print(f"bench.multinode_traffic: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def traffic(args: argparse.Namespace, w: Workload, rounds: int, out: str) -> None:
+    """Run the workload on a Ray cluster of `args.nodes` worker nodes, results under `out`, and print the bytes
+    each node's object store took in per stage."""
     import pandas as pd
     import ray
     from ray import cluster_utils
 
     from actors.pool import RayBackend
     from actors.traffic import StoreTraffic
-    from bench.common import load_prepared
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
 
-    args = parse(argv)
-    w = load_prepared(args.workload).workload
-    rounds = args.rounds or w.rounds
-    out = tempfile.mkdtemp(prefix="fedsim-traffic-")
     cfg = make_config(w, ["runtime.backend=ray", "runtime.client_cpus=1", f"runtime.num_workers={args.nodes}",
                           "runtime.placement=spread", f"rounds={rounds}", f"results.root={out}"])
     with unpublished():
@@ -81,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                  runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_USAGE_STATS_ENABLED": "0"}})
         assert cluster.head_node is not None
         head = cluster.head_node.node_id
-        traffic = StoreTraffic()
-        run(cfg, RayBackend(), callbacks=[traffic], inputs=prepared_inputs(cfg, args.workload))
-        table = pd.DataFrame(traffic.rows()).pivot(index="stage", columns="node", values="bytes")
+        store = StoreTraffic()
+        run(cfg, RayBackend(), callbacks=[store], inputs=prepared_inputs(cfg, args.workload))
+        table = pd.DataFrame(store.rows()).pivot(index="stage", columns="node", values="bytes")
         table = table.reindex(["start"] + [f"round {r}" for r in range(rounds)])
         workers = [c for c in table.columns if c != head]
         table = table.rename(columns={head: "head"} | {n: f"node {i + 1}" for i, n in enumerate(workers)})
@@ -95,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         with unpublished():
             cluster.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

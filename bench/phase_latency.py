@@ -22,16 +22,30 @@ import time
 import numpy as np
 
 from bench.cli import OneLineParser
+from bench.runner import out_of_range
+from fedsim.limits import MAX_ARRAY_BYTES, MAX_ROUNDS, MAX_WORKERS
 
 MLP_WEIGHTS = 3072 * 64 + 64 + 64 * 10 + 10
 
 
+def arguments_problem(workers: int, weights: int, calls: int) -> str | None:
+    """What Ray would fail on (no workers) or the statistics could not summarise (one call has no deciles), named
+    before Ray starts. Upper bounds are fedsim's: its largest array for the weights (each worker answers in
+    float64), its most rounds for the calls (a call is one round's phase)."""
+    return (out_of_range("--workers", workers, 1, MAX_WORKERS)
+            or out_of_range("--weights", weights, 1, MAX_ARRAY_BYTES // 8)
+            or out_of_range("--calls", calls, 2, MAX_ROUNDS))
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.phase_latency", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="bench.phase_latency", description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--weights", type=int, default=MLP_WEIGHTS, help="float32 values broadcast per call")
-    ap.add_argument("--calls", type=int, default=40, help="timed calls per path (after 5 untimed)")
+    ap.add_argument("--calls", type=int, default=40, help="timed calls per path (after 5 untimed; at least 2)")
     args = ap.parse_args(argv)
+    problem = arguments_problem(args.workers, args.weights, args.calls)
+    if problem:
+        ap.error(problem)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray.dag import InputNode, MultiOutputNode

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -30,13 +31,20 @@ import numpy as np
 import torch
 
 from bench.cli import OneLineParser
-from bench.common import MODELS, PARTITIONS, BenchError, Workload
+from bench.common import IMAGE_SHAPE, MODELS, PARTITIONS, BenchError, Workload, check_out_dir
+from fedsim.errors import FedsimError
+from fedsim.limits import MAX_ARRAY_BYTES, MAX_BATCH, MAX_CLIENTS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_SEED
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / "results" / "bench" / "cache"
 MIN_SAMPLES = 1  # 10,000 clients share 20,000 images: every client gets at least one
 # fedsim's options that give the workload's models: ResNet-8 with PyTorch's default layer init, a 3072-64-10 MLP
 MODEL_OPTIONS: dict[str, dict] = {"resnet8": {"init": "torch"}, "mlp": {"hidden": 64, "layers": 1}, "cnn": {}}
+# each whole-number knob's range: fedsim's own limits, so a typo (-R 1000000000000) is refused, not run for ever
+RANGES = {"num_clients": (1, MAX_CLIENTS), "clients_per_round": (1, MAX_CLIENTS), "rounds": (1, MAX_ROUNDS),
+          "local_epochs": (1, MAX_EPOCHS), "batch_size": (1, MAX_BATCH), "n_train": (1, MAX_SAMPLES),
+          "n_test": (1, MAX_SAMPLES), "eval_batch_size": (1, MAX_BATCH), "seed": (0, MAX_SEED),
+          "data_seed": (0, MAX_SEED)}
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -55,23 +63,45 @@ def workload_from_args(ns: argparse.Namespace) -> Workload:
 
 
 def check(w: Workload) -> None:
-    """Knobs that cannot make a workload, named."""
+    """Knobs that cannot make a workload, named: out of range (fedsim's limits), not finite, or at odds with each
+    other. gpu_bench and fedavg_bench check their configs here too, before anything is prepared."""
     if w.model not in MODELS:
         raise BenchError(f"--model: unknown model {w.model!r}; choose one of {list(MODELS)}")
-    positive = ("num_clients", "clients_per_round", "rounds", "local_epochs", "batch_size", "n_train", "n_test",
-                "eval_batch_size")
-    for name in positive:
-        if getattr(w, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(w, name)}")
+    for name, (low, high) in RANGES.items():
+        value = getattr(w, name)
+        if value < low:
+            raise BenchError(f"{flag(name)}: must be >= {low}, got {value}")
+        if value > high:
+            raise BenchError(f"{flag(name)}: must be <= {high}, got {value}")
     if w.clients_per_round > w.num_clients:
         raise BenchError(f"--clients-per-round: {w.clients_per_round} is more than the {w.num_clients} clients")
     if w.num_clients * MIN_SAMPLES > w.n_train:
         raise BenchError(f"--num-clients: {w.num_clients} clients need at least {w.num_clients} training images, "
                          f"--n-train is {w.n_train}")
+    if w.rounds * w.clients_per_round > MAX_SAMPLES:
+        raise BenchError(f"--rounds: {w.rounds} rounds of {w.clients_per_round} clients are more than "
+                         f"{MAX_SAMPLES} client draws")
+    nbytes = (w.n_train + w.n_test) * math.prod(IMAGE_SHAPE) * 4
+    if nbytes > MAX_ARRAY_BYTES:
+        raise BenchError(f"--n-train: {w.n_train} + {w.n_test} images would take {nbytes / 2**30:,.0f} GiB "
+                         f"(the limit is {MAX_ARRAY_BYTES / 2**30:,.0f} GiB)")
     if w.partition not in PARTITIONS:
         raise BenchError(f"--partition: unknown partition {w.partition!r}; choose one of {list(PARTITIONS)}")
-    if w.alpha <= 0 or w.lr <= 0 or w.momentum < 0:
-        raise BenchError("--alpha and --lr must be > 0 and --momentum >= 0")
+    _check_reals(w)
+
+
+def _check_reals(w: Workload) -> None:
+    """The real-valued knobs: finite (a NaN passes every `<=` test and trains on NaN) and in their sensible range."""
+    rules = [("lr", w.lr > 0, "> 0"), ("momentum", 0 <= w.momentum < 1, ">= 0 and < 1"),
+             ("alpha", w.alpha > 0, "> 0"), ("amp", w.amp >= 0, ">= 0")]
+    for name, ok, want in rules:
+        if not (ok and math.isfinite(getattr(w, name))):
+            raise BenchError(f"{flag(name)}: must be a finite number {want}, got {getattr(w, name)}")
+
+
+def flag(knob: str) -> str:
+    """The command-line flag of a Workload knob (`n_train` -> `--n-train`)."""
+    return f"--{knob.replace('_', '-')}"
 
 
 def draws_and_seeds(w: Workload) -> tuple[np.ndarray, np.ndarray]:
@@ -105,14 +135,16 @@ def _publish(build: Callable[[Path], None], final: Path) -> None:
     """Write into a private temporary folder, then rename it into place: a reader sees all the files or none."""
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process published it first: theirs is the same
             if not final.is_dir():
                 raise
+    except OSError as exc:  # a cache under a file, in /proc, read-only or full: one line, no half-written folder
+        raise BenchError(f"--cache {final.parent}: cannot write {final.name} there ({exc.strerror or exc})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -123,8 +155,12 @@ def prepare(w: Workload, cache: str | Path = DEFAULT_CACHE, log: Callable[[str],
     from fedsim.data.synthetic import make_synthetic
 
     check(w)
+    if not str(cache).strip():  # Path("") is the working directory
+        raise BenchError("--cache: empty path")
     cache = Path(cache)
     data_dir, folder = cache / w.data_key(), cache / w.key()
+    if not (data_dir / "y_test.npy").is_file() or not (folder / "workload.json").is_file():
+        check_out_dir(cache, "--cache")  # before the first file is made (a read-only cache of ready folders is fine)
     if not (data_dir / "y_test.npy").is_file():
         if log:
             log(f"preparing {data_dir}")
@@ -164,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         print(prepare(workload_from_args(args), args.cache, log=lambda m: print(m, file=sys.stderr)))
-    except BenchError as exc:
+    except (BenchError, FedsimError) as exc:
         print(f"bench.prepare: error: {exc}", file=sys.stderr)
         return 2
     return 0

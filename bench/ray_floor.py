@@ -17,17 +17,30 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 from bench.cli import OneLineParser  # noqa: E402
+from bench.runner import out_of_range  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+def max_workers() -> int:
+    """fedsim.limits.MAX_WORKERS, read from its file without importing the fedsim package: the package's config
+    module would add 0.1 s to the start-up this floor measures."""
+    import runpy
+
+    limits = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fedsim", "limits.py")
+    return runpy.run_path(limits)["MAX_WORKERS"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.ray_floor", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="bench.ray_floor", description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2, help="actors to start (one CPU each)")
     ap.add_argument("--start", choices=["ray", "fedsim"], default="ray",
                     help="Ray's own init and shutdown (the floor), or fedsim's (actors/boot.py)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    problem = out_of_range("--workers", args.workers, 1, max_workers())
+    if problem:
+        ap.error(problem)
     t0 = time.perf_counter()
     import ray
 

@@ -7,8 +7,10 @@ speed summary `results/bench/fedavg.json` and the table rendered from it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -27,16 +29,49 @@ from bench.runner import (
     drop_cached_libraries,
     flower_python,
     load_average,
+    out_of_range,
     package_version,
     pfl_python,
     run_program,
+    unwritable,
 )
+from fedsim.limits import MAX_ROUNDS, MAX_SECONDS
 
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
 SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_1w", "flower", "flower_2c", "pfl",
            "pfl_multiprocess", "ray_floor")
+MAX_REPEAT = 1000  # interleaved repeats of a whole matrix: each takes minutes, so far above any real bench
+STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a plain file name in results/bench: no folder, not hidden
+
+
+def check_run_args(repeat: int, rounds: int | None, timeout: float, stem: str, suffixes: list[str]) -> None:
+    """The knobs shared by the matrix programs (fedavg_bench, scale_bench) and every file they write, checked
+    before anything is prepared or run: a bad --stem or output folder would otherwise fail after the whole matrix.
+    (bench.prepare checks --cache before it writes there.)"""
+    problems = [out_of_range("--repeat", repeat, 1, MAX_REPEAT),
+                None if rounds is None else out_of_range("--rounds", rounds, 1, MAX_ROUNDS)]
+    if not 0 < timeout <= MAX_SECONDS:  # NaN too
+        problems.append(f"--timeout: must be a number of seconds above 0 and at most {MAX_SECONDS:g}, got {timeout:g}")
+    if not STEM.fullmatch(stem):
+        problems.append(f"--stem: {stem[:60]!r} is not a plain file name (up to 100 letters, digits, '.', '_' and "
+                        "'-', starting with a letter or digit)")
+    for problem in problems:
+        if problem:
+            raise BenchError(problem)
+    places = [(OUT / f"{stem}{s}", False) for s in suffixes] + [(OUT / "logs", True)]
+    for path, folder in places:
+        problem = unwritable(path, folder)
+        if problem:
+            raise BenchError(problem)
+
+
+def all_failed(df: pd.DataFrame) -> str | None:
+    """The one line saying that no run finished (where their logs are), or None when one did."""
+    if (df["status"] == "ok").any():
+        return None
+    return f"every run failed ({len(df)} of {len(df)}); nothing written; their logs are in {OUT / 'logs'}"
 
 
 def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
@@ -214,27 +249,93 @@ def write_summary(data: dict, stem: str) -> Path:
 
 
 def read_summary(path: str | Path) -> dict:
-    """A speed summary written by `write_summary`, checked enough to render (bad files: BenchError, one line)."""
+    """A speed summary written by `write_summary`, its whole shape checked, so that rendering it cannot fail
+    (bad files: BenchError, one line)."""
     path = Path(path)
+    if not path.is_file():  # a FIFO would block the read forever
+        raise BenchError(f"{path}: {not_a_file(path)}")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise BenchError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("configs"), dict):
         raise BenchError(f"{path}: not a bench summary (no 'configs' mapping)")
+    if not data["configs"]:
+        raise BenchError(f"{path}: 'configs' is empty: no config was measured")
+    problem = _summary_problem(data)
+    if problem:
+        raise BenchError(f"{path}: {problem}")
+    return data
+
+
+def not_a_file(path: Path) -> str:
+    """Why `path`, which is not a regular file, cannot be read as one."""
+    return "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
+
+
+def _number(value: object) -> bool:
+    """A finite JSON number (true and false are not numbers here, though Python counts them as ints)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: object, low: int) -> bool:
+    """A whole number of at least `low` (not a boolean)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _scalar(value: object) -> bool:
+    return value is None or isinstance(value, str) or _number(value)
+
+
+def _summary_problem(data: dict) -> str | None:
+    """What in a summary's shape `render_table` and `render_targets` could not render, or None."""
+    for key in ("date", "command"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            return f"{key} must be a string"
     for key in ("ray_floor_startup_s", "ray_floor_shutdown_s"):
-        if data.get(key) is not None and not isinstance(data[key], (int, float)):
-            raise BenchError(f"{path}: {key} must be a number")
+        if data.get(key) is not None and not _number(data[key]):
+            return f"{key} must be a number or null, got {str(data[key])[:40]!r}"
+    for key in ("machine", "versions"):
+        if data.get(key) is not None and not (isinstance(data[key], dict) and all(map(_scalar, data[key].values()))):
+            return f"{key} must map names to strings or numbers"
     for name, entry in data["configs"].items():
         if not isinstance(entry, dict):
-            raise BenchError(f"{path}: configs.{name} must be a mapping")
+            return f"configs.{name} must be a mapping"
+        if not set(entry) - {"workload"}:
+            return f"configs.{name} has no system"
         for system, fields in entry.items():
-            if system == "workload":
-                continue
-            if not isinstance(fields, dict) or any(
-                    fields.get(k) is not None and not isinstance(fields.get(k), (int, float)) for k in SUMMARY_FIELDS):
-                raise BenchError(f"{path}: configs.{name}.{system} must map {', '.join(SUMMARY_FIELDS)} to numbers")
-    return data
+            problem = _workload_problem(fields) if system == "workload" else _fields_problem(fields)
+            if problem:
+                return f"configs.{name}.{system}: {problem}"
+    return None
+
+
+def _workload_problem(w: object) -> str | None:
+    """A config's workload: N, K and R counts and the model's name."""
+    if not isinstance(w, dict):
+        return "must be a mapping of N, K, R and model"
+    for key in ("N", "K", "R"):
+        if w.get(key) is not None and not _count(w[key], 1):
+            return f"{key} must be a count of at least 1, got {str(w[key])[:40]!r}"
+    if w.get("model") is not None and not isinstance(w["model"], str):
+        return f"model must be a name, got {str(w['model'])[:40]!r}"
+    return None
+
+
+def _fields_problem(fields: object) -> str | None:
+    """One system's figures: numbers or null, the run counts whole, the loads a list of numbers."""
+    if not isinstance(fields, dict):
+        return f"must map {', '.join(SUMMARY_FIELDS)} to numbers"
+    for key in SUMMARY_FIELDS:
+        if fields.get(key) is not None and not _number(fields[key]):
+            return f"{key} must be a number or null, got {str(fields[key])[:40]!r}"
+    for key in ("runs", "failed"):
+        if fields.get(key) is not None and not _count(fields[key], 0):
+            return f"{key} must be a count, got {str(fields[key])[:40]!r}"
+    loads = fields.get("load_before")
+    if loads is not None and not (isinstance(loads, list) and all(map(_number, loads))):
+        return "load_before must be a list of numbers"
+    return None
 
 
 def render_table(data: dict) -> list[str]:
@@ -316,7 +417,10 @@ def render_targets(data: dict) -> list[str]:
 
 def markdown_block(md: Path) -> str:
     """README.md's block for a bench report written as markdown (`make bench-scale`): the file without its title."""
-    lines = md.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = md.read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{md}: unreadable ({type(exc).__name__}: {exc})") from None
     while lines and (lines[0].startswith("# ") or not lines[0].strip()):
         lines.pop(0)
     rel = md.resolve().relative_to(REPO) if md.resolve().is_relative_to(REPO) else md
@@ -331,7 +435,7 @@ def readme_block(data: dict, source: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m bench.report", description="print the speed table of a summary")
+    ap = OneLineParser(prog="bench.report", description="print the speed table of a summary")
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
     ap.add_argument("--readme", nargs="?", const=str(REPO / "README.md"), default=None, metavar="FILE",
                     help="write FILE's <!-- bench:fedavg --> block from the summary, and <!-- bench:scale --> and "
@@ -339,21 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         data = read_summary(args.summary)
-        if args.readme:
-            from fedsim.errors import FedsimError
-            from jobs.readme_blocks import paste_blocks
-
-            path = Path(args.summary).resolve()
-            source = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else args.summary
-            blocks = {"fedavg": readme_block(data, source)}
-            for name in ("scale", "gpu"):  # make bench-scale's and bench.gpu_bench's reports, when beside it
-                md = Path(args.summary).resolve().parent / f"{name}.md"
-                if md.is_file():
-                    blocks[name] = markdown_block(md)
-            try:
-                paste_blocks(Path(args.readme), "bench", blocks)
-            except FedsimError as exc:
-                raise BenchError(str(exc)) from None
+        if args.readme is not None:
+            blocks = paste_readme(data, args.summary, args.readme)
             print(f"wrote the bench blocks {', '.join(blocks)} into {args.readme}")
         else:
             print("\n".join(render_table(data) + [""] + render_targets(data)))
@@ -361,6 +452,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.report: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def paste_readme(data: dict, summary: str, readme: str) -> list[str]:
+    """Write the README's bench blocks (returned by name): the speed table from `data`, and scale.md's and gpu.md's
+    reports when they are beside the summary. Every block is read before the README is touched; a bad file is a
+    BenchError."""
+    from fedsim.errors import FedsimError
+    from jobs.readme_blocks import paste_blocks
+
+    target = Path(readme)
+    if not readme:
+        raise BenchError("--readme: expected a file name, got ''")
+    if not target.is_file():
+        raise BenchError(f"--readme: {readme}: {not_a_file(target)}")
+    path = Path(summary).resolve()
+    source = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else summary
+    blocks = {"fedavg": readme_block(data, source)}
+    for name in ("scale", "gpu"):  # make bench-scale's and bench.gpu_bench's reports, when beside it
+        md = path.parent / f"{name}.md"
+        if md.is_file():
+            blocks[name] = markdown_block(md)
+    try:
+        paste_blocks(target, "bench", blocks)
+    except FedsimError as exc:
+        raise BenchError(str(exc)) from None
+    except (OSError, ValueError) as exc:  # not UTF-8 text, or not writable
+        raise BenchError(f"--readme: {readme}: {type(exc).__name__}: {exc}") from None
+    return list(blocks)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Running the bench programs: Flower's and pfl-research's own venvs (created on first use), one program run with
-its log, and its RESULT_JSON line read back.
+its log, and its RESULT_JSON line read back; the checks every program makes of its arguments before it runs.
+Only the standard library, so a program's start-up timing does not change by importing it.
 """
 
 from __future__ import annotations
@@ -118,3 +119,43 @@ def run_program(cmd: list[str], log_path: Path, timeout: float = 1800, cwd: Path
 def load_average() -> float:
     """1-minute load average (the machine is shared; the tables record it)."""
     return os.getloadavg()[0]
+
+
+def out_of_range(flag: str, value: float, low: float, high: float) -> str | None:
+    """The error for a numeric argument outside [low, high] (NaN included), or None when it is inside."""
+    if low <= value <= high:
+        return None
+
+    def show(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
+
+    return f"{flag}: must be from {show(low)} to {show(high)}, got {show(value)}"
+
+
+def unwritable(path: str | Path, folder: bool = False) -> str | None:
+    """Why a file (or, with `folder`, a folder) cannot be written at `path`, or None when it can: checked before a
+    long measurement, so a bad output place fails at once. Creating is tried for real and undone, so nothing is
+    left behind (a root user passes every permission check, a /proc path fails only when written)."""
+    import tempfile
+
+    path = Path(path)
+    try:
+        if path.is_dir() and not folder:
+            return f"{path} is a folder"
+        if path.exists() and folder and not path.is_dir():
+            return f"{path} is not a folder"
+        parent = path if folder else path.parent
+        missing = None  # the top-most folder to create
+        while not parent.is_dir():
+            if parent.exists() or parent.is_symlink():
+                return f"{parent} is not a folder"
+            missing, parent = parent, parent.parent
+        if missing is not None:
+            missing.mkdir()
+            missing.rmdir()
+        else:
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".write-probe-"):
+                pass
+    except (OSError, ValueError) as exc:
+        return f"{path}: cannot write there ({getattr(exc, 'strerror', None) or exc})"
+    return None

@@ -16,9 +16,21 @@ import os
 import sys
 
 from bench.cli import OneLineParser
-from bench.common import BenchError, Workload
+from bench.common import BenchError, Workload, name_list
 from bench.prepare import DEFAULT_CACHE
-from bench.report import failed_runs, fmt, header, medians, run_matrix, write
+from bench.report import SYSTEMS as ALL_SYSTEMS
+from bench.report import (
+    all_failed,
+    check_run_args,
+    failed_runs,
+    fmt,
+    header,
+    medians,
+    run_matrix,
+    write,
+)
+from bench.runner import out_of_range
+from fedsim.limits import MAX_CLIENTS
 
 SYSTEMS = ["plain_t1", "fedsim", "flower"]
 
@@ -60,31 +72,55 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
     return out + failed_runs(df)
 
 
+def client_counts(text: str) -> list[int]:
+    """--clients: comma-separated whole numbers from 1 to MAX_CLIENTS, each once (1e4 is 10000, as for `fedsim
+    stress --clients`; 4.5 is refused, not rounded)."""
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise BenchError(f"--clients: expected comma-separated integers, got {text[:60]!r}") from None
+    if not values or not all(1 <= v <= MAX_CLIENTS and v.is_integer() for v in values):
+        raise BenchError(f"--clients: expected whole numbers from 1 to {MAX_CLIENTS}, got {text[:60]!r}")
+    counts = [int(v) for v in values]
+    twice = [n for n in counts if counts.count(n) > 1]
+    if twice:
+        raise BenchError(f"--clients: {twice[0]} is given twice")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="bench.scale_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--clients", default="1000,10000", help="registered client counts")
     ap.add_argument("--per-round", type=int, default=100, help="clients per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", choices=["mlp", "resnet8"], default="mlp")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=", ".join(ALL_SYSTEMS))
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--pss", action="store_true", help="also sample PSS once a second (costs CPU)")
     ap.add_argument("--fedsim-arg", action="append", default=[], metavar="ARG")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--stem", default="scale")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per program run")
+    ap.add_argument("--stem", default="scale", help="output name under results/bench/ (letters, digits, . _ -)")
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="folder of prepared workloads")
     args = ap.parse_args(argv)
-    if args.pss:
-        os.environ["BENCH_PSS_INTERVAL"] = "1"
-    counts = [int(c) for c in args.clients.split(",") if c.strip()]
-    workloads = {f"N{n}": Workload(num_clients=n, clients_per_round=min(args.per_round, n), rounds=args.rounds,
-                                       model=args.model) for n in counts}
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     try:
+        counts = client_counts(args.clients)
+        problem = out_of_range("--per-round", args.per_round, 1, MAX_CLIENTS)
+        if problem:
+            raise BenchError(problem)
+        systems = name_list(args.systems, "--systems", "system", list(ALL_SYSTEMS))
+        check_run_args(args.repeat, args.rounds, args.timeout, args.stem, [".csv", ".md"])
+        workloads = {f"N{n}": Workload(num_clients=n, clients_per_round=min(args.per_round, n), rounds=args.rounds,
+                                       model=args.model) for n in counts}
+        if args.pss:
+            os.environ["BENCH_PSS_INTERVAL"] = "1"
         df = run_matrix(workloads, systems, args.repeat, args.fedsim_arg, args.stem, args.timeout, cache=args.cache)
     except BenchError as exc:
         print(f"bench.scale_bench: error: {exc}", file=sys.stderr)
         return 2
+    failed = all_failed(df)
+    if failed:  # the previous report stays
+        print(f"bench.scale_bench: error: {failed}", file=sys.stderr)
+        return 1
     lines = header("fedsim vs Flower at scale on the bench's FedAvg workload",
                    ["bench.scale_bench", *(argv if argv is not None else sys.argv[1:])])
     lines += tables(df, list(workloads), workloads)

@@ -8,8 +8,10 @@ Writes results/bench/selection.md. The paper's setting: a 50,000-patch pool of 3
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,9 @@ import numpy as np
 import torch
 
 from bench.cli import OneLineParser
+from bench.runner import out_of_range, unwritable
+from fedsim.io import atomic_write_text
+from fedsim.limits import MAX_SAMPLES, MAX_STEPS, MAX_THREADS
 
 
 def timed(fn):
@@ -62,14 +67,35 @@ def measure(args, threads: int) -> dict[str, float]:
             f"entropy pruning, 90% top (keeps {len(kept)})": t_ent}
 
 
-def main() -> None:
-    ap = OneLineParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=50_000)
-    ap.add_argument("--k", type=int, default=1000)
-    ap.add_argument("--niter", type=int, default=25)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+def arguments_problem(args: argparse.Namespace) -> str | None:
+    """What FAISS or the pool would fail on (no patches, more clusters than patches, no thread) or what would
+    measure nothing, and an --out that cannot be written: named before the minutes of measuring."""
+    problem = out_of_range("--n", args.n, 1, MAX_SAMPLES) or out_of_range("--niter", args.niter, 1, MAX_STEPS)
+    if problem:
+        return problem
+    if not 1 <= args.k <= args.n:
+        return f"--k: must be from 1 to --n ({args.n}) clusters, got {args.k}"
+    for t in args.threads:
+        problem = out_of_range("--threads", t, 1, MAX_THREADS)
+        if problem:
+            return problem
+        if args.threads.count(t) > 1:
+            return f"--threads: {t} is given twice"
+    out = unwritable(args.out)
+    return out and f"--out: {out}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="bench.selection_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=50_000, help="patches in the pool")
+    ap.add_argument("--k", type=int, default=1000, help="KMeans clusters, at most --n")
+    ap.add_argument("--niter", type=int, default=25, help="KMeans iterations")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure, one column each")
     ap.add_argument("--out", default="results/bench/selection.md")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    problem = arguments_problem(args)
+    if problem:
+        ap.error(problem)
     import faiss
 
     cols = {t: measure(args, t) for t in args.threads}
@@ -83,11 +109,10 @@ def main() -> None:
           "| step | " + " | ".join(f"{t} thread{'s' if t > 1 else ''}" for t in args.threads) + " |",
           "|---|" + "---|" * len(args.threads)]
     md += [f"| {name} | " + " | ".join(f"{cols[t][name]:.2f}" for t in args.threads) + " |" for name in names]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(md) + "\n")
+    atomic_write_text(Path(args.out), "\n".join(md) + "\n")
     print("\n".join(md))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -63,14 +63,26 @@ def check_seeds(p: Prepared) -> None:
                                  "derives another; delete the folder and prepare it again")
 
 
+def check_matches(cfg: RunConfig, w: Workload, folder: Path) -> None:
+    """The run config keeps the knobs the prepared files fix (a round past the prepared draws would fail mid-run,
+    another cohort would silently train the prepared one): checked before the run makes its folder."""
+    fixed = [("rounds", cfg.rounds, w.rounds), ("participation.clients_per_round",
+             cfg.participation.clients_per_round, w.clients_per_round),
+             ("data.num_clients", cfg.data.num_clients, w.num_clients), ("model.name", cfg.model.name, w.model),
+             ("seed", cfg.seed, w.seed)]
+    for key, got, want in fixed:
+        if got != want:
+            raise BenchError(f"{key}={got}: the workload {folder} was prepared with {want}; prepare another "
+                             "(`python -m bench.prepare`) rather than override it")
+
+
 def prepared_inputs(cfg: RunConfig, folder: str | Path) -> Inputs:
     """What a fedsim run of `cfg` starts from on a prepared folder: its data, client shards, per-round draws and
     initial global weights (checked against fedsim's own model)."""
     folder = Path(folder)
     p = load_prepared(folder)
     check_seeds(p)
-    if cfg.model.name != p.workload.model or cfg.data.num_clients != p.workload.num_clients:
-        raise BenchError(f"{folder}: the run config does not match workload.json (model, num_clients)")
+    check_matches(cfg, p.workload, folder)
     draws, init = p.draws, p.initial_state()
     # the run takes the only reference to the images, so the driver drops them once they are shared
     pending, part = [bench_dataset(p)], bench_partition(p)

@@ -150,5 +150,5 @@ def test_report_refuses_a_bad_summary_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.report", str(bad)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == f"bench.report: error: {bad}: configs.A.pfl must map s_per_round, total_s, " \
-                                  "startup_s, shutdown_s, peak_rss_mb, final_accuracy to numbers"
+    assert proc.stderr.strip() == f"bench.report: error: {bad}: configs.A.pfl: total_s must be a number or null, " \
+                                  "got 'fast'"
