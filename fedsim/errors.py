@@ -33,6 +33,11 @@ class AggregationError(FedsimError):
     """A client result does not match what the server expects (keys, shapes, weights)."""
 
 
+class AlgorithmError(FedsimError):
+    """A method's code breaks the Algorithm contract (a phase naming a handler it lacks, a client state from a method
+    whose clients are declared stateless): a fault of the method, not of one client, so the run stops."""
+
+
 class ClientFailedError(FedsimError):
     """A client step raised: which client, round and phase, and the original error's type, message and the last
     frames of its traceback. Plain strings only, so it pickles across Ray's process boundary unchanged."""

@@ -256,6 +256,22 @@ class Algorithm:
                             "which is not a method of the algorithm")
         return fn
 
+    @classmethod
+    def check_phase(cls, phase: Phase) -> None:
+        """An AlgorithmError for a phase whose handlers this class lacks, raised on the driver before the phase is
+        sent, rather than every client failing on it in the workers."""
+        from fedsim.errors import AlgorithmError
+
+        for side, hook in (("client", "client_step"), ("server", "server_step"), ("broadcast", "broadcast")):
+            name = getattr(phase, side)
+            if name is None:
+                if side != "broadcast" and getattr(cls, hook) is getattr(Algorithm, hook):
+                    raise AlgorithmError(f"{cls.__name__}: phase {phase.name!r} names no {side} handler and the "
+                                         f"class does not override {hook} (set Phase({phase.name!r}, {side}=...))")
+            elif not callable(getattr(cls, name, None)):
+                raise AlgorithmError(f"{cls.__name__}: phase {phase.name!r} names {side} handler {name!r}, which is "
+                                     "not a method of the class")
+
     def evaluate(
         self, state: Any, x_test: torch.Tensor, y_test: torch.Tensor, device: torch.device
     ) -> list[dict[str, Any]]:
@@ -267,7 +283,8 @@ class Algorithm:
 
     @classmethod
     def stateless_clients(cls, cfg: RunConfig) -> bool:
-        """Whether clients keep no state between rounds, so any worker may train any client."""
+        """Whether clients keep no state between rounds, so any worker may train any client (the driver then balances
+        each phase's clients over the workers by cost). A client state returned while this is True stops the run."""
         return False
 
     @classmethod

@@ -90,7 +90,10 @@ class FedAvg(Algorithm):
 
     @classmethod
     def stateless_clients(cls, cfg: Any) -> bool:
-        return not cfg.train.keep_optimizer_state
+        """Stateless unless the optimizer state is kept; a variant with its own client step may return a state, so
+        it is taken as stateful unless it overrides this too."""
+        own_step = cls.client_step is FedAvg.client_step and cls.local_training is FedAvg.local_training
+        return own_step and not cfg.train.keep_optimizer_state
 
     # ---- what variants change ------------------------------------------------------------------------
     def client_weight(self, ctx: ClientContext) -> float:

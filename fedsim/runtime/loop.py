@@ -24,7 +24,7 @@ from fedsim.algorithms.base import Phase, RoundInfo
 from fedsim.checkpoint import load_run_checkpoint, state_mismatch
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
-from fedsim.errors import CheckpointError, FedsimError
+from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
 from fedsim.results import failure_columns, read_table
 from fedsim.runtime.backend import Backend, BroadcastReply
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
@@ -115,7 +115,8 @@ class Simulation:
         self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.num_samples()
         self.archs = client_archs(cfg)
-        self.balance = get_algorithm(cfg.algorithm.name).stateless_clients(cfg)
+        self.algorithm = get_algorithm(cfg.algorithm.name)
+        self.balance = self.algorithm.stateless_clients(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
@@ -194,6 +195,8 @@ class Simulation:
         t_round = time.perf_counter()
         sampled = np.asarray(self.inputs.draw(cfg, r, self.profiles))
         phases = backend.server.phases(r)
+        for phase in phases:
+            self.algorithm.check_phase(phase)
         ids = [int(c) for c in sampled]
         n_of = {c: int(self.num_samples[c]) for c in ids}
         sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))
@@ -242,6 +245,13 @@ class Simulation:
                                                  self.cfg.runtime.round_timeout_s, idle=self.writes.start)
         rec.clients_s += time.perf_counter() - t0
         rec.batched += sum(int(reply.info.get("batched", 0)) for reply in replies.values())
+        if self.balance:
+            kept = [c for reply in replies.values() for c in reply.info.get("kept_state", ())]
+            if kept:  # balanced clients move between workers: a state kept in one would be lost
+                raise AlgorithmError(f"{self.algorithm.__name__}: client {min(kept)} returned a state in phase "
+                                     f"{phase.name!r}, but {self.algorithm.__name__}.stateless_clients(config) is "
+                                     "True, so clients move between workers and the state would be lost; override "
+                                     "stateless_clients to return False")
         self.writes.start()  # for a backend that never called `idle`
 
         def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:

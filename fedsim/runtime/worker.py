@@ -123,6 +123,7 @@ class ClientWorker:
         rt = cfg.runtime
         self.exact_sum = rt.exact_sum
         self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
+        self.kept_state: list[int] = []  # clients whose state a phase committed (checked for a stateless method)
 
     def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
@@ -149,6 +150,7 @@ class ClientWorker:
 
         outcomes: dict[int, ClientOutcome] = {}
         batched_before = self.batcher.trained
+        self.kept_state = []
         if self.batcher.on:  # clients trained together, settled chunk by chunk
             for cid, (res, exc, seconds) in self.batcher.run(self.algorithm, phase, ids, self.env.client_archs, (
                     lambda c: self.algorithm.local_training(phase, self.store.get(c), _merge(common, per_client, c),
@@ -171,7 +173,8 @@ class ClientWorker:
         return WorkerReply([outcomes[cid] for cid in ids], summed.to_cpu() if summed is not None else None,
                            time.perf_counter() - start,
                            info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills,
-                                 "states": len(self.store), "batched": self.batcher.trained - batched_before})
+                                 "states": len(self.store), "batched": self.batcher.trained - batched_before,
+                                 "kept_state": self.kept_state[:1]})
 
     def _settle(self, cid: int, status: str, res: ClientResult | None, exc: BaseException | None, t0: float,
                 summed: WeightedSum | None, round: int, phase: str) -> ClientOutcome:
@@ -192,6 +195,7 @@ class ClientWorker:
         if status == "ok" and res.state is not None:
             lent = self.models.storages()
             self.store.put(cid, own_copy(res.state, lent))
+            self.kept_state.append(cid)
         if summed is not None or status != "ok":  # summed already, or a late upload that the server never reads
             res = ClientResult(payload=None, weight=res.weight, metrics=res.metrics)
         if res.payload is not None or res.probe is not None:
