@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -101,3 +102,33 @@ def together(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(batching, "train_together", counted)
     return calls
+
+
+@pytest.fixture
+def isolated():
+    """Registries and plugin modules as they were before the test, so a plugin (the example's, which a config
+    naming it imports) never leaks into other tests."""
+    import fedsim.algorithms  # noqa: F401
+    import fedsim.data.datasets  # noqa: F401
+    import fedsim.models  # noqa: F401
+    from fedsim import plugins
+
+    before, modules = plugins._registries(), set(sys.modules)
+    yield
+    plugins._restore(before)
+    for name in set(sys.modules) - modules:
+        if name == "my_method" or _plugin_file(getattr(sys.modules[name], "__file__", None) or ""):
+            del sys.modules[name]
+
+
+def _plugin_file(file: str) -> bool:
+    """A module a test loaded as a plugin: the example's, or one written under the temporary folder. A clone that
+    itself lives under the temporary folder (as CI's does) keeps its own modules: removing them would leave the
+    imported functions orphaned, so that Ray pickles them by value."""
+    root = Path(ROOT).resolve()
+    path = Path(file).resolve() if file else None
+    if path is None:
+        return False
+    if path.is_relative_to(root / "examples"):
+        return True
+    return path.is_relative_to(Path(tempfile.gettempdir()).resolve()) and not path.is_relative_to(root)

@@ -28,34 +28,6 @@ EXAMPLE = Path(ROOT) / "examples" / "my_method.yaml"
 FAST = ["rounds=2", "data.num_clients=8", "participation.clients_per_round=4"]
 
 
-@pytest.fixture
-def isolated():
-    """Registries and plugin modules as they were before the test, so a plugin never leaks into other tests."""
-    import fedsim.algorithms  # noqa: F401
-    import fedsim.data.datasets  # noqa: F401
-    import fedsim.models  # noqa: F401
-
-    before, modules = plugins._registries(), set(sys.modules)
-    yield
-    plugins._restore(before)
-    for name in set(sys.modules) - modules:
-        if name == "my_method" or _plugin_file(getattr(sys.modules[name], "__file__", None) or ""):
-            del sys.modules[name]
-
-
-def _plugin_file(file: str) -> bool:
-    """A module a test loaded as a plugin: the example's, or one written under the temporary folder. A clone that
-    itself lives under the temporary folder (as CI's does) keeps its own modules: removing them would leave the
-    imported functions orphaned, so that Ray pickles them by value."""
-    root = Path(ROOT).resolve()
-    path = Path(file).resolve() if file else None
-    if path is None:
-        return False
-    if path.is_relative_to(root / "examples"):
-        return True
-    return path.is_relative_to(Path(tempfile.gettempdir()).resolve()) and not path.is_relative_to(root)
-
-
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`fedsim ...` in a fresh process whose working directory is `cwd`, with nothing but fedsim on the path."""
     env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}

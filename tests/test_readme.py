@@ -89,7 +89,7 @@ def test_the_readme_names_commands() -> None:
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_every_command_names_a_real_entry_point_and_real_files(command) -> None:
+def test_every_command_names_a_real_entry_point_and_real_files(command, isolated) -> None:
     words = shlex.split(command.replace("\\", " "))
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]  # environment assignments
     if words[0] == "make":
