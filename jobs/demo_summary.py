@@ -86,7 +86,7 @@ def render(s: dict[str, Any]) -> str:
                       for t, n in ((0.90, to90), (0.95, to95)))
     lo, hi = s["late_per_round"]
     late = f"{lo}" if lo == hi else f"{lo}–{hi}"
-    wall = (f" The whole command took {s['wall_s']:.0f} s of wall time, Ray's start and stop included, on "
+    wall = (f" `fedsim run` took {s['wall_s']:.0f} s of wall time, Ray's start and stop included, on "
             f"{s['cpus']} CPUs.") if s.get("wall_s") is not None else ""
     text = (f"It reaches **{100 * s['best_accuracy']:.1f}% best (after {s['best_after_rounds']} rounds) / "
             f"{100 * s['final_accuracy']:.1f}% final test accuracy** ({reach}), with {late} of the "
