@@ -111,19 +111,22 @@ def test_resume_refuses_a_config_edited_into_another_experiment(run_copy, edits)
     assert tree(run_copy) == before
 
 
-@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("where", ["outside", "inside", "relative", "name"])
 def test_resume_imports_no_plugin_the_run_did_not_start_with_nor_one_inside_its_folder(run_copy, tmp_path, where):
     marker = tmp_path / "imported"
-    folder = run_copy if where == "inside" else tmp_path
+    folder = tmp_path if where == "outside" else run_copy
     plugin = folder / "evil.py"
     plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    edited = ["config.yaml"] + ([str(STARTED)] if where == "inside" else [])  # inside: both files agree
+    # inside: both config files agree, naming the file by absolute path, by a path relative to the run folder
+    # (where the saved config lies) or by a bare module name, found beside the config
+    entry = {"inside": str(plugin), "relative": "evil.py", "name": "evil", "outside": str(plugin)}[where]
+    edited = ["config.yaml"] + ([str(STARTED)] if where != "outside" else [])
     for name in edited:
         raw = yaml.safe_load((run_copy / name).read_text())
-        raw["plugins"] = [str(plugin)]
+        raw["plugins"] = [entry]
         (run_copy / name).write_text(yaml.safe_dump(raw, sort_keys=False))
     before = tree(run_copy)
-    fragment = "lies inside the run folder" if where == "inside" else "plugins ([] -> "
+    fragment = "lies inside the run folder" if where != "outside" else "plugins ([] -> "
     assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), fragment)
     assert not marker.exists() and tree(run_copy) == before
 

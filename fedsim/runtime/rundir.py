@@ -152,11 +152,14 @@ def _check_plugins(run_dir: Location, path: Location) -> None:
             raise ConfigError(f"{path}: plugins ({started!r} -> {plugins!r}) changed since the run started "
                               f"({started_path}); start a new run instead")
     if isinstance(run_dir, Path) and isinstance(plugins, list):
-        inside = [p for p in plugins if isinstance(p, str) and Path(p).is_absolute()
-                  and Path(p).resolve().is_relative_to(run_dir.resolve())]
-        if inside:
-            raise ConfigError(f"{path}: plugin {inside[0]} lies inside the run folder; a run's files are data, "
-                              "not code: keep plugins beside your configs")
+        from fedsim.plugins import _locate
+
+        folder = run_dir.resolve()
+        for entry in plugins:  # found as the config's loader would find it: relative paths and names start here
+            found = _locate(entry, folder).path if isinstance(entry, str) else None
+            if found is not None and found.resolve().is_relative_to(folder):
+                raise ConfigError(f"{path}: plugin {entry} lies inside the run folder ({found}); a run's files are "
+                                  "data, not code: keep plugins beside your configs")
 
 
 def _named(path: Location) -> str | Path:
