@@ -130,6 +130,14 @@ def experiment_dir(out_dir: Path) -> Path:
     return path
 
 
+def check_replaceable(out_dir: Path) -> None:
+    """Refuse, before Ray starts, an out_dir/tune that is not a sweep's bookkeeping: run_trials replaces it."""
+    path = experiment_dir(out_dir)
+    if path.exists() and not (path / PLAN).is_file():
+        raise ConfigError(f"--output-dir {out_dir}: {path} holds no sweep's state ({PLAN} is missing) and a sweep "
+                          "replaces that folder; move it or choose another --output-dir")
+
+
 def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
     """--resume: out_dir must hold the plan of the runs this sweep file gives now (read as JSON, nothing else)."""
     path = experiment_dir(out_dir)

@@ -112,6 +112,18 @@ def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sw
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tune_folder_that_is_no_sweeps_state_is_refused_and_kept(tmp_path, nothing_runs) -> None:
+    """A sweep replaces <output-dir>/tune; a folder of that name holding anything else is the user's, never removed."""
+    from jobs.sweep import run_sweep
+
+    mine = tmp_path / "out" / "tune" / "mythesis"
+    mine.mkdir(parents=True)
+    (mine / "chapter1.tex").write_text("kept")
+    with pytest.raises(ConfigError, match=r"tune holds no sweep's state \(fedsim_plan.json is missing\)"):
+        run_sweep(write_sweep(tmp_path, seeds=[0]), out_dir=str(tmp_path / "out"))
+    assert (mine / "chapter1.tex").read_text() == "kept"
+
+
 def test_a_table_path_that_cannot_be_written_is_refused_before_any_trial(tmp_path, nothing_runs) -> None:
     from jobs.sweep import run_sweep
 
