@@ -147,6 +147,27 @@ def test_resume_extends_a_run_whose_rounds_were_raised(run_copy, tmp_path):
 
 
 @pytest.mark.parametrize("table", ["rounds.parquet", "clients.parquet"])
+@pytest.mark.parametrize("damage", ["no round column", "round as text", "a null round", "a negative round"])
+def test_a_table_whose_rows_are_not_numbered_by_round_is_refused_on_resume_and_kept(run_copy, table, damage):
+    """--resume keeps the rows up to the checkpoint's round: a round column that cannot say which would drop rows
+    (a null round once lost round 0) or fail with a traceback."""
+    target = run_copy / table
+    df = pd.read_parquet(target)
+    if damage == "no round column":
+        df = df.drop(columns="round")
+    elif damage == "round as text":
+        df["round"] = df["round"].astype(str)
+    elif damage == "a null round":
+        df["round"] = df["round"].astype("float64").where(df.index > 0)
+    else:
+        df.loc[0, "round"] = -1
+    df.to_parquet(target)
+    before = tree(run_copy)
+    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), f"{table}: has ")
+    assert tree(run_copy) == before
+
+
+@pytest.mark.parametrize("table", ["rounds.parquet", "clients.parquet"])
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_damaged_tables_fail_in_one_line_naming_the_file(run_copy, capsys, table, damage):
     from jobs.cli import main

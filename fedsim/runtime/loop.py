@@ -306,8 +306,19 @@ class Simulation:
 
 
 def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The tables a checkpointed run wrote; a missing or corrupt one fails now, before anything starts."""
-    return read_table(run_dir / "rounds.parquet"), read_table(run_dir / "clients.parquet")
+    """The tables a checkpointed run wrote; a missing or corrupt one, or one whose rows are not numbered by round,
+    fails now, before anything starts (the rows kept are chosen by round: a bad one would drop rows)."""
+    tables = []
+    for name in ("rounds.parquet", "clients.parquet"):
+        table = read_table(run_dir / name)
+        col = table.get("round")
+        if col is None or not pd.api.types.is_integer_dtype(col.dtype) or col.isna().any() or \
+                (len(col) and col.min() < 0):
+            what = ("has no round column" if col is None
+                    else f"has a round column of {col.dtype} values, not round numbers")
+            raise CheckpointError(f"{run_dir / name}: {what} (the run folder is damaged)")
+        tables.append(table)
+    return tables[0], tables[1]
 
 
 def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | StorePath | None = None,
