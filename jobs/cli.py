@@ -13,6 +13,7 @@ import sys
 from typing import NoReturn
 
 from fedsim.errors import ConfigError, FedsimError
+from fedsim.limits import MAX_WORKERS
 from fedsim.runtime.allocator import keep_freed_blocks
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
@@ -24,8 +25,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _count(minimum: int):
-    """argparse type: an integer >= minimum."""
+def _count(minimum: int, maximum: int | None = None):
+    """argparse type: an integer >= minimum (and <= maximum, when given)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -33,6 +34,8 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     parse.__name__ = f"integer >= {minimum}"
@@ -227,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override any config field, e.g. -o rounds=5 -o train.lr=0.01")
     r.add_argument("--resume", metavar="RUN", help="continue a killed run from its last checkpoint")
     r.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
-    r.add_argument("--workers", type=_count(1), help="number of client workers")
+    r.add_argument("--workers", type=_count(1, MAX_WORKERS), help="number of client workers")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
     res = sub.add_parser("results", help="inspect runs")

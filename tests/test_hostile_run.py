@@ -73,7 +73,7 @@ def run_copy(finished, tmp_path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("workers", ["-3", "0", "two"])
+@pytest.mark.parametrize("workers", ["-3", "0", "two", "99999999"])  # above fedsim.limits.MAX_WORKERS
 def test_workers_must_be_a_positive_integer(tmp_path, workers):
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
     proc = fedsim("run", str(cfg), "--workers", workers)
@@ -254,6 +254,7 @@ def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkey
     ("data.name=nope", "data.name", False),                      # no such dataset
     ("model.name=nosuch", "model", True),                        # no such architecture
     ("stragglers.trace=/no/such/trace.csv", "trace.csv", False),  # no such device trace
+    ("stragglers.trace=/dev/zero", "/dev/zero is not a regular file", False),  # read forever, filling memory
 ])
 def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, into_existing):
     results = tmp_path / "results"

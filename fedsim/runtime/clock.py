@@ -7,6 +7,7 @@ number of workers, and whether or not late clients are computed.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,8 @@ def _read_trace(path: str, n: int) -> Profiles:
     """
     import pandas as pd
 
+    if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe would be read forever
+        raise DataError(f"stragglers.trace: {path} is not a regular file")
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
     except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
