@@ -19,6 +19,8 @@ from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
 from fedsim.storage import Location, location
 
+BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, as a command killed by the closed pipe reports it
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
@@ -281,7 +283,12 @@ def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
         else:
             args = build_parser().parse_args(argv)
         try:
-            return args.fn(args)
+            code = args.fn(args)
+            sys.stdout.flush()  # a reader that left (`fedsim ... | head`) shows here, not as a traceback at exit
+            return code
+        except BrokenPipeError:  # the reader has what it wanted; what is left goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return BROKEN_PIPE_EXIT_CODE
         except FedsimError as exc:
             print(f"fedsim: error: {exc}", file=sys.stderr)
             return exc.exit_code

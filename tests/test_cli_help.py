@@ -1,12 +1,16 @@
-"""`fedsim <command> --help` prints that command's usage and exits 0, for every command and subcommand."""
+"""`fedsim <command> --help` prints that command's usage and exits 0, for every command and subcommand; a command
+whose reader leaves the pipe ends quietly."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
 from jobs.cli import build_parser, main
+from tests.conftest import ROOT
 
 
 def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -41,3 +45,13 @@ def test_stress_arguments_reach_its_own_parser(capsys):
         main(["stress", "--clients", "10"])
     err = capsys.readouterr().err.strip().splitlines()
     assert done.value.code == 2 and err == ["fedsim stress: error: the following arguments are required: config"]
+
+
+@pytest.mark.parametrize("command", [["config-reference"], ["mechanism-reference"]])
+def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(command):
+    """`fedsim config-reference | head -1`: the reader closes the pipe before fedsim writes; no traceback follows."""
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", *command], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before anything is written: every write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and err == "", err
