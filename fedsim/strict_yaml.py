@@ -1,9 +1,13 @@
 """The YAML dialect of config files and `-o` values: safe, no duplicate keys, and floats as people write them.
 
-PyYAML follows YAML 1.1, where `1e-3` is a string (a float needs a dot and a signed exponent) and a repeated
-key silently replaces the first. Here `1e-3`, `5E4`, `.5`, `-.5` and `-2e+1` are floats, a duplicate key is
-an error naming the key and both lines, and a document whose aliases expand past `MAX_NODES` values or that
-nests deeper than `MAX_DEPTH` is refused (so a few lines of anchors cannot expand into gigabytes).
+PyYAML follows YAML 1.1, where `1e-3` is a string (a float needs a dot and a signed exponent), `1:30` is 90
+(base 60), `010` is 8, `no`, `on` and `y` are booleans, `2026-01-02` is a date, and a repeated key silently
+replaces the first. Here plain values resolve as in YAML 1.2's core schema (what people mean, and what JSON
+and most other tools read): `1e-3`, `5E4`, `.5`, `-.5` and `-2e+1` are floats, integers are decimal, `0o17` or
+`0x1F`, only true/false are booleans, and everything else (`1:30`, `no`, dates) stays text. Digits may be
+grouped with `_` as in Python. A duplicate key is an error naming the key and both lines, and a document whose
+aliases expand past `MAX_NODES` values or that nests deeper than `MAX_DEPTH` is refused (so a few lines of
+anchors cannot expand into gigabytes).
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ MAX_NODES = 1_000_000
 MAX_DEPTH = 100
 
 FLOAT_TAG = "tag:yaml.org,2002:float"
+INT_TAG = "tag:yaml.org,2002:int"
+BOOL_TAG = "tag:yaml.org,2002:bool"
+NULL_TAG = "tag:yaml.org,2002:null"
 MERGE_TAG = "tag:yaml.org,2002:merge"
 FLOAT = re.compile(r"""^(?:
       [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
     | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
-    | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
     | [-+]?\.(?:inf|Inf|INF)
     | \.(?:nan|NaN|NAN))$""", re.X)
-
-
+DECIMAL = re.compile(r"^[-+]?[0-9][0-9_]*$")
+INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
+BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
 class YAMLShapeError(yaml.YAMLError):
     """A well-formed document that is still refused: a duplicate key, or one too large or deep once expanded."""
 
@@ -57,18 +65,32 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _with_yaml12_floats(resolvers: dict) -> dict:
-    """A copy of `resolvers` whose float rule is FLOAT, at the float rule's place (before the int rule)."""
-    out = {}
-    for first, rules in resolvers.items():
-        out[first] = [(tag, FLOAT if tag == FLOAT_TAG else rx) for tag, rx in rules]
-    for first in "-+0123456789.":
-        if not any(tag == FLOAT_TAG for tag, _ in out.get(first, [])):
-            out.setdefault(first, []).insert(0, (FLOAT_TAG, FLOAT))
+def _yaml12_core(resolvers: dict) -> dict:
+    """`resolvers` with their null, bool, int, float and timestamp rules replaced by YAML 1.2's core schema."""
+    core = {NULL_TAG: NULL, BOOL_TAG: BOOL, FLOAT_TAG: FLOAT, INT_TAG: INT}  # float before int: "1e3" is a float
+    out: dict = {}
+    for first, rules in resolvers.items():  # the rest (merge keys, PyYAML's own markers) as PyYAML has them
+        kept = [(tag, rx) for tag, rx in rules if tag not in core and not tag.endswith(":timestamp")]
+        if kept:
+            out[first] = kept
+    starts = {NULL_TAG: "~nN", BOOL_TAG: "tTfF", FLOAT_TAG: "-+0123456789.", INT_TAG: "-+0123456789"}
+    for tag, rx in core.items():
+        for first in starts[tag]:
+            out.setdefault(first, []).append((tag, rx))
+    out.setdefault("", []).append((NULL_TAG, NULL))  # an empty value is null
     return out
 
 
-StrictLoader.yaml_implicit_resolvers = _with_yaml12_floats(yaml.SafeLoader.yaml_implicit_resolvers)
+StrictLoader.yaml_implicit_resolvers = _yaml12_core(yaml.SafeLoader.yaml_implicit_resolvers)
+
+
+def _construct_int(loader: StrictLoader, node: Any) -> int:
+    """A core-schema integer: decimal (a leading zero is still decimal), 0o octal or 0x hexadecimal."""
+    text = loader.construct_scalar(node).replace("_", "")
+    return int(text, 10) if DECIMAL.match(text) else int(text, 0)
+
+
+StrictLoader.add_constructor(INT_TAG, _construct_int)
 
 
 def check_size(data: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> None:

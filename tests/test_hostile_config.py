@@ -105,6 +105,27 @@ def test_override_values_parse_yaml12_floats(text, value):
     assert parsed == value and type(parsed) is type(value)
 
 
+@pytest.mark.parametrize("text, value", [("1:30", "1:30"), ("1:30.5", "1:30.5"), ("010", 10), ("0o17", 15),
+                                         ("0x1F", 31), ("1_000", 1000), ("0x_", "0x_"), ("0b101", "0b101"),
+                                         ("no", "no"), ("yes", "yes"), ("on", "on"), ("off", "off"), ("y", "y"),
+                                         ("n", "n"), ("TRUE", True), ("false", False), ("~", None), ("null", None),
+                                         ("2026-01-02", "2026-01-02")])
+def test_yaml11_quirks_do_not_change_what_a_value_means(text, value):
+    """YAML 1.1 reads `1:30` as 90, `010` as 8, `no` as False and `2026-01-02` as a date: values the writer did not
+    mean. They resolve as in YAML 1.2's core schema instead, in overrides and in files alike."""
+    _, parsed = parse_override(f"x={text}")
+    assert parsed == value and type(parsed) is type(value)
+
+
+def test_a_base60_looking_round_count_is_refused_not_read_as_90(tmp_path):
+    with pytest.raises(ConfigError, match=r"rounds: expected an integer, got '1:30'"):
+        load_config(None, ["rounds=1:30"])
+    path = tmp_path / "c.yaml"
+    path.write_text("rounds: 1:30\n")
+    with pytest.raises(ConfigError, match=r"rounds: expected an integer, got '1:30'"):
+        load_config(path)
+
+
 def test_exponent_floats_work_in_files_overrides_and_int_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-4\n  epochs: 2e1\nalgorithm: {name: fedprox, mu: .5}\n")
