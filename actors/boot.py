@@ -41,11 +41,15 @@ def check_reachable(address: str | None) -> None:
     knob = "runtime.ray_address"
     if address is None:
         address, knob = os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"
-    if not address or address in ("auto", "local") or "://" in address:
+    if not address or address in ("auto", "local"):
         return
-    host, _, port = address.rpartition(":")
+    scheme, _, target = address.rpartition("://")
+    if scheme not in ("", "ray"):  # Ray's own address forms (anyscale://, ...) are Ray's to check
+        return
+    host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
-        raise ConfigError(f"{knob}={address}: expected host:port (the head's GCS address), 'auto' or 'local'")
+        raise ConfigError(f"{knob}={address}: expected host:port (the head's GCS address), ray://host:port (its "
+                          "Ray Client server), 'auto' or 'local'")
     try:
         socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
     except OSError as exc:

@@ -186,7 +186,8 @@ def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | 
     """Where a saved state departs from what this run's method builds (`fresh`, its initial state), or None: every
     tensor of `fresh` (its models' weights) must be in `saved` at the same place with the same shape and dtype. A
     state grows after its first round (optimizer buffers, histories), and its arrays (selected indices, scores) may
-    change length, so what `saved` has beyond `fresh`'s tensors is not judged."""
+    change length, so what `saved` has beyond `fresh`'s tensors is not judged, except in a model's weights (a dict
+    of names to tensors), where a name more is another architecture's and would fail only when the model loads."""
     if isinstance(fresh, np.ndarray):
         return None
     if isinstance(fresh, torch.Tensor):
@@ -208,12 +209,21 @@ def state_mismatch(fresh: Any, saved: Any, path: str = "server_state") -> str | 
         missing = [k for k, v in fresh.items() if k not in saved and _holds_tensors(v)]
         if missing:
             return f"{path} lacks {missing[0]!r}"
+        if _is_weights(fresh):
+            extra = [k for k in saved if k not in fresh]
+            if extra:
+                return f"{path} has {extra[0]!r}, which this run's model lacks"
         items = [(f"{path}[{k!r}]", v, saved[k]) for k, v in fresh.items() if k in saved]
     else:  # a list or tuple
         if not isinstance(saved, (list, tuple)) or len(saved) != len(fresh):
             return f"{path} is not a sequence of {len(fresh)}"
         items = [(f"{path}[{i}]", f, s) for i, (f, s) in enumerate(zip(fresh, saved, strict=True))]
     return next((found for where, f, s in items if (found := state_mismatch(f, s, where))), None)
+
+
+def _is_weights(value: dict) -> bool:
+    """Whether a state dict entry is a model's weights: parameter names to tensors, as state_dict() gives them."""
+    return bool(value) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
 
 
 def _holds_tensors(value: Any) -> bool:

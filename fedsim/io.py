@@ -21,16 +21,19 @@ def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
         _upload(path, write)
         return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _create_temporary(path)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _create_temporary(path)
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as exc:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None:  # named after the file meant, not the temporary
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 

@@ -122,8 +122,13 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     runs = find_runs(items)[0]
     target = Path(out) if out else default_out(runs, x, y)  # a folder, or a run's (a Path or a store's path)
     fig = figure(data, x, y, runs[0].name if len(runs) == 1 else f"{df['run'].nunique()} runs")
-    atomic_write(target, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
-    plt.close(fig)
+    try:
+        atomic_write(target, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png"))
+    except OSError as exc:  # a folder that refuses new files (read-only, /proc, full): nothing was written
+        raise FedsimError(f"{'--out ' if out else ''}{target}: cannot write the plot there "
+                          f"({exc.strerror or type(exc).__name__})") from None
+    finally:
+        plt.close(fig)
     return target
 
 

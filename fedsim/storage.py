@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from fedsim.errors import ConfigError, MissingExtraError
+from fedsim.errors import CheckpointError, ConfigError, MissingExtraError
 from fedsim.extras import install_hint
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -48,6 +48,8 @@ class StorePath:
         return StorePath(self.fs, head or self.fs.root_marker or self.path, self.scheme)
 
     def __str__(self) -> str:
+        if _SCHEME.match(self.path):  # filesystems that keep the whole URL as the path (http://)
+            return self.path
         return f"{self.scheme}://{self.path.lstrip('/')}"
 
     def __repr__(self) -> str:
@@ -59,14 +61,24 @@ class StorePath:
     def __hash__(self) -> int:
         return hash((type(self.fs).__name__, self.path))
 
+    def _ask(self, method: str, *args: Any) -> Any:
+        """`fs.<method>(path, ...)`, with a store that cannot be reached (credentials, network) as one line."""
+        try:
+            return getattr(self.fs, method)(self.path, *args)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"{self}: cannot reach the store ({type(exc).__name__}: {_first_line(exc)})") \
+                from None
+
     def exists(self) -> bool:
-        return bool(self.fs.exists(self.path))
+        return bool(self._ask("exists"))
 
     def is_file(self) -> bool:
-        return bool(self.fs.isfile(self.path))
+        return bool(self._ask("isfile"))
 
     def is_dir(self) -> bool:
-        return bool(self.fs.isdir(self.path))
+        return bool(self._ask("isdir"))
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Create the folder (and its parents); nothing to do on an object store, and never a new bucket."""
@@ -74,7 +86,7 @@ class StorePath:
             self.fs.makedirs(self.path, exist_ok=True)
 
     def iterdir(self) -> Iterator[StorePath]:
-        for child in self.fs.ls(self.path, detail=False):
+        for child in self._ask("ls", False):
             if child.rstrip("/") != self.path:
                 yield StorePath(self.fs, child, self.scheme)
 
@@ -82,7 +94,7 @@ class StorePath:
         return self.fs.open(self.path, mode)
 
     def read_bytes(self) -> bytes:
-        return bytes(self.fs.cat_file(self.path))
+        return bytes(self._ask("cat_file"))
 
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 from fedsim.errors import ConfigError, FedsimError
 from fedsim.limits import MAX_WORKERS
@@ -271,6 +272,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+STDOUT = "standard output"
+
+
+class _NamedStdout:
+    """sys.stdout whose write errors (a full disk, /dev/full) name it, so they read as one line like any file's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._named(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._named(self._stream.flush)
+
+    def _named(self, call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, STDOUT) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _refused(exc: OSError) -> str:
+    """One line for a file or device that refused a read or write (permissions, a full disk); when standard output
+    is what failed, it is pointed at /dev/null so the flush at exit does not fail a second time."""
+    if exc.filename == STDOUT:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    reason = exc.strerror or f"{type(exc).__name__}: {exc}"
+    return f"{exc.filename}: {reason}" if exc.filename else reason
+
+
 def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
     """The `fedsim` command. `own_process` (default: when `argv` is the command line's) lets it tune the process it
     runs in (glibc keeps freed blocks for the next round: fedsim.runtime.allocator)."""
@@ -282,6 +319,7 @@ def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
             args = argparse.Namespace(fn=cmd_stress, rest=argv[1:])
         else:
             args = build_parser().parse_args(argv)
+        stdout, sys.stdout = sys.stdout, _NamedStdout(sys.stdout)
         try:
             code = args.fn(args)
             sys.stdout.flush()  # a reader that left (`fedsim ... | head`) shows here, not as a traceback at exit
@@ -292,11 +330,16 @@ def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
         except FedsimError as exc:
             print(f"fedsim: error: {exc}", file=sys.stderr)
             return exc.exit_code
+        except OSError as exc:
+            print(f"fedsim: error: {_refused(exc)}", file=sys.stderr)
+            return FedsimError.exit_code
         except KeyboardInterrupt:
             word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
                                                                                           INTERRUPTED_EXIT_CODE)
             print(f"fedsim: {word}", file=sys.stderr)
             return code
+        finally:
+            sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -500,7 +500,7 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     """Plan, run as Tune trials (or resume) and tabulate a sweep; returns the markdown it printed and wrote."""
     from fedsim.config import load_config
     from fedsim.io import atomic_write, atomic_write_text
-    from jobs.sweep_tune import check_replaceable, check_resume, run_trials, trial_bundles
+    from jobs.sweep_tune import check_replaceable, check_resume, make_output_dir, run_trials, trial_bundles
 
     sweep_file = Path(sweep_file)
     sw = load_sweep(sweep_file)
@@ -528,6 +528,7 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     if resume:
         check_resume(dest_dir, specs)
     check_replaceable(dest_dir)
+    make_output_dir(dest_dir)
     with ray_session(configs, always=True):
         errors = run_trials(specs, dest_dir, resume, parallel or sw.max_parallel, sw.early_stop,
                             max(c.rounds for c in configs))

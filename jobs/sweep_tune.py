@@ -138,6 +138,19 @@ def check_replaceable(out_dir: Path) -> None:
                           "replaces that folder; move it or choose another --output-dir")
 
 
+def make_output_dir(out_dir: Path) -> None:
+    """Create the sweep's folder before Ray starts, so a place that refuses it (read-only, /proc, a file's name) is
+    one line naming --output-dir rather than a failure inside Tune."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".fedsim-probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--output-dir {out_dir}: cannot write there ({exc.strerror or type(exc).__name__})") \
+            from None
+
+
 def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
     """--resume: out_dir must hold the plan of the runs this sweep file gives now (read as JSON, nothing else)."""
     path = experiment_dir(out_dir)

@@ -429,3 +429,69 @@ def test_the_stop_message_names_the_last_round_the_table_kept(tmp_path):
     assert _after_last_round(table) == " after round 2"
     table.write_bytes(b"not parquet")
     assert _after_last_round(table) == ""
+
+
+def _without_root_overrides() -> list[str]:
+    """A command prefix under which file permissions hold even for root (who reads a mode-000 folder otherwise)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "root needs setpriv (util-linux) to run a command that file permissions bind"
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+def test_a_run_folder_that_cannot_be_read_is_one_line_naming_the_file(run_copy):
+    run_copy.chmod(0)
+    try:
+        for args in (["results", "show", str(run_copy)], ["plot", str(run_copy)],
+                     ["run", "--resume", str(run_copy), "--quiet"]):
+            proc = subprocess.run([*_without_root_overrides(), sys.executable, "-m", "jobs.cli", *args], cwd=ROOT,
+                                  env=ENV, capture_output=True, text=True, timeout=300)
+            assert_one_line_error(proc, str(run_copy), "Permission denied")
+    finally:
+        run_copy.chmod(0o755)
+
+
+@pytest.mark.parametrize("command", [["config-reference"], ["results", "show", "RUN"]])
+def test_a_full_standard_output_is_one_line_not_a_traceback(finished, command):
+    args = [str(finished) if a == "RUN" else a for a in command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == "fedsim: error: standard output: No space left on device\n"
+
+
+def test_a_plot_into_a_folder_that_refuses_files_is_one_line(finished, capsys):
+    from jobs.cli import main
+
+    assert main(["plot", str(finished), "--out", "/proc/fedsim-test.png"]) == 2
+    assert capsys.readouterr().err == ("fedsim: error: --out /proc/fedsim-test.png: cannot write the plot there "
+                                       "(No such file or directory)\n")
+
+
+def test_a_started_config_that_is_a_folder_is_refused_and_kept(run_copy):
+    started = run_copy / STARTED
+    started.unlink()
+    started.mkdir()
+    before = tree(run_copy)
+    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), f"{started}: not a file")
+    assert tree(run_copy) == before
+
+
+def test_a_checkpoint_whose_model_has_a_weight_more_is_refused_before_any_round(run_copy):
+    """Extra weights would load only when the server first evaluates: after a resumed round had trained."""
+    import torch
+
+    ckpt = run_copy / "checkpoints" / "last.pt"
+    state = torch.load(ckpt, weights_only=True)
+    (arch, weights), = state["server_state"]["models"].items()
+    weights["extra.weight"] = torch.zeros(3)
+    torch.save(state, ckpt)
+    config = yaml.safe_load((run_copy / "config.yaml").read_text())
+    config["rounds"] = 3
+    (run_copy / "config.yaml").write_text(yaml.safe_dump(config))
+    before = tree(run_copy)
+    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), "does not fit this run",
+                          f"server_state.models['{arch}'] has 'extra.weight', which this run's model lacks")
+    assert tree(run_copy) == before

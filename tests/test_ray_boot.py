@@ -41,8 +41,19 @@ def test_a_listening_address_and_the_keywords_pass(monkeypatch):
         server.bind(("127.0.0.1", 0))
         server.listen()
         check_reachable(f"127.0.0.1:{server.getsockname()[1]}")
-    for address in (None, "auto", "local", "ray://head:10001"):
+        check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}")
+    for address in (None, "auto", "local", "anyscale://head"):
         check_reachable(address)  # Ray's own forms are left to Ray
+
+
+def test_a_ray_client_address_where_nothing_listens_is_refused_at_once(monkeypatch):
+    """Ray Client waits about 30 s for an address where nothing listens, then warns over several lines."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    port = _closed_port()
+    with pytest.raises(ConfigError, match=rf"runtime.ray_address=ray://127.0.0.1:{port}: no Ray cluster answers"):
+        check_reachable(f"ray://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match="expected host:port"):
+        check_reachable("ray://head")
 
 
 def test_fedsim_run_with_an_unreachable_cluster_fails_in_one_line(tmp_path):

@@ -193,3 +193,24 @@ def test_s3_missing_bucket_is_one_line_and_exit_2(s3_server, config_file, elsewh
     assert err == ["fedsim: error: results.root: s3://no-such-bucket/runs: no bucket 'no-such-bucket' "
                    "(or no access to it); create it first"], err
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_store_out_of_reach_is_one_line_naming_the_uri_once(monkeypatch, capsys):
+    """Reading from a store that cannot be reached (no credentials, nothing listening) says so in one line: not a
+    traceback from the store's client, and not "not a run folder", which would send the user looking for files."""
+    pytest.importorskip("aiohttp", reason="fsspec's http:// needs aiohttp (in the dev extra)")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is in the s3 and dev extras")
+    http = f"http://127.0.0.1:{free_port()}/team/run"
+    assert str(location(http)) == http
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    for uri, reason in ((http, "ClientConnectorError"), ("s3://fedsim-bucket/run", "NoCredentialsError")):
+        for args in (["results", "show", uri], ["run", "--resume", uri, "--quiet"]):
+            assert main(args) == 2
+            err = capsys.readouterr().err.splitlines()
+            assert len(err) == 1 and err[0].startswith(f"fedsim: error: {uri}: cannot reach the store ({reason}: "), err
+    s3fs.S3FileSystem.clear_instance_cache()

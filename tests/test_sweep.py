@@ -124,6 +124,17 @@ def test_a_tune_folder_that_is_no_sweeps_state_is_refused_and_kept(tmp_path, not
     assert (mine / "chapter1.tex").read_text() == "kept"
 
 
+def test_an_output_dir_that_cannot_be_made_is_refused_before_ray_starts(tmp_path, nothing_runs) -> None:
+    from jobs.sweep import run_sweep
+
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    for out_dir, reason in (("/proc/fedsim-sweep", "No such file or directory"), (afile / "out", "Not a directory")):
+        with pytest.raises(ConfigError, match=f"^--output-dir {out_dir}: cannot write there \\({reason}\\)$"):
+            run_sweep(write_sweep(tmp_path, seeds=[0]), out_dir=str(out_dir))
+    assert afile.read_text() == "kept"
+
+
 def test_a_table_path_that_cannot_be_written_is_refused_before_any_trial(tmp_path, nothing_runs) -> None:
     from jobs.sweep import run_sweep
 

@@ -170,11 +170,15 @@ def _named(path: Location) -> str | Path:
 def resume_config(run_dir: Location) -> RunConfig:
     """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
     path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise CheckpointError(f"--resume {run_dir}: not a run folder (no such folder)")
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
     _check_plugins(run_dir, path)  # before load_config imports them
     cfg = load_config(_named(path))
     started_path = run_dir / STARTED_CONFIG
+    if started_path.exists() and not started_path.is_file():
+        raise CheckpointError(f"{started_path}: not a file (the config the run started with belongs there)")
     if not started_path.is_file():
         if started_path.parent.is_dir():
             save_config(cfg, started_path)
