@@ -112,7 +112,8 @@ class StragglerConfig:
                                   "durations in (0, 1] (quantile)")
     over_select: float = knob(0.0, ge=0, le=10, doc="sample (1+over_select)·K clients and keep the fastest K")
     skip_late: bool = knob(False, doc="do not compute clients known to miss the deadline (FedScale-style)")
-    trace: str | None = knob(None, doc="CSV with columns client,speed,bandwidth_mbps,availability")
+    trace: str | None = knob(None, doc="CSV with columns client,speed,bandwidth_mbps,availability (speed 1e-6 to 1e6, "
+                                           "Mbit/s 1e-6 to 1e9, availability in (0, 1])")
 
 
 @dataclass

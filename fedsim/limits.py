@@ -13,6 +13,7 @@ MAX_SAMPLES = 10_000_000  # samples a method generates or draws (synthetic sets,
 MAX_CLASSES = 100_000
 MAX_WIDTH = 65_536  # channels, hidden units, noise dimensions
 MAX_WORKERS = 4096
+MAX_SWEEP_RUNS = 10_000  # runs one sweep plans (grid points x samples x arms x seeds)
 MAX_CPUS = 1024
 MAX_GPUS = 64
 MAX_THREADS = 1024

@@ -26,16 +26,19 @@ INT_TAG = "tag:yaml.org,2002:int"
 BOOL_TAG = "tag:yaml.org,2002:bool"
 NULL_TAG = "tag:yaml.org,2002:null"
 MERGE_TAG = "tag:yaml.org,2002:merge"
-FLOAT = re.compile(r"""^(?:
-      [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-    | [-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
-    | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+DIGITS = r"[0-9](?:_?[0-9])*"  # Python's grouping: one underscore between two digits
+FLOAT = re.compile(rf"""^(?:
+      [-+]?{DIGITS}\.(?:{DIGITS})?(?:[eE][-+]?[0-9]+)?
+    | [-+]?\.{DIGITS}(?:[eE][-+]?[0-9]+)?
+    | [-+]?{DIGITS}[eE][-+]?[0-9]+
     | [-+]?\.(?:inf|Inf|INF)
     | \.(?:nan|NaN|NAN))$""", re.X)
-DECIMAL = re.compile(r"^[-+]?[0-9][0-9_]*$")
-INT = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$")
+DECIMAL = re.compile(rf"^[-+]?{DIGITS}$")
+INT = re.compile(rf"^(?:[-+]?{DIGITS}|0o[0-7](?:_?[0-7])*|0x[0-9a-fA-F](?:_?[0-9a-fA-F])*)$")
 BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
+
+
 class YAMLShapeError(yaml.YAMLError):
     """A well-formed document that is still refused: a duplicate key, or one too large or deep once expanded."""
 

@@ -41,10 +41,11 @@ from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from fedsim.errors import ConfigError, FedsimError  # noqa: E402
-from fedsim.limits import MAX_CLIENTS, MAX_SECONDS, MAX_WORKERS  # noqa: E402
+from fedsim.limits import MAX_CLIENTS, MAX_ROUNDS, MAX_SECONDS, MAX_WORKERS  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus  # noqa: E402
 
 RESULT = "STRESS_JSON "
+MAX_REPEAT = 1000  # interleaved repeats of every point
 ROOT = Path(__file__).resolve().parents[1]  # this checkout
 BENCH = ROOT / "results" / "bench"  # where --save writes
 # a point's process runs in the caller's folder (its relative paths are the caller's) and imports this checkout's
@@ -455,10 +456,10 @@ def _main(args: argparse.Namespace) -> int:
     from fedsim.io import atomic_write, atomic_write_text
 
     counts = parse_counts(args.clients, "--clients")
-    if args.rounds < 1:
-        raise ConfigError("--rounds: must be >= 1")
-    if args.repeat < 1:
-        raise ConfigError("--repeat: must be >= 1")
+    if not 1 <= args.rounds <= MAX_ROUNDS:  # before the output folder and the first point's process
+        raise ConfigError(f"--rounds: must be from 1 to {MAX_ROUNDS}, got {args.rounds}")
+    if not 1 <= args.repeat <= MAX_REPEAT:
+        raise ConfigError(f"--repeat: must be from 1 to {MAX_REPEAT}, got {args.repeat}")
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
         raise ConfigError(f"--workers: must be from 1 to {MAX_WORKERS}, got {args.workers}")
     if args.save is not None and not re.fullmatch(r"[a-z0-9_]+", args.save):

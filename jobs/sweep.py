@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -35,7 +36,7 @@ import pandas as pd
 
 from fedsim.configtools import from_dict, knob
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_ROUNDS, MAX_SEED
+from fedsim.limits import MAX_ROUNDS, MAX_SEED, MAX_SWEEP_RUNS
 from fedsim.storage import Location
 
 
@@ -98,6 +99,16 @@ def load_sweep(path: str | Path) -> Sweep:
     empty = [k for k, values in sw.grid.items() if not values]
     if empty:
         raise ConfigError(f"{path}: grid.{empty[0]}: expected a non-empty list of values, got []")
+    for key, values in sw.grid.items():  # one value twice: two trials writing one run folder
+        twice = _first_repeat([json.dumps(v, sort_keys=True) for v in values])
+        if twice is not None:
+            raise ConfigError(f"{path}: grid.{key}: {twice} is listed twice")
+    sizes = {"grid." + k: len(v) for k, v in sw.grid.items()} | {"samples": sw.samples, "arms": len(sw.arms),
+                                                                  "seeds": len(sw.seeds)}
+    if math.prod(sizes.values()) > MAX_SWEEP_RUNS:  # counted before any run is planned: a product grows fast
+        shown = " x ".join(f"{n} {k}" for k, n in sizes.items() if n > 1)
+        raise ConfigError(f"{path}: {shown} is {math.prod(sizes.values()):,} runs, more than a sweep may plan "
+                          f"({MAX_SWEEP_RUNS:,}); split it into several sweeps")
     elsewhere = _seed_set_elsewhere(sw)
     if elsewhere:
         raise ConfigError(f"{path}: {elsewhere}: a sweep sets each run's seed from seeds: (every setting runs with "
@@ -146,7 +157,7 @@ def plan(sw: Sweep, sweep_file: Path) -> list[dict]:
     draws = draw(sw.space, sw.samples, sw.space_seed)
     runs = []
     for point in points:
-        grid_over = [f"{k}={v}" for k, v in zip(keys, point)]
+        grid_over = [override(k, v) for k, v in zip(keys, point)]  # JSON: "1e-3" stays text, null stays null
         for sample, setting in enumerate(draws):
             space_over = [override(k, v) for k, v in setting.items()]
             for arm in sw.arms:
@@ -377,7 +388,7 @@ def interrupted(folder: Path, cfg: Any) -> str | None:
     try:
         saved = [_experiment(read_yaml(folder / name)) for name in ("config.yaml", STARTED_CONFIG)]
         meta = json.loads((folder / "meta.json").read_text())
-    except (FedsimError, OSError, ValueError, TypeError, AttributeError):
+    except (FedsimError, OSError, ValueError, TypeError, AttributeError, RecursionError):
         return None
     if any(s != _experiment(config_to_dict(cfg)) for s in saved):
         return None
@@ -415,7 +426,7 @@ def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1
 def _finished_code(folder: Path) -> str | None:
     try:
         info = json.loads((folder / FINISHED).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return None
     return info.get("code") if isinstance(info, dict) else None
 

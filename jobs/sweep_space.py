@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from fedsim.errors import ConfigError
 
 KINDS = ("choice", "uniform", "loguniform", "randint")
+INT64 = (-(2**63), 2**63 - 1)  # what randint can draw between
 
 
 def _bounds(key: str, kind: str, arg: Any, integer: bool = False) -> tuple[float, float]:
@@ -35,8 +37,12 @@ def _bounds(key: str, kind: str, arg: Any, integer: bool = False) -> tuple[float
         raise ConfigError(f"{where}: expected two integers, got {arg!r}")
     if not low < high:
         raise ConfigError(f"{where}: low must be below high, got {arg!r}")
-    if kind == "loguniform" and low <= 0:
-        raise ConfigError(f"{where}: low must be > 0 on a log scale, got {low!r}")
+    if kind == "loguniform" and low < sys.float_info.min:  # subnormal lows lose their precision on a log scale
+        raise ConfigError(f"{where}: low must be > 0 on a log scale (at least {sys.float_info.min:.3g}), got {low!r}")
+    if integer and not (INT64[0] <= low and high <= INT64[1]):
+        raise ConfigError(f"{where}: bounds must lie within 64-bit integers, got {arg!r}")
+    if kind == "uniform" and not math.isfinite(high - low):
+        raise ConfigError(f"{where}: high - low must be a finite number, got {arg!r}")
     return low, high
 
 

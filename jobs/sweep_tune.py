@@ -202,7 +202,7 @@ def planned(path: Path) -> list[list[Any]] | None:
     """The runs the sweep in `path` was started with (None if it holds no readable plan)."""
     try:
         return json.loads((path / PLAN).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return None
 
 

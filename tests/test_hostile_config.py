@@ -106,7 +106,8 @@ def test_override_values_parse_yaml12_floats(text, value):
 
 
 @pytest.mark.parametrize("text, value", [("1:30", "1:30"), ("1:30.5", "1:30.5"), ("010", 10), ("0o17", 15),
-                                         ("0x1F", 31), ("1_000", 1000), ("0x_", "0x_"), ("0b101", "0b101"),
+                                         ("0x1F", 31), ("1_000", 1000), ("0x_", "0x_"), ("1_", "1_"), ("1__0", "1__0"),
+                                         ("1._5", "1._5"), ("0b101", "0b101"),
                                          ("no", "no"), ("yes", "yes"), ("on", "on"), ("off", "off"), ("y", "y"),
                                          ("n", "n"), ("TRUE", True), ("false", False), ("~", None), ("null", None),
                                          ("2026-01-02", "2026-01-02")])
@@ -378,11 +379,14 @@ def test_text_in_a_trace_speed_column_through_the_cli(tmp_path):
     ("0,1,10\n1,1,10\n1,2,10\n2,1,10\n", "column client, row 3: client 1 appears more than once"),
     ("0,1,10\n2,1,10\n", "column client: no row for client 1"),
     ("0,1,10\n1.5,1,10\n2,1,10\n", "column client, row 2: '1.5' is not a client id"),
-    ("0,1,10\n1,nan,10\n2,1,10\n", "column speed, row 2: 'nan' is not a number > 0"),
-    ("0,1,10\n1,,10\n2,1,10\n", "column speed, row 2: '' is not a number > 0"),
-    ("0,1,10\n1,0,10\n2,1,10\n", "column speed, row 2: '0' is not a number > 0"),
-    ("0,1,10\n1,1,-3\n2,1,10\n", "column bandwidth_mbps, row 2: '-3' is not a number > 0"),
-    ("0,1,10\n1,1,inf\n2,1,10\n", "column bandwidth_mbps, row 2: 'inf' is not a number > 0"),
+    ("0,1,10\n1,nan,10\n2,1,10\n", "column speed, row 2: 'nan' is not a number in [1e-06, 1e+06]"),
+    ("0,1,10\n1,,10\n2,1,10\n", "column speed, row 2: '' is not a number in [1e-06, 1e+06]"),
+    ("0,1,10\n1,0,10\n2,1,10\n", "column speed, row 2: '0' is not a number in [1e-06, 1e+06]"),
+    ("0,1,10\n1,1e-308,10\n2,1,10\n", "column speed, row 2: '1e-308' is not a number in [1e-06, 1e+06]"),
+    ("0,1e308,10\n1,1,10\n2,1,10\n", "column speed, row 1: '1e308' is not a number in [1e-06, 1e+06]"),
+    ("0,1,1e-308\n1,1,10\n2,1,10\n", "column bandwidth_mbps, row 1: '1e-308' is not a number in [1e-06, 1e+09]"),
+    ("0,1,10\n1,1,-3\n2,1,10\n", "column bandwidth_mbps, row 2: '-3' is not a number in [1e-06, 1e+09]"),
+    ("0,1,10\n1,1,inf\n2,1,10\n", "column bandwidth_mbps, row 2: 'inf' is not a number in [1e-06, 1e+09]"),
     ("0,1,10,1\n1,1,10,5\n2,1,10,1\n", "column availability, row 2: '5' is not a number in (0, 1]"),
     ("0,1,10,0\n1,1,10,1\n2,1,10,1\n", "column availability, row 1: '0' is not a number in (0, 1]"),
     ("0,1,10\n1,1,10,4,4\n2,1,10\n", "cannot read"),
@@ -397,6 +401,17 @@ def test_trace_rows_are_checked(tmp_path, make_config, rows, fragment):
         make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=3",
                                   "participation.clients_per_round=2"))
     assert fragment in str(info.value) and str(trace) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_trace_with_a_column_twice_is_refused(tmp_path, make_config):
+    """pandas would read the first `speed` and rename the second: the run would use one the writer may not mean."""
+    from fedsim.runtime.clock import make_profiles
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps, speed\n0,1,10,0.001\n1,1,10,0.001\n")
+    with pytest.raises(DataError, match=f"^stragglers.trace: {trace} has the column 'speed' twice$"):
+        make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
+                                  "participation.clients_per_round=2"))
 
 
 def test_a_good_trace_ignores_rows_of_other_clients(tmp_path, make_config):

@@ -53,7 +53,11 @@ def test_bad_stress_flags_are_one_line_errors(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == "fedsim: error: --save: '../x' is not a name of lowercase letters, " \
                                               "digits and _"
     assert cli(["stress", config, "--clients", "10", "--repeat", "0", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "fedsim: error: --repeat: must be >= 1"
+    assert capsys.readouterr().err.strip() == "fedsim: error: --repeat: must be from 1 to 1000, got 0"
+    out = tmp_path / "out"
+    assert cli(["stress", config, "--clients", "10", "--rounds", "99999999", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "fedsim: error: --rounds: must be from 1 to 1000000, got 99999999"
+    assert not out.exists()  # refused before the folder, the table and a process per point
 
 
 def test_stress_out_that_cannot_be_a_folder_is_one_line(tmp_path, capsys):

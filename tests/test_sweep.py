@@ -69,6 +69,9 @@ def test_grid_and_random_spaces_from_yaml(tmp_path) -> None:
     ({"space": {"train.lr": {"loguniform": [0, 0.1]}}}, r"space.train.lr.loguniform: low must be > 0"),
     ({"space": {"train.lr": {"normal": [0, 1]}}}, r"space.train.lr: expected one of \{choice"),
     ({"space": {"train.epochs": {"randint": [3, 1]}}}, r"space.train.epochs.randint: low must be below high"),
+    ({"space": {"train.epochs": {"randint": [0, 10**20]}}}, r"randint: bounds must lie within 64-bit integers"),
+    ({"space": {"train.lr": {"uniform": [-1e308, 1e308]}}}, r"uniform: high - low must be a finite number"),
+    ({"space": {"train.lr": {"loguniform": [1e-320, 1]}}}, r"loguniform: low must be > 0 on a log scale"),
     ({"space": {"model.name": {"choice": []}}}, r"space.model.name.choice: expected a non-empty list"),
     ({"samples": 4}, r"samples: 4 draws need a space"),
     ({"grid": {"train.lr": [0.1]}, "space": {"train.lr": {"uniform": [0.1, 0.2]}}}, r"also in grid"),
@@ -103,6 +106,10 @@ def nothing_runs(monkeypatch):
     ({"model": "nope"}, r"model: 'nope' is not best, macro or a global model the runs evaluate \(cnn\)"),
     ({"seeds": [0, 1, 0]}, r"sweep.yaml: seeds: 0 is listed twice"),
     ({"arms": [{"name": "a"}, {"name": "a", "overrides": ["train.lr=0.1"]}]}, r"sweep.yaml: arms: 'a' is listed twice"),
+    ({"grid": {"train.lr": [0.1, 0.2, 0.1]}}, r"sweep.yaml: grid.train.lr: 0.1 is listed twice"),
+    ({"grid": {"train.lr": list(range(1, 101)), "train.epochs": list(range(1, 101))}},
+     r"sweep.yaml: 100 grid.train.epochs x 100 grid.train.lr x 2 seeds is 20,000 runs, more than a sweep may plan "
+     r"\(10,000\); split it"),
 ])
 def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sweep, message) -> None:
     from jobs.sweep import run_sweep
@@ -110,6 +117,21 @@ def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sw
     with pytest.raises(ConfigError, match=message):
         run_sweep(write_sweep(tmp_path, **sweep), out_dir=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_grid_values_reach_the_runs_with_their_type(tmp_path) -> None:
+    """A grid value is spelled as JSON in its override, so the run reads back exactly what the sweep file says: a
+    quoted "1e-3" stays text, null stays null, and a name with '#' is not cut at a YAML comment."""
+    from fedsim.config import load_config
+    from jobs.sweep_space import override
+
+    path = write_sweep(tmp_path, seeds=[0], grid={"name": ["exp #1", "exp #2"], "results.run_id": [None],
+                                                  "train.optimizer": ["sgd"]})
+    runs = plan(load_sweep(path), path)
+    assert [r["overrides"][-4:-1] for r in runs] == [
+        [override("name", n), "results.run_id=null", 'train.optimizer="sgd"'] for n in ("exp #1", "exp #2")]
+    cfgs = [load_config(r["config"], r["overrides"]) for r in runs]
+    assert [(c.name, c.results.run_id) for c in cfgs] == [("exp #1", None), ("exp #2", None)]
 
 
 def test_a_tune_folder_that_is_no_sweeps_state_is_refused_and_kept(tmp_path, nothing_runs) -> None:
@@ -396,9 +418,10 @@ def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, monkey
     md = jobs.sweep.run_sweep(path, out_dir=str(out), resume=True)
     assert not marker.exists() and (out / "tune" / "tuner.pkl").read_bytes() != crafted and len(fits) == 2
     assert "2 runs did not run" in md and json.loads((out / "tune" / "fedsim_plan.json").read_text())
-    (out / "tune" / "fedsim_plan.json").write_text("[[")  # truncated: one line, before anything starts
-    with pytest.raises(ConfigError, match=r"--resume: .*fedsim_plan.json is not a sweep plan \(unreadable\)"):
-        jobs.sweep.run_sweep(path, out_dir=str(out), resume=True)
+    for damaged in ("[[", "[" * 100_000 + "]" * 100_000):  # truncated, or nested past Python's stack
+        (out / "tune" / "fedsim_plan.json").write_text(damaged)  # one line, before anything starts
+        with pytest.raises(ConfigError, match=r"--resume: .*fedsim_plan.json is not a sweep plan \(unreadable\)"):
+            jobs.sweep.run_sweep(path, out_dir=str(out), resume=True)
     assert len(fits) == 2
 
 

@@ -31,6 +31,7 @@ from fedsim.data._images import (
 )
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
+from fedsim.data.safe_npy import npz_array
 from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
@@ -474,10 +475,10 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
                 raise DataError(
                     f"npz: {file} has no key {missing[0]!r} (it has {sorted(data.files)}; needs {list(NPZ_KEYS)})"
                 )
-            arrays = {k: data[k] for k in NPZ_KEYS}
+            arrays = {k: npz_array(data, k, f"npz: {file}") for k in NPZ_KEYS}
     except FedsimError:
         raise
-    except _READ_ERRORS as err:
+    except (*_READ_ERRORS, MemoryError) as err:
         raise DataError(f"npz: could not read {file} ({_one_line(err)})") from None
     images = {k: _npz_images(file, k, arrays[k]) for k in ("x_train", "x_test")}
     labels = {k: _npz_labels(file, k, arrays[k]) for k in ("y_train", "y_test")}
@@ -511,6 +512,8 @@ def _npz_images(file: Path, key: str, x: np.ndarray) -> np.ndarray:
     numeric = (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)) or x.dtype == bool
     if x.ndim not in (3, 4) or not numeric:
         raise DataError(f"npz: {file}: {key} must be real numbers N×H×W or N×H×W×C, got {x.dtype} {x.shape}")
+    if 0 in x.shape[1:]:
+        raise DataError(f"npz: {file}: {key} images have no pixels (shape {x.shape})")
     if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
         raise DataError(f"npz: {file}: {key} contains NaN or infinite values")
     if x.ndim == 4:

@@ -28,6 +28,7 @@ import numpy as np
 
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
+from fedsim.data.safe_npy import npy_array, npz_array
 from fedsim.errors import ConfigError, DataError
 from fedsim.limits import MAX_CLASSES
 
@@ -59,9 +60,12 @@ def _load(path: str, mtime: int, max_vocab: int | None) -> tuple[dict[str, int],
     file = Path(path)
     if file.suffix in (".npy", ".npz"):
         try:
-            table = np.load(file, allow_pickle=False) if file.suffix == ".npy" else \
-                np.load(file, allow_pickle=False)["embedding"]
-        except (OSError, ValueError, KeyError) as err:
+            if file.suffix == ".npy":
+                table = npy_array(file)
+            else:
+                with np.load(file, allow_pickle=False) as data:
+                    table = npz_array(data, "embedding", str(file))
+        except (OSError, ValueError, KeyError, MemoryError) as err:
             raise DataError(f"{file}: could not read an embedding table ({type(err).__name__}: {err})") from None
         table = _checked_table(file, table)
         table = table[: max_vocab + 2] if max_vocab else table
@@ -185,8 +189,8 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
             missing = [k for k in ("x_train", "y_train", "x_test", "y_test", "embedding") if k not in data.files]
             if missing:
                 raise DataError(f"text_npz: {file} has no key {missing[0]!r}")
-            arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as err:
+            arrays = {k: npz_array(data, k, f"text_npz: {file}") for k in data.files}
+    except (OSError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile, MemoryError) as err:
         raise DataError(f"text_npz: could not read {file} ({type(err).__name__}: {' '.join(str(err).split())})") \
             from None
     embedding = _checked_table(file, arrays["embedding"])

@@ -143,7 +143,11 @@ class MetaWriter(Callback):
 
         path = run.run_dir / "meta.json"
         if path.is_file():
-            meta = json.loads(path.read_text())
+            try:
+                meta = json.loads(path.read_text())
+            except (ValueError, RecursionError):  # damaged since the run wrote it: the status is still worth keeping
+                meta = {}
+            meta = meta if isinstance(meta, dict) else {}
             atomic_write_text(path, json.dumps({**meta, "status": status}, indent=2, default=str))
 
 

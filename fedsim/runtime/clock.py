@@ -46,23 +46,30 @@ def make_profiles(cfg: RunConfig) -> Profiles:
 
 
 TRACE_COLUMNS = ("client", "speed", "bandwidth_mbps")
+SPEED_RANGE = (1e-6, 1e6)  # relative to the reference device: past these, virtual times overflow to inf or NaN
+BANDWIDTH_RANGE = (1e-6, 1e9)  # Mbit/s: one bit a second to a petabit
 
 
 def _read_trace(path: str, n: int) -> Profiles:
     """Profiles of clients 0..n-1 from a CSV with columns client, speed, bandwidth_mbps and optionally availability.
 
-    Speeds and bandwidths must be finite and > 0, availabilities in (0, 1]; every client needs exactly one row
-    (rows for other ids are ignored). Anything else is a DataError naming the file, the column and the first bad
-    row (counted from 1 after the header), so a typo in a trace never turns into a silently wrong run.
+    Speeds and bandwidths must lie in SPEED_RANGE and BANDWIDTH_RANGE, availabilities in (0, 1]; each column is
+    named once, and every client needs exactly one row (rows for other ids are ignored). Anything else is a
+    DataError naming the file, the column and the first bad row (counted from 1 after the header), so a typo in a
+    trace never turns into a silently wrong run.
     """
     import pandas as pd
 
     if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe would be read forever
         raise DataError(f"stragglers.trace: {path} is not a regular file")
     try:
+        header = _header(path)
         df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
     except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
         raise DataError(f"stragglers.trace: cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
+    twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+    if twice is not None:  # pandas would rename the second one and read the first: which did the writer mean?
+        raise DataError(f"stragglers.trace: {path} has the column {twice!r} twice")
     df.columns = [str(c).strip() for c in df.columns]
     missing = [c for c in TRACE_COLUMNS if c not in df.columns]
     if missing:
@@ -88,16 +95,26 @@ def _read_trace(path: str, n: int) -> Profiles:
     rows = np.full(n, -1, dtype=np.int64)
     keep = ids < n
     rows[ids[keep]] = np.flatnonzero(keep)
-    speed = _trace_column(df, "speed", path, row_no, rows, low=0.0)
-    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, low=0.0)
+    speed = _trace_column(df, "speed", path, row_no, rows, low=0.0, least=SPEED_RANGE[0], high=SPEED_RANGE[1])
+    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, low=0.0, least=BANDWIDTH_RANGE[0],
+                              high=BANDWIDTH_RANGE[1])
     avail = _trace_column(df, "availability", path, row_no, rows, low=0.0, high=1.0) \
         if "availability" in df.columns else np.ones(n)
     return Profiles(speed, bandwidth * 1e6 / 8, avail)
 
 
+def _header(path: str) -> list[str]:
+    """The trace's column names as written (stripped), duplicates kept."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as f:
+        return [c.strip() for c in next(csv.reader(f), [])]
+
+
 def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarray | None = None,
-                  low: float | None = None, high: float | None = None) -> np.ndarray:
-    """One trace column (at `rows`, else all of it) as finite floats in (low, high]; else a DataError."""
+                  low: float | None = None, high: float | None = None, least: float | None = None) -> np.ndarray:
+    """One trace column (at `rows`, else all of it) as finite floats in (low, high] and at least `least`; else a
+    DataError."""
     import pandas as pd
 
     text = df[column].to_numpy()
@@ -107,12 +124,14 @@ def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarr
     bad = ~np.isfinite(values)
     if low is not None:
         bad |= ~(values > low)
+    if least is not None:
+        bad |= ~(values >= least)
     if high is not None:
         bad |= ~(values <= high)
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        allowed = "a number" if low is None else f"a number in ({low:g}, {high:g}]" if high is not None \
-            else f"a number > {low:g}"
+        allowed = "a number" if low is None else f"a number in [{least:g}, {high:g}]" if least is not None \
+            else f"a number in ({low:g}, {high:g}]" if high is not None else f"a number > {low:g}"
         raise DataError(f"stragglers.trace: {path} column {column}, row {row_no[i]}: {text[i]!r} is not "
                         f"{allowed}")
     return values

@@ -59,7 +59,7 @@ def _read_ids(run: RunInfo) -> dict[str, str]:
     """The tracking run ids the run's folder kept ({} when none); only plain strings are taken from the file."""
     try:
         data = json.loads((run.run_dir / TRACKING_IDS).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
         return {}
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) \
         else {}

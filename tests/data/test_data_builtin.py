@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,30 @@ def test_npz_errors_name_file_and_key(tmp_path: Path) -> None:
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     with pytest.raises(DataError, match=r"junk\.npz"):
         load_dataset("npz", tmp_path, path=str(tmp_path / "junk.npz"))
+    for shape in ((4, 0, 5), (4, 1, 0, 0), (4, 0, 5, 5)):
+        bad = _write_npz(tmp_path / "empty.npz", x_train=np.zeros(shape, np.float32), y_train=y, x_test=x, y_test=y)
+        with pytest.raises(DataError, match=rf"empty\.npz: x_train images have no pixels \(shape \({shape[0]}, "):
+            load_dataset("npz", tmp_path, path=str(bad))
+
+
+def _forge_rows(file: Path, key: str, rows: int) -> None:
+    """Rewrite `key`'s header in an .npz to claim `rows` rows (the data stays as small as it was)."""
+    import zipfile
+
+    with zipfile.ZipFile(file) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    raw = members[f"{key}.npy"]
+    old_shape = str(np.load(io.BytesIO(raw)).shape[0])
+    members[f"{key}.npy"] = raw.replace(f"({old_shape},".encode(), f"({rows},".encode(), 1)
+    with zipfile.ZipFile(file, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+
+
+@pytest.mark.parametrize("key", ["x_train", "y_test"])
+def test_an_npz_whose_header_claims_terabytes_is_refused_before_numpy_allocates_them(tmp_path: Path, key) -> None:
+    x, y = np.zeros((4, 5, 5), np.uint8), np.zeros(4, np.int64)
+    bad = _write_npz(tmp_path / "forged.npz", x_train=x, y_train=y, x_test=x, y_test=y)
+    _forge_rows(bad, key, 10**12)
+    with pytest.raises(DataError, match=rf"forged\.npz: {key} claims shape \(1000000000000,.* it is damaged or forged"):
+        load_dataset("npz", tmp_path, path=str(bad))

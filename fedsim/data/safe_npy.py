@@ -1,0 +1,44 @@
+"""Reading .npy and .npz arrays no larger than the file that holds them.
+
+numpy allocates the shape an array's header claims before it reads a byte, so a damaged or forged header (a
+user's file, or one from elsewhere) could ask for terabytes; here such a file is a one-line DataError instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from fedsim.errors import DataError
+
+
+def npz_array(data: np.lib.npyio.NpzFile, key: str, where: str) -> np.ndarray:
+    """`data[key]`, refused when its header claims more bytes than its member of the archive holds."""
+    archive = data.zip
+    if archive is None:  # a closed NpzFile: let numpy say so
+        return data[key]
+    name = f"{key}.npy" if f"{key}.npy" in archive.namelist() else key
+    with archive.open(name) as f:
+        _check_claim(f, archive.getinfo(name).file_size, f"{where}: {key}")
+    return data[key]
+
+
+def npy_array(file: Path) -> np.ndarray:
+    """The array of a .npy file, refused when its header claims more bytes than the file holds."""
+    with open(file, "rb") as f:
+        _check_claim(f, os.fstat(f.fileno()).st_size, str(file))
+    return np.load(file, allow_pickle=False)
+
+
+def _check_claim(f: IO[bytes], holds: int, where: str) -> None:
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read(f)
+    claimed = math.prod(shape) * dtype.itemsize
+    if claimed > holds:
+        raise DataError(f"{where} claims shape {tuple(shape)} of {dtype} ({claimed:,} bytes) but the file holds "
+                        f"{holds:,} bytes: it is damaged or forged")
