@@ -121,12 +121,27 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def _unpickler_reason(exc: BaseException) -> str:
+    """What torch's weights-only unpickler refused (an operand, a global), without its surrounding advice."""
+    lines = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
+    found = [ln for ln in lines if not ln.startswith(("Please file an issue", "Check the documentation"))]
+    return (found[0] if found else _first_line(exc))[:200]
+
+
 def load_packed(path: Location, what: str) -> Any:
     """Read a file written from `pack(...)`: torch.load(weights_only=True), then unpack; any failure is one
     CheckpointError line naming `path` and `what` it was meant to be. A file in a store is read into memory first."""
+    import pickle
+    import warnings
+
     try:
         source = io.BytesIO(path.read_bytes()) if isinstance(path, StorePath) else path
-        raw = torch.load(source, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():  # torch's notes on a foreign file's pickle protocol: it loads, or fails below
+            warnings.simplefilter("ignore")
+            raw = torch.load(source, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:  # torch's advice (load it with weights_only=False) would run its code
+        raise CheckpointError(f"{path}: unreadable {what}: it holds more than tensors and plain values, and fedsim "
+                              f"loads nothing else ({_unpickler_reason(exc)})") from None
     except Exception as exc:  # corrupt or foreign file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable {what} ({type(exc).__name__}: {_first_line(exc)})") from None
     try:

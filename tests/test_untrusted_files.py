@@ -283,3 +283,26 @@ def test_cluster_config_keeps_the_dashboard_private_and_requires_a_token():
     assert "0.0.0.0" not in head and "--dashboard-host=127.0.0.1" in head
     assert "RAY_AUTH_MODE=token ray start --head" in head and "RAY_AUTH_MODE=token ray start --address" in workers
     assert cfg["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("payload", ["code", "protocol-4 pickle"])
+def test_a_crafted_checkpoint_on_resume_is_one_stderr_line_that_names_what_was_refused(finished_run, tmp_path,
+                                                                                        payload):
+    """torch's own error advises loading with weights_only=False (which would run the file's code), and a plain
+    pickle makes it warn over two lines first: neither reaches the user."""
+    import pickle
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    checkpoint, marker = run_dir / "checkpoints" / "last.pt", tmp_path / "pwned"
+    if payload == "code":
+        torch.save({"w": _RunsShell(f"touch {shlex.quote(str(marker))}")}, checkpoint)
+    else:
+        checkpoint.write_bytes(pickle.dumps({"round": 1}, protocol=4))
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(run_dir), "--quiet"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint: it holds more than tensors")
+    assert "weights_only" not in proc.stderr and not marker.exists()
+    assert ("GLOBAL posix.system" in proc.stderr) if payload == "code" else ("Unsupported operand" in proc.stderr)
