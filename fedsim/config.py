@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 
 from fedsim import strict_yaml
-from fedsim.configtools import from_dict, knob, to_dict
+from fedsim.configtools import from_dict, knob, shown, to_dict
 from fedsim.errors import ConfigError
 from fedsim.limits import (
     MAX_BATCH,
@@ -234,14 +234,14 @@ class RunConfig:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'a.b=value' -> (['a', 'b'], value parsed as YAML, like a config file's; text that is no YAML stays text)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value")
+        raise ConfigError(f"override {shown(text)}: expected key=value")
     key, raw = text.split("=", 1)
     if not key.strip():
-        raise ConfigError(f"override {text!r}: empty key")
+        raise ConfigError(f"override {shown(text)}: empty key")
     try:
         value = strict_yaml.parse(raw) if raw.strip() else ""
     except strict_yaml.YAMLShapeError as exc:
-        raise ConfigError(f"override {text!r}: {exc.problem}") from None
+        raise ConfigError(f"override {shown(text)}: {exc.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -255,7 +255,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         node = out
         for part in path[:-1]:
             if not isinstance(node.get(part, {}), dict):
-                raise ConfigError(f"override {text!r}: {part} is not a section")
+                raise ConfigError(f"override {shown(text)}: {part} is not a section")
             node = node.setdefault(part, {})
         node[path[-1]] = value
     return out

@@ -36,12 +36,15 @@ def knob(default: Any = MISSING, *, doc: str = "", ge: float | None = None, gt: 
 
 class _Errors(list):
     def add(self, path: str, msg: str) -> None:
-        self.append(f"{path}: {msg}")
+        self.append(f"{path if len(path) <= 100 else path[:97] + '...'}: {msg}")  # an absurd key stays readable
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def shown(value: Any, limit: int = 60) -> str:
     """repr(value), shortened so an absurd value still gives a readable one-line message."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's 4,300-digit conversion limit (hexadecimal has none)
+        text = f"an integer of {value.bit_length():,} bits"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -78,56 +81,56 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors, nonfinite: bool = 
             out = _convert(value, arg, path, sub, nonfinite)
             if not sub:
                 return out
-        errors.add(path, f"expected {_type_name(tp)}, got {_show(value)}")
+        errors.add(path, f"expected {_type_name(tp)}, got {shown(value)}")
         return None
     if origin is Literal:
         if value not in get_args(tp):
-            errors.add(path, f"must be one of {list(get_args(tp))}, got {_show(value)}")
+            errors.add(path, f"must be one of {list(get_args(tp))}, got {shown(value)}")
         return value
     if _is_config_class(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            errors.add(path, f"expected a mapping, got {_show(value)}")
+            errors.add(path, f"expected a mapping, got {shown(value)}")
             return None
         return _build(tp, value, path, errors)
     if origin is list:
         (item,) = get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
-            errors.add(path, f"expected a list, got {_show(value)}")
+            errors.add(path, f"expected a list, got {shown(value)}")
             return None
         return [_convert(v, item, f"{path}[{i}]", errors, nonfinite) for i, v in enumerate(value)]
     if origin is dict:
         kt, vt = get_args(tp) or (Any, Any)
         if not isinstance(value, dict):
-            errors.add(path, f"expected a mapping, got {_show(value)}")
+            errors.add(path, f"expected a mapping, got {shown(value)}")
             return None
         return {k: _convert(v, vt, f"{path}.{k}", errors, nonfinite) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            errors.add(path, f"expected true or false, got {_show(value)}")
+            errors.add(path, f"expected true or false, got {shown(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, float) and value.is_integer():
                 return int(value)
-            errors.add(path, f"expected an integer, got {_show(value)}")
+            errors.add(path, f"expected an integer, got {shown(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            errors.add(path, f"expected a number, got {_show(value)}")
+            errors.add(path, f"expected a number, got {shown(value)}")
             return value
         try:
             out = float(value)
         except OverflowError:
-            errors.add(path, f"{_show(value)} is too large for a float")
+            errors.add(path, f"{shown(value)} is too large for a float")
             return value
         if not nonfinite and not math.isfinite(out):
-            errors.add(path, f"must be a finite number, got {_show(value)}")
+            errors.add(path, f"must be a finite number, got {shown(value)}")
         return out
     if tp is str:
         if not isinstance(value, str):
-            errors.add(path, f"expected a string, got {_show(value)}")
+            errors.add(path, f"expected a string, got {shown(value)}")
         return value
     return value
 
@@ -147,7 +150,7 @@ def _check_bounds(value: Any, meta: Any, path: str, errors: _Errors) -> None:
                           ("le", lambda v, b: v <= b, "<="), ("lt", lambda v, b: v < b, "<")):
         bound = meta.get(key)
         if bound is not None and not ok(value, bound):
-            errors.add(path, f"must be {word} {bound}, got {_show(value)}")
+            errors.add(path, f"must be {word} {bound}, got {shown(value)}")
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -206,7 +209,7 @@ def check_kwargs(fn: Any, options: dict, prefix: str, owner: str, skip: tuple[st
     parameter (not in `skip`), each value must fit the parameter's annotation and `limits[name]` (ge/gt/le/lt).
     Returns the converted options; the ConfigError names `<prefix>.<name>` and the allowed names or type."""
     if not isinstance(options, dict):
-        raise ConfigError(f"{prefix}: expected a mapping of option names to values, got {_show(options)}")
+        raise ConfigError(f"{prefix}: expected a mapping of option names to values, got {shown(options)}")
     params = {p.name: p for p in inspect.signature(fn).parameters.values()
               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip}
     try:

@@ -90,7 +90,10 @@ StrictLoader.yaml_implicit_resolvers = _yaml12_core(yaml.SafeLoader.yaml_implici
 def _construct_int(loader: StrictLoader, node: Any) -> int:
     """A core-schema integer: decimal (a leading zero is still decimal), 0o octal or 0x hexadecimal."""
     text = loader.construct_scalar(node).replace("_", "")
-    return int(text, 10) if DECIMAL.match(text) else int(text, 0)
+    try:
+        return int(text, 10) if DECIMAL.match(text) else int(text, 0)
+    except ValueError:  # more digits than Python converts (4,300): no config value is that large
+        raise YAMLShapeError(f"a number of {len(text):,} digits", node.start_mark.line + 1) from None
 
 
 StrictLoader.add_constructor(INT_TAG, _construct_int)

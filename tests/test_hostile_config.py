@@ -127,6 +127,19 @@ def test_a_base60_looking_round_count_is_refused_not_read_as_90(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("rounds=" + "9" * 5000, r"^override 'rounds=9{49}\.\.\.: a number of 5,000 digits$"),
+    ("rounds=0x" + "f" * 5000, r"^rounds: must be <= 1000000, got an integer of 20,000 bits$"),
+    ("x" * 5000 + "=1", r"^x{97}\.\.\.: unknown key; valid keys are \["),
+])
+def test_absurdly_long_overrides_are_one_short_line(override, message):
+    """Python refuses to print integers past 4,300 digits, and a message echoing a 5,000-character key is no
+    longer a line anyone reads."""
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(None, [override])
+    assert len(str(info.value)) < 400
+
+
 def test_exponent_floats_work_in_files_overrides_and_int_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-4\n  epochs: 2e1\nalgorithm: {name: fedprox, mu: .5}\n")
