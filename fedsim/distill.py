@@ -20,6 +20,7 @@ from torch import nn
 
 from fedsim.configtools import knob
 from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_STEPS
+from fedsim.optim import SGD, Adam, CosineAnnealing
 from fedsim.train import batch_indices
 
 Mix = Literal["logits", "probs"]
@@ -165,11 +166,11 @@ def distill(student: nn.Module, inputs: torch.Tensor, teacher_probs: torch.Tenso
         raise ValueError("distill: ce_weight > 0 needs hard_labels")
     params = [p for p in student.parameters() if p.requires_grad]
     if cfg.optimizer == "adam":
-        opt: torch.optim.Optimizer = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt: SGD | Adam = Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     total = cfg.total_steps(n)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total) if cfg.schedule == "cosine" else None
+    sched = CosineAnnealing(opt, T_max=total) if cfg.schedule == "cosine" else None
     best_score, best_step, best_state, since_best = float("-inf"), -1, None, 0
     loss_sum, step = 0.0, 0
     student.train()

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fedsim.optim import Adam
+
 Params = dict[str, torch.Tensor]
 
 
@@ -142,7 +144,7 @@ class Distiller:
         raw0 = _inv_softplus(s.lr0) if s.lr_param == "softplus" else s.lr0
         self.raw_lr = torch.full((n_lr,), raw0, dtype=dtype, device=self.device, requires_grad=True)
         leaves = [self.x, self.raw_lr] + ([self.y] if s.soft_labels else [])
-        self.opt = torch.optim.Adam(leaves, lr=s.meta_lr, betas=(s.meta_beta1, 0.999))
+        self.opt = Adam(leaves, lr=s.meta_lr, betas=(s.meta_beta1, 0.999))
 
     def lrs(self) -> torch.Tensor:
         """The effective (positive for softplus) learning rates, differentiable in the raw ones."""

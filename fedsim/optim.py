@@ -1,21 +1,38 @@
-"""Plain SGD with torch.optim.SGD's exact update, for the clients' local training.
+"""Plain SGD and Adam with torch.optim's exact updates, for the clients' local training and every method's own.
 
 torch.optim wraps its methods to keep the compiler out, and the first call in a process imports
 torch._dynamo and torch._inductor (and Triton where it is installed): 0.7 to 2.8 s and 160 MB of RSS in every
-worker, paid in round 0. `make_optimizer` gives every SGD client this one instead. On a GPU it steps all
-parameters with the multi-tensor (`torch._foreach_*`) operations that torch.optim.SGD uses there by default,
-so a step launches a few kernels rather than a few per parameter. Adam stays torch.optim's.
+worker, paid in round 0. fedsim's optimizers are these instead. On a GPU they step all parameters with the
+multi-tensor (`torch._foreach_*`) operations that torch.optim uses there by default, so a step launches a few
+kernels rather than a few per parameter.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 
-class SGD:
+class _Optimizer:
+    """What fedsim's optimizers share with torch.optim's: the parameters they step, and clearing their gradients."""
+
+    params: list[torch.Tensor]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+
+
+class SGD(_Optimizer):
     """SGD with momentum, dampening, Nesterov and L2 weight decay, step for step equal to torch.optim.SGD."""
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
@@ -103,12 +120,136 @@ class SGD:
         mine = self.param_groups[0]
         mine.update({k: v for k, v in groups[0].items() if k in mine and k != "params"})
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
+
+class Adam(_Optimizer):
+    """Adam with L2 weight decay and optional AMSGrad, step for step equal to torch.optim.Adam (its defaults: not
+    decoupled, not maximising), and its state_dict in torch's layout."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
+                 foreach: bool | None = None) -> None:
+        """`foreach`: step with multi-tensor operations (None: when every parameter is on a GPU, as torch.optim)."""
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"Adam: lr={lr}, eps={eps} and weight_decay={weight_decay} must be >= 0 and betas={betas}"
+                             " in [0, 1)")
+        self.params = [p for p in params if p.requires_grad]
+        self.param_groups: list[dict[str, Any]] = [{"params": self.params, "lr": lr, "betas": tuple(betas),
+                                                   "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad}]
+        n = len(self.params)
+        self._steps = [0] * n
+        self._moments: list[tuple[torch.Tensor, ...] | None] = [None] * n  # exp_avg, exp_avg_sq[, max_exp_avg_sq]
+        self.foreach = all(p.device.type == "cuda" for p in self.params) and bool(self.params) \
+            if foreach is None else foreach
+
+    def _moments_of(self, i: int) -> tuple[torch.Tensor, ...]:
+        m = self._moments[i]
+        if m is None:
+            p = self.params[i]
+            count = 3 if self.param_groups[0]["amsgrad"] else 2
+            m = self._moments[i] = tuple(torch.zeros_like(p, memory_format=torch.preserve_format)
+                                         for _ in range(count))
+        return m
+
+    @torch.no_grad()
+    def step(self) -> None:
+        g = self.param_groups[0]
+        lr, (beta1, beta2), eps, decay, amsgrad = g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]
+        ids = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i in ids:
+            self._steps[i] += 1
+        if self.foreach:
+            self._step_foreach(ids)
+            return
+        for i in ids:
+            p, grad = self.params[i], self.params[i].grad
+            assert grad is not None  # ids holds the parameters that have one
+            moments = self._moments_of(i)
+            exp_avg, exp_avg_sq = moments[0], moments[1]
+            if decay != 0:
+                grad = grad.add(p, alpha=decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            step = float(self._steps[i])
+            step_size = lr / (1 - beta1 ** step)
+            bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+            if amsgrad:
+                torch.maximum(moments[2], exp_avg_sq, out=moments[2])
+                denom = (moments[2].sqrt() / bias_correction2_sqrt).add_(eps)
             else:
-                p.grad.detach_()
-                p.grad.zero_()
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def _step_foreach(self, ids: list[int]) -> None:
+        """The same update with one multi-tensor operation per stage, per device and dtype."""
+        g = self.param_groups[0]
+        lr, (beta1, beta2), eps, decay, amsgrad = g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in ids:
+            groups.setdefault((self.params[i].device, self.params[i].dtype), []).append(i)
+        for members in groups.values():
+            params = [self.params[i] for i in members]
+            grads = [p.grad for p in params if p.grad is not None]  # all of them: grouped by having one
+            moments = [self._moments_of(i) for i in members]
+            exp_avgs, exp_avg_sqs = [m[0] for m in moments], [m[1] for m in moments]
+            if decay != 0:
+                grads = list(torch._foreach_add(grads, params, alpha=decay))
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            steps = [float(self._steps[i]) for i in members]
+            step_size = [(lr / (1 - beta1 ** s)) * -1 for s in steps]
+            bias_correction2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in steps]
+            if amsgrad:
+                maxima = [m[2] for m in moments]
+                torch._foreach_maximum_(maxima, exp_avg_sqs)
+                denom = torch._foreach_sqrt(maxima)
+            else:
+                denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+    def state_dict(self) -> dict:
+        """torch.optim.Adam's layout, so either optimizer can resume from the other's saved state."""
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        state = {i: {"step": torch.tensor(float(self._steps[i])), **dict(zip(names, m, strict=False))}
+                 for i, m in enumerate(self._moments) if m is not None}
+        return {"state": state, "param_groups": [{**group, "params": list(range(len(self.params)))}]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Moments and step counts (copied, so the saved state is never stepped in place) and the saved group's
+        hyper-parameters, as torch.optim does."""
+        groups = state.get("param_groups", [])
+        if len(groups) != 1 or len(groups[0].get("params", [])) != len(self.params):
+            raise ValueError("Adam.load_state_dict: the saved state is for a different set of parameters")
+        mine = self.param_groups[0]
+        mine.update({k: (tuple(v) if k == "betas" else v) for k, v in groups[0].items()
+                     if k in mine and k != "params"})
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if mine["amsgrad"] else ())
+        for pos, (pid, p) in enumerate(zip(groups[0]["params"], self.params, strict=True)):
+            saved = state.get("state", {}).get(pid)
+            if not saved:
+                self._moments[pos], self._steps[pos] = None, 0
+                continue
+            self._steps[pos] = int(float(saved["step"]))
+            self._moments[pos] = tuple(saved[k].to(device=p.device, dtype=p.dtype, copy=True) for k in names)
+
+
+class CosineAnnealing:
+    """torch.optim.lr_scheduler.CosineAnnealingLR for one of these optimizers (from step 0): the same learning
+    rates bit for bit, by torch's recursive form rather than the closed one."""
+
+    def __init__(self, optimizer: SGD | Adam, T_max: int, eta_min: float = 0.0) -> None:
+        self.optimizer, self.T_max, self.eta_min = optimizer, T_max, eta_min
+        self.base_lr: float = optimizer.param_groups[0]["lr"]
+        self.last_epoch = 0
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        group, e, T, low = self.optimizer.param_groups[0], self.last_epoch, self.T_max, self.eta_min
+        if (e - 1 - T) % (2 * T) == 0:  # past the end: the period restarts upwards
+            group["lr"] = group["lr"] + (self.base_lr - low) * (1 - math.cos(math.pi / T)) / 2
+        else:
+            group["lr"] = (1 + math.cos(math.pi * e / T)) / (1 + math.cos(math.pi * (e - 1) / T)) \
+                * (group["lr"] - low) + low

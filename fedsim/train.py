@@ -10,18 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsim.config import TrainConfig
-from fedsim.optim import SGD
+from fedsim.optim import SGD, Adam
 
 LossTerm = Callable[[nn.Module], torch.Tensor | float]
 """A term added to the training loss, given the model (a plain 0 when nothing contributes)."""
 
 
-def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> torch.optim.Optimizer | SGD:
-    """The optimizer the config names, over `params` (SGD is fedsim's equal of torch.optim's: see fedsim.optim)."""
+def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> SGD | Adam:
+    """The optimizer the config names, over `params` (fedsim's equals of torch.optim's: see fedsim.optim)."""
     lr = train.lr if lr is None else lr
     params = list(params)
     if train.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=train.weight_decay)
+        return Adam(params, lr=lr, weight_decay=train.weight_decay)
     return SGD(params, lr=lr, momentum=train.momentum, weight_decay=train.weight_decay)
 
 
@@ -66,7 +66,7 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
 def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
                      generator: torch.Generator,
                      extra_loss: LossTerm | None = None,
-                     optimizer: torch.optim.Optimizer | SGD | None = None) -> dict[str, float]:
+                     optimizer: SGD | Adam | None = None) -> dict[str, float]:
     """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), train)

@@ -1,5 +1,5 @@
-"""fedsim's SGD against torch.optim.SGD: the same parameters, bit for bit, with per-tensor and multi-tensor
-(`foreach`, a GPU's default) steps, and interchangeable state."""
+"""fedsim's SGD and Adam against torch.optim's: the same parameters, bit for bit, with per-tensor and
+multi-tensor (`foreach`, a GPU's default) steps, and interchangeable state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from fedsim.optim import SGD
+from fedsim.optim import SGD, Adam, CosineAnnealing
 from tests.conftest import ROOT
 
 
@@ -148,10 +148,92 @@ def test_load_state_dict_rejects_another_models_state():
         opt.load_state_dict(torch.optim.SGD(other.parameters(), lr=0.1).state_dict())
 
 
-def test_sgd_training_never_imports_the_compiler():
+ADAM_KW = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.5, 0.99), weight_decay=1e-2),
+           dict(lr=2e-3, betas=(0.5, 0.999), eps=1e-6, weight_decay=1e-2, amsgrad=True)]
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["ours per tensor", "ours multi-tensor"])
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("kw", ADAM_KW)
+def test_adam_equals_torch_adam_bit_for_bit(kw, foreach, ours):
+    a, b = _model(), _model()
+    _steps(a, Adam(a.parameters(), foreach=ours, **kw), 9)
+    _steps(b, torch.optim.Adam(b.parameters(), foreach=foreach, **kw), 9)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
+
+
+@pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])
+def test_adam_counts_steps_per_parameter_as_torch_does(ours):
+    """A parameter without a gradient in a step is not stepped, and its own step count (bias correction) waits."""
+    kw = dict(lr=1e-2, weight_decay=1e-3, amsgrad=True)
+    a, b = _model(), _model()
+    opt_a, opt_b = Adam(a.parameters(), foreach=ours, **kw), torch.optim.Adam(b.parameters(), foreach=False, **kw)
+    for step in range(5):
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+            (m(x).sum() if step % 2 else m[0](x).sum()).backward()  # even steps: the last layer gets no gradient
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert opt_a.state_dict()["state"][2]["step"] == opt_b.state_dict()["state"][2]["step"] == 2
+
+
+@pytest.mark.parametrize("ours_first", [True, False])
+def test_adam_state_resumes_across_the_two_optimizers(ours_first):
+    kw = dict(lr=1e-2, betas=(0.5, 0.99), weight_decay=1e-3, amsgrad=True)
+    first, second = (Adam, torch.optim.Adam) if ours_first else (torch.optim.Adam, Adam)
+    a, ref = _model(), _model()
+    opt = first(a.parameters(), **kw)
+    _steps(a, opt, 3)
+    saved = opt.state_dict()
+    kept = {i: s["exp_avg"].clone() for i, s in saved["state"].items()}
+    resumed = second(a.parameters(), **kw)
+    resumed.load_state_dict(saved)
+    _steps(a, resumed, 3, seed=2)
+    ref_opt = torch.optim.Adam(ref.parameters(), foreach=False, **kw)
+    _steps(ref, ref_opt, 3)
+    _steps(ref, ref_opt, 3, seed=2)
+    for pa, pr in zip(a.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(pa, pr)
+    if not ours_first:  # our loader copied the moments: the saved state was not stepped in place
+        assert all(torch.equal(saved["state"][i]["exp_avg"], kept[i]) for i in kept)
+
+
+def test_adam_refuses_bad_hyper_parameters_and_another_models_state():
+    with pytest.raises(ValueError, match="betas"):
+        Adam(_model().parameters(), betas=(0.9, 1.0))
+    opt = Adam(_model().parameters())
+    with pytest.raises(ValueError, match="different set of parameters"):
+        opt.load_state_dict(torch.optim.Adam(torch.nn.Linear(2, 2).parameters()).state_dict())
+
+
+@pytest.mark.parametrize("t_max, steps", [(7, 7), (5, 13), (1, 3)])
+def test_cosine_annealing_gives_torchs_learning_rates_bit_for_bit(t_max, steps):
+    ours = Adam(_model().parameters(), lr=0.01)
+    theirs = torch.optim.Adam(_model().parameters(), lr=0.01)
+    sched_ours = CosineAnnealing(ours, T_max=t_max)
+    sched_theirs = torch.optim.lr_scheduler.CosineAnnealingLR(theirs, T_max=t_max)
+    seen = []
+    for _ in range(steps):
+        ours.step()  # no gradients: nothing moves, but torch's scheduler expects a step first
+        theirs.step()
+        sched_ours.step()
+        sched_theirs.step()
+        seen.append(ours.param_groups[0]["lr"])
+        assert ours.param_groups[0]["lr"] == theirs.param_groups[0]["lr"]
+    assert min(seen) < 0.01 * 0.5  # it did anneal
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_training_with_either_optimizer_never_imports_the_compiler(optimizer):
     code = ("import sys, torch\nfrom fedsim.config import TrainConfig\nfrom fedsim.train import make_optimizer\n"
-            "m = torch.nn.Linear(3, 2)\nopt = make_optimizer(m.parameters(), TrainConfig(momentum=0.9))\n"
-            "m(torch.ones(1, 3)).sum().backward()\nopt.step()\nprint('torch._dynamo' in sys.modules)")
+            "from fedsim.optim import CosineAnnealing\n"
+            f"m = torch.nn.Linear(3, 2)\nopt = make_optimizer(m.parameters(), TrainConfig(optimizer={optimizer!r}, "
+            "momentum=0.9))\nsched = CosineAnnealing(opt, T_max=3)\n"
+            "m(torch.ones(1, 3)).sum().backward()\nopt.step()\nsched.step()\nprint('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"

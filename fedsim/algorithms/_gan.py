@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fedsim.algorithms._personal import balanced_labels
 from fedsim.configtools import knob
 from fedsim.models.thesis_nets import GeneratorConfig
-from fedsim.optim import SGD
+from fedsim.optim import SGD, Adam
 from fedsim.train import batch_indices
 
 
@@ -35,9 +35,9 @@ class GanParams:
             raise ValueError(f"gen_betas must be two numbers in [0, 1), got {self.gen_betas}")
 
 
-def gen_optimizer(G: torch.nn.Module, p: GanParams) -> torch.optim.Optimizer:
+def gen_optimizer(G: torch.nn.Module, p: GanParams) -> Adam:
     """A fresh generator Adam (re-created every round, as in the author's code)."""
-    return torch.optim.Adam(G.parameters(), lr=p.gen_lr, betas=(p.gen_betas[0], p.gen_betas[1]), eps=1e-8,
+    return Adam(G.parameters(), lr=p.gen_lr, betas=(p.gen_betas[0], p.gen_betas[1]), eps=1e-8,
                             weight_decay=p.gen_weight_decay, amsgrad=p.gen_amsgrad)
 
 
@@ -71,7 +71,7 @@ def synthetic_set(G: torch.nn.Module, seed: int, size: int, num_classes: int, nz
     return x, y
 
 
-def step(opt: torch.optim.Optimizer | SGD, loss: torch.Tensor) -> float:
+def step(opt: SGD | Adam, loss: torch.Tensor) -> float:
     """Zero the optimiser's gradients, back-propagate `loss`, step; returns the loss value."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -91,7 +91,7 @@ def train_acgan(G: torch.nn.Module, D: torch.nn.Module, x: torch.Tensor, y: torc
 
     L_D = ½[½(BCE(D(x), real) + CE(x, y)) + ½(BCE(D(x̃), 0) + CE(x̃, ŷ))], L_G = ½(BCE(D(x̃), real) + CE(x̃, ŷ)).
     """
-    opt_g, opt_d = gen_optimizer(G, p), torch.optim.SGD(D.parameters(), lr=disc_lr)
+    opt_g, opt_d = gen_optimizer(G, p), SGD(D.parameters(), lr=disc_lr)
     G.train()
     D.train()
     sums, steps = [0.0, 0.0], 0

@@ -46,6 +46,7 @@ from fedsim.configtools import knob
 from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
 from fedsim.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
 from fedsim.models.dafkd_nets import DomainHead, ImageGenerator, build_generator, generator_step, gradient_penalty
+from fedsim.optim import Adam
 from fedsim.train import batch_indices, batchnorm_stats_kept, make_optimizer
 
 State = dict[str, torch.Tensor]
@@ -439,7 +440,7 @@ class DaFKD(Algorithm):
 
         opt = make_optimizer([*model.parameters(), *head.parameters()]
                              + ([] if disc is None else list(disc.parameters())), tc)
-        gopt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr or tc.lr, betas=(0.5, 0.99),
+        gopt = Adam(gen.parameters(), lr=p.gen_lr or tc.lr, betas=(0.5, 0.99),
                                 weight_decay=tc.weight_decay)
         d_round, g_round = _active(p.disc_rounds, ctx.round), _active(p.gen_rounds, ctx.round)
         per_epoch = -(-len(y) // tc.batch_size)

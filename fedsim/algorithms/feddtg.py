@@ -24,6 +24,7 @@ from fedsim.algorithms.fedgdkd import GEN, FedGDKD, FedGDKDParams
 from fedsim.configtools import knob
 from fedsim.limits import MAX_CHANNELS
 from fedsim.models.thesis_nets import CNNDiscriminator
+from fedsim.optim import SGD
 from fedsim.train import batch_indices, make_optimizer
 
 DISC = "discriminator"
@@ -63,7 +64,7 @@ class FedDTG(FedGDKD):
         G, D = mods[GEN], mods[DISC]
         half = 0.5 if p.half_losses else 1.0
         opt_g = gen_optimizer(G, p)
-        opt_d = torch.optim.SGD(D.parameters(), lr=p.disc_lr)
+        opt_d = SGD(D.parameters(), lr=p.disc_lr)
         opt_c = make_optimizer(C.parameters(), tr)
         gen = ctx.generator()
         for m in (G, D, C):

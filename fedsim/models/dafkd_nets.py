@@ -29,6 +29,7 @@ from torch import nn
 
 from fedsim.errors import ConfigError
 from fedsim.models.registry import Classifier, check_options, check_shape, positive_int, register_model
+from fedsim.optim import SGD, Adam
 
 
 def _conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
@@ -222,7 +223,7 @@ def build_generator(kind: str, noise_dim: int, num_classes: int, input_shape: tu
     return cls(noise_dim, num_classes, channels, size, width, mean, std)
 
 
-def generator_step(gen: ImageGenerator, opt: torch.optim.Optimizer,
+def generator_step(gen: ImageGenerator, opt: SGD | Adam,
                    discriminate: Callable[[torch.Tensor], torch.Tensor], n: int, rng: torch.Generator) -> float:
     """One non-saturating generator step (Eq. 3): minimise BCE(D(g(z)), 1); `discriminate` returns logits."""
     gen.train()
