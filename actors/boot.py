@@ -47,6 +47,8 @@ def check_reachable(address: str | None) -> None:
     if scheme not in ("", "ray"):  # Ray's own address forms (anyscale://, ...) are Ray's to check
         return
     host, _, port = target.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 address, [::1]:6379
+        host = host[1:-1]
     if not host or not port.isdigit():
         raise ConfigError(f"{knob}={address}: expected host:port (the head's GCS address), ray://host:port (its "
                           "Ray Client server), 'auto' or 'local'")

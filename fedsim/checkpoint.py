@@ -122,10 +122,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _unpickler_reason(exc: BaseException) -> str:
-    """What torch's weights-only unpickler refused (an operand, a global), without its surrounding advice."""
-    lines = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
-    found = [ln for ln in lines if not ln.startswith(("Please file an issue", "Check the documentation"))]
-    return (found[0] if found else _first_line(exc))[:200]
+    """What torch's weights-only unpickler refused (a global, an operand), without its advice around it."""
+    import re
+
+    text = " ".join(str(exc).split())
+    for pattern in (r"Unsupported global: GLOBAL \S+", r"unsupported GLOBAL \S+", r"Unsupported operand \d+"):
+        found = re.search(pattern, text)
+        if found:
+            return found.group(0).rstrip(".")
+    return "a layout it does not read"
 
 
 def load_packed(path: Location, what: str) -> Any:
@@ -140,8 +145,8 @@ def load_packed(path: Location, what: str) -> Any:
             warnings.simplefilter("ignore")
             raw = torch.load(source, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:  # torch's advice (load it with weights_only=False) would run its code
-        raise CheckpointError(f"{path}: unreadable {what}: it holds more than tensors and plain values, and fedsim "
-                              f"loads nothing else ({_unpickler_reason(exc)})") from None
+        raise CheckpointError(f"{path}: unreadable {what}: torch's weights-only reader refused it "
+                              f"({_unpickler_reason(exc)}), and fedsim reads files no other way") from None
     except Exception as exc:  # corrupt or foreign file: name it, no traceback
         raise CheckpointError(f"{path}: unreadable {what} ({type(exc).__name__}: {_first_line(exc)})") from None
     try:

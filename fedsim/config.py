@@ -384,7 +384,7 @@ def save_config(cfg: RunConfig, path: str | Path | StorePath) -> None:
     """Write the resolved config as YAML, atomically (in a run folder, local or in a store)."""
     from fedsim.io import atomic_write_text
 
-    atomic_write_text(location(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    atomic_write_text(location(path), strict_yaml.dump(config_to_dict(cfg)))
 
 
 def clients_per_round(cfg: RunConfig) -> int:

@@ -32,8 +32,8 @@ def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
     except BaseException as exc:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError) and exc.errno is not None:  # named after the file meant, not the temporary
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename in (None, tmp):
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc  # the file meant, not the temporary
         raise
 
 

@@ -65,7 +65,7 @@ class StorePath:
         """`fs.<method>(path, ...)`, with a store that cannot be reached (credentials, network) as one line."""
         try:
             return getattr(self.fs, method)(self.path, *args)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):  # the store answered: as a local file would
             raise
         except Exception as exc:
             raise CheckpointError(f"{self}: cannot reach the store ({type(exc).__name__}: {_first_line(exc)})") \

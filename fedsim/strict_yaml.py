@@ -1,13 +1,14 @@
 """The YAML dialect of config files and `-o` values: safe, no duplicate keys, and floats as people write them.
 
 PyYAML follows YAML 1.1, where `1e-3` is a string (a float needs a dot and a signed exponent), `1:30` is 90
-(base 60), `010` is 8, `no`, `on` and `y` are booleans, `2026-01-02` is a date, and a repeated key silently
+(base 60), `010` is 8, `no` and `on` are booleans, `2026-01-02` is a date, and a repeated key silently
 replaces the first. Here plain values resolve as in YAML 1.2's core schema (what people mean, and what JSON
 and most other tools read): `1e-3`, `5E4`, `.5`, `-.5` and `-2e+1` are floats, integers are decimal, `0o17` or
 `0x1F`, only true/false are booleans, and everything else (`1:30`, `no`, dates) stays text. Digits may be
 grouped with `_` as in Python. A duplicate key is an error naming the key and both lines, and a document whose
 aliases expand past `MAX_NODES` values or that nests deeper than `MAX_DEPTH` is refused (so a few lines of
-anchors cannot expand into gigabytes).
+anchors cannot expand into gigabytes). `dump` writes YAML that both rules read back the same: any text that
+either would take for something else is quoted.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _construct_int(loader: StrictLoader, node: Any) -> int:
     text = loader.construct_scalar(node).replace("_", "")
     try:
         return int(text, 10) if DECIMAL.match(text) else int(text, 0)
-    except ValueError:  # more digits than Python converts (4,300): no config value is that large
-        raise YAMLShapeError(f"a number of {len(text):,} digits", node.start_mark.line + 1) from None
+    except ValueError:  # past Python's 4,300 digits (no config value is that large), or `!!int` on other text
+        problem = f"a number of {len(text):,} digits" if DECIMAL.match(text) else f"{text[:40]!r} is not an integer"
+        raise YAMLShapeError(problem, node.start_mark.line + 1) from None
 
 
 StrictLoader.add_constructor(INT_TAG, _construct_int)
@@ -133,3 +135,17 @@ def describe_error(exc: yaml.YAMLError) -> tuple[int | None, str]:
     mark = getattr(exc, "problem_mark", None)
     reason = " ".join(str(getattr(exc, "problem", None) or exc).split())
     return (mark.line + 1 if mark is not None else None), reason
+
+
+class _QuotingDumper(yaml.SafeDumper):
+    """SafeDumper that quotes text which YAML 1.1 (PyYAML, other tools) or StrictLoader would read as another type."""
+
+
+_QuotingDumper.yaml_implicit_resolvers = {
+    first: StrictLoader.yaml_implicit_resolvers.get(first, []) + yaml.SafeDumper.yaml_implicit_resolvers.get(first, [])
+    for first in set(StrictLoader.yaml_implicit_resolvers) | set(yaml.SafeDumper.yaml_implicit_resolvers)}
+
+
+def dump(data: Any) -> str:
+    """`data` as YAML (keys in their order) that StrictLoader and PyYAML's safe_load both read back as `data`."""
+    return yaml.dump(data, Dumper=_QuotingDumper, sort_keys=False)

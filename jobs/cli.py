@@ -284,6 +284,9 @@ class _NamedStdout:
     def write(self, text: str) -> int:
         return self._named(self._stream.write, text)
 
+    def writelines(self, lines: Any) -> None:
+        self._named(self._stream.writelines, lines)
+
     def flush(self) -> None:
         self._named(self._stream.flush)
 

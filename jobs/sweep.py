@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from fedsim.configtools import from_dict, knob
+from fedsim.configtools import from_dict, knob, shown
 from fedsim.errors import ConfigError
 from fedsim.limits import MAX_ROUNDS, MAX_SEED, MAX_SWEEP_RUNS
 from fedsim.storage import Location
@@ -100,14 +100,19 @@ def load_sweep(path: str | Path) -> Sweep:
     if empty:
         raise ConfigError(f"{path}: grid.{empty[0]}: expected a non-empty list of values, got []")
     for key, values in sw.grid.items():  # one value twice: two trials writing one run folder
-        twice = _first_repeat([json.dumps(v, sort_keys=True) for v in values])
+        try:
+            spelled = [json.dumps(v, sort_keys=True) for v in values]
+        except (TypeError, ValueError):  # a tagged value (!!timestamp, !!binary, !!set): no config takes one
+            raise ConfigError(f"{path}: grid.{key}: expected plain values (text, numbers, true/false, null, lists, "
+                              f"mappings), got {shown(values)}") from None
+        twice = _first_repeat(spelled)
         if twice is not None:
             raise ConfigError(f"{path}: grid.{key}: {twice} is listed twice")
     sizes = {"grid." + k: len(v) for k, v in sw.grid.items()} | {"samples": sw.samples, "arms": len(sw.arms),
                                                                   "seeds": len(sw.seeds)}
     if math.prod(sizes.values()) > MAX_SWEEP_RUNS:  # counted before any run is planned: a product grows fast
-        shown = " x ".join(f"{n} {k}" for k, n in sizes.items() if n > 1)
-        raise ConfigError(f"{path}: {shown} is {math.prod(sizes.values()):,} runs, more than a sweep may plan "
+        product = " x ".join(f"{n} {k}" for k, n in sizes.items() if n > 1)
+        raise ConfigError(f"{path}: {product} is {math.prod(sizes.values()):,} runs, more than a sweep may plan "
                           f"({MAX_SWEEP_RUNS:,}); split it into several sweeps")
     elsewhere = _seed_set_elsewhere(sw)
     if elsewhere:

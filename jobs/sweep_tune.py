@@ -161,8 +161,8 @@ def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
         raise ConfigError(f"--resume: {path / PLAN} is not a sweep plan (unreadable); start the sweep again without "
                           "--resume (finished runs are reused)")
     if runs != runs_of(specs):
-        raise ConfigError(f"--resume: the sweep in {path} ran other runs than this sweep file plans now; "
-                          "start it again without --resume (finished runs are reused)")
+        raise ConfigError(f"--resume: the sweep in {path} ran other runs than this sweep file plans now (or another "
+                          "fedsim version planned them); start it again without --resume (finished runs are reused)")
 
 
 def run_trials(specs: list[dict[str, Any]], out_dir: Path, resume: bool, max_parallel: int | None,

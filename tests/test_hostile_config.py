@@ -3,6 +3,7 @@ no traceback, no hang, and no run folder left behind. CLI cases run `python -m j
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -108,14 +109,31 @@ def test_override_values_parse_yaml12_floats(text, value):
 @pytest.mark.parametrize("text, value", [("1:30", "1:30"), ("1:30.5", "1:30.5"), ("010", 10), ("0o17", 15),
                                          ("0x1F", 31), ("1_000", 1000), ("0x_", "0x_"), ("1_", "1_"), ("1__0", "1__0"),
                                          ("1._5", "1._5"), ("0b101", "0b101"),
-                                         ("no", "no"), ("yes", "yes"), ("on", "on"), ("off", "off"), ("y", "y"),
-                                         ("n", "n"), ("TRUE", True), ("false", False), ("~", None), ("null", None),
+                                         ("no", "no"), ("yes", "yes"), ("on", "on"), ("off", "off"),
+                                         ("TRUE", True), ("false", False), ("~", None), ("null", None),
                                          ("2026-01-02", "2026-01-02")])
-def test_yaml11_quirks_do_not_change_what_a_value_means(text, value):
+def test_yaml11_quirks_do_not_change_what_a_value_means(tmp_path, text, value):
     """YAML 1.1 reads `1:30` as 90, `010` as 8, `no` as False and `2026-01-02` as a date: values the writer did not
     mean. They resolve as in YAML 1.2's core schema instead, in overrides and in files alike."""
     _, parsed = parse_override(f"x={text}")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"x: {text}\n")
     assert parsed == value and type(parsed) is type(value)
+    assert read_yaml(path)["x"] == value and type(read_yaml(path)["x"]) is type(value)
+
+
+@pytest.mark.parametrize("text", ["09", "0819", "+09", "0o17", "0x1F", "1_000", "yes", "no", "on", "1:30", "1e-3",
+                                  "2026-01-02", "null", "~", "true", ".inf", "plain"])
+def test_a_saved_config_reads_back_the_same_under_either_yaml_rules(tmp_path, text):
+    """A run's config.yaml is read again on --resume (YAML 1.2 rules) and by other tools (PyYAML's 1.1): text that
+    either would take for a number, a boolean or null is written quoted."""
+    from fedsim.config import save_config
+
+    cfg = load_config(None, [f"name={json.dumps(text)}", f"results.run_id={json.dumps(text)}"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert (again.name, again.results.run_id) == (text, text)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["name"] == text
 
 
 def test_a_base60_looking_round_count_is_refused_not_read_as_90(tmp_path):
@@ -438,6 +456,17 @@ def test_a_good_trace_ignores_rows_of_other_clients(tmp_path, make_config):
     np.testing.assert_allclose(prof.availability, [1.0, 0.5])
 
 
+def test_a_trace_may_repeat_the_columns_it_does_not_read(tmp_path, make_config):
+    """A spreadsheet's export ends its header with empty columns, and notes may repeat: fedsim reads neither."""
+    from fedsim.runtime.clock import make_profiles
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps,note,note,,\n0,1,8,a,b,,\n1,2,16,c,d,,\n")
+    prof = make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
+                                     "participation.clients_per_round=2"))
+    np.testing.assert_allclose(prof.speed, [1.0, 2.0])
+
+
 # ---------------------------------------------------------------- 9. run folder names
 
 
@@ -465,3 +494,8 @@ def test_folder_names_are_checked(override, fragment):
         load_config(None, [override])
     assert fragment in str(info.value)
     assert load_config(None, ["results.run_id=my-run_01", "name=exp 1"]).results.run_id == "my-run_01"
+
+
+def test_an_explicit_int_tag_on_text_names_the_text():
+    with pytest.raises(ConfigError, match=r"^override 'rounds=!!int abc': 'abc' is not an integer$"):
+        load_config(None, ["rounds=!!int abc"])

@@ -495,3 +495,17 @@ def test_a_checkpoint_whose_model_has_a_weight_more_is_refused_before_any_round(
     assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), "does not fit this run",
                           f"server_state.models['{arch}'] has 'extra.weight', which this run's model lacks")
     assert tree(run_copy) == before
+
+
+def test_a_write_under_a_file_names_the_file_in_the_way_and_a_resume_of_a_file_says_so(tmp_path, capsys):
+    from fedsim.io import atomic_write_text
+    from jobs.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    with pytest.raises(OSError) as err:
+        atomic_write_text(afile / "x.txt", "text")
+    assert err.value.filename == str(afile)  # the file that is in the way, not the one that was never made
+    assert main(["run", "--resume", str(afile), "--quiet"]) == 2
+    assert capsys.readouterr().err == f"fedsim: error: --resume {afile}: not a run folder (a file, not a folder)\n"
+    assert afile.read_text() == "kept"

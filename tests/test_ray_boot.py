@@ -46,6 +46,16 @@ def test_a_listening_address_and_the_keywords_pass(monkeypatch):
         check_reachable(address)  # Ray's own forms are left to Ray
 
 
+def test_an_ipv6_address_is_probed_without_its_brackets(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket(socket.AF_INET6) as server:
+        server.bind(("::1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        check_reachable(f"[::1]:{port}")
+        check_reachable(f"ray://[::1]:{port}")
+
+
 def test_a_ray_client_address_where_nothing_listens_is_refused_at_once(monkeypatch):
     """Ray Client waits about 30 s for an address where nothing listens, then warns over several lines."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -107,6 +107,8 @@ def nothing_runs(monkeypatch):
     ({"seeds": [0, 1, 0]}, r"sweep.yaml: seeds: 0 is listed twice"),
     ({"arms": [{"name": "a"}, {"name": "a", "overrides": ["train.lr=0.1"]}]}, r"sweep.yaml: arms: 'a' is listed twice"),
     ({"grid": {"train.lr": [0.1, 0.2, 0.1]}}, r"sweep.yaml: grid.train.lr: 0.1 is listed twice"),
+    ({"grid": {"name": [{1, 2}]}}, r"sweep.yaml: grid.name: expected plain values \(text, numbers, true/false, null, "
+                                   r"lists, mappings\), got \[\{1, 2\}\]"),
     ({"grid": {"train.lr": list(range(1, 101)), "train.epochs": list(range(1, 101))}},
      r"sweep.yaml: 100 grid.train.epochs x 100 grid.train.lr x 2 seeds is 20,000 runs, more than a sweep may plan "
      r"\(10,000\); split it"),

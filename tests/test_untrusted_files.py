@@ -303,6 +303,21 @@ def test_a_crafted_checkpoint_on_resume_is_one_stderr_line_that_names_what_was_r
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint: it holds more than tensors")
+    assert proc.stderr.startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint: torch's weights-only reader "
+                                  "refused it (")
     assert "weights_only" not in proc.stderr and not marker.exists()
     assert ("GLOBAL posix.system" in proc.stderr) if payload == "code" else ("Unsupported operand" in proc.stderr)
+
+
+@pytest.mark.parametrize("payload, refused", [
+    ({"a": np.ones(3)}, "(Unsupported global: GLOBAL numpy._core.multiarray._reconstruct)"),
+    ({"a": slice(1, 2)}, "(Unsupported global: GLOBAL slice)"),
+    ({"a": _RunsShell("true")}, "(unsupported GLOBAL posix.system)"),
+])
+def test_what_the_weights_only_reader_refused_is_named_without_its_advice(tmp_path, payload, refused):
+    path = tmp_path / "last.pt"
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value) == (f"{path}: unreadable checkpoint: torch's weights-only reader refused it {refused}, and "
+                              "fedsim reads files no other way")

@@ -186,10 +186,11 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
         raise DataError(f"text_npz: file not found: {file}")
     try:
         with np.load(file, allow_pickle=False) as data:
-            missing = [k for k in ("x_train", "y_train", "x_test", "y_test", "embedding") if k not in data.files]
+            needed = ("x_train", "y_train", "x_test", "y_test", "embedding")
+            missing = [k for k in needed if k not in data.files]
             if missing:
                 raise DataError(f"text_npz: {file} has no key {missing[0]!r}")
-            arrays = {k: npz_array(data, k, f"text_npz: {file}") for k in data.files}
+            arrays = {k: npz_array(data, k, f"text_npz: {file}") for k in needed}  # other members stay unread
     except (OSError, ValueError, TypeError, AttributeError, EOFError, zipfile.BadZipFile, MemoryError) as err:
         raise DataError(f"text_npz: could not read {file} ({type(err).__name__}: {' '.join(str(err).split())})") \
             from None

@@ -67,7 +67,8 @@ def _read_trace(path: str, n: int) -> Profiles:
         df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
     except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
         raise DataError(f"stragglers.trace: cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
-    twice = next((c for i, c in enumerate(header) if c in header[:i]), None)
+    read = (*TRACE_COLUMNS, "availability")  # other columns (notes, a spreadsheet's empty ones) are not read
+    twice = next((c for i, c in enumerate(header) if c in read and c in header[:i]), None)
     if twice is not None:  # pandas would rename the second one and read the first: which did the writer mean?
         raise DataError(f"stragglers.trace: {path} has the column {twice!r} twice")
     df.columns = [str(c).strip() for c in df.columns]

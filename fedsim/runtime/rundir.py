@@ -171,7 +171,8 @@ def resume_config(run_dir: Location) -> RunConfig:
     """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
-        raise CheckpointError(f"--resume {run_dir}: not a run folder (no such folder)")
+        why = "a file, not a folder" if run_dir.exists() else "no such folder"
+        raise CheckpointError(f"--resume {run_dir}: not a run folder ({why})")
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
     _check_plugins(run_dir, path)  # before load_config imports them

@@ -155,3 +155,20 @@ def test_an_npz_whose_header_claims_terabytes_is_refused_before_numpy_allocates_
     _forge_rows(bad, key, 10**12)
     with pytest.raises(DataError, match=rf"forged\.npz: {key} claims shape \(1000000000000,.* it is damaged or forged"):
         load_dataset("npz", tmp_path, path=str(bad))
+
+
+def test_valid_npz_files_of_every_layout_numpy_writes_pass_the_size_check(tmp_path: Path) -> None:
+    """Compressed members, Fortran order and format 2.0/3.0 headers hold what they claim: none is refused."""
+    x, y = np.asfortranarray(np.random.default_rng(0).random((6, 5, 5), dtype=np.float32)), np.arange(6) % 2
+    path = tmp_path / "c.npz"
+    np.savez_compressed(path, x_train=x, y_train=y, x_test=x[:2], y_test=y[:2])
+    assert load_dataset("npz", tmp_path, path=str(path)).x_train.shape == (6, 1, 5, 5)
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:  # headers of format 2.0 (big) and 3.0 (utf-8 field names)
+        for key, array, version in (("x_train", x, (2, 0)), ("y_train", y, (3, 0)), ("x_test", x[:2], (2, 0)),
+                                    ("y_test", y[:2], (1, 0))):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, array, version=version)
+            z.writestr(f"{key}.npy", buf.getvalue())
+    assert load_dataset("npz", tmp_path, path=str(path)).x_train.shape == (6, 1, 5, 5)

@@ -77,6 +77,18 @@ def test_text_npz_loader(tmp_path) -> None:
         load_dataset("text_npz", tmp_path, False, path=str(path))
 
 
+def test_text_npz_members_it_does_not_read_are_left_alone(tmp_path) -> None:
+    """A vocabulary or notes file packed beside the arrays is not an array: it is not read, so not refused."""
+    import zipfile
+
+    path = tmp_path / "t.npz"
+    np.savez(path, x_train=np.array([[2, 3], [4, 0]]), y_train=np.array([0, 2]), x_test=np.array([[3, 3]]),
+             y_test=np.array([1]), embedding=np.ones((5, 4), np.float32))
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("vocab.txt", "a\nb\n")
+    assert load_dataset("text_npz", tmp_path, False, path=str(path)).x_train.shape == (2, 2)
+
+
 @pytest.mark.parametrize("embedding,problem", [
     (np.array(5.0), r"2-d float table, got float64 \(\)"),
     (np.array([["a"] * 4] * 5), "2-d float table, got <U1"),
