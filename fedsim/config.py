@@ -161,6 +161,10 @@ class RuntimeConfig:
                                       doc="on a Ray cluster joined by address, how long to wait for the autoscaler to "
                                       "add the workers the config asks for before failing (0: fail at once)")
 
+    def __post_init__(self) -> None:
+        if self.batch_clients in ("on", "off"):  # the words YAML 1.1 read as booleans: kept as the same values
+            self.batch_clients = self.batch_clients == "on"
+
 
 @dataclass
 class EvalConfig:
