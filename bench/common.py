@@ -174,7 +174,11 @@ class Prepared:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # any unreadable file is bad input, not a crash
-            raise BenchError(f"{path}: not a weights file ({type(exc).__name__}: {exc})") from None
+            import pickle
+
+            why = "torch's weights-only reader refused what it holds" if isinstance(exc, pickle.UnpicklingError) \
+                else f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            raise BenchError(f"{path}: not a weights file ({why})") from None
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise BenchError(f"{path}: expected a state dict of tensors")
         return dict(state)

@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the model trains")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"argument --threads: must be >= 1, got {args.threads}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("plain_fedavg: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
@@ -106,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = p.shard_sizes()
     print(f"[plain] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} threads={args.threads} "
           f"shard sizes min={sizes.min()} median={int(sorted(sizes)[len(sizes) // 2])} max={sizes.max()}", flush=True)
-    res = run(p, args.threads, log=lambda m: print(m, flush=True), device=args.device)
+    try:
+        res = run(p, args.threads, log=lambda m: print(m, flush=True), device=args.device)
+    except BenchError as exc:  # a damaged file of the workload, met when the loop reads it
+        print(f"plain_fedavg: error: {exc}", file=sys.stderr)
+        return 2
     t_done = time.perf_counter()
     sampler.stop()
     gpu.stop()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.config import RunConfig, apply_overrides, build_with_plugins, config_to_dict, load_config
+from fedsim.config import RunConfig, apply_overrides, build_with_plugins, check_overrides, config_to_dict, load_config
+from fedsim.configtools import shown
 from fedsim.errors import ConfigError
+from fedsim.limits import MAX_WORKERS
 from fedsim.storage import Location, location
 
 if TYPE_CHECKING:
@@ -20,14 +21,32 @@ def resolve_config(config: str | Path | RunConfig | Mapping[str, Any] | None,
                    overrides: Sequence[str] = ()) -> RunConfig:
     """A RunConfig from a YAML path, a RunConfig (copied, never changed) or a dict shaped like the YAML, with
     `-o`-style overrides ("train.lr=0.01") applied; None gives the defaults."""
-    if isinstance(config, RunConfig):
-        return build_with_plugins(apply_overrides(config_to_dict(config), list(overrides)), Path.cwd()) \
-            if overrides else copy.deepcopy(config)
+    check_overrides(overrides, "fedsim.run: overrides")
+    if isinstance(config, RunConfig):  # built again from its values: fields set after it was loaded are checked too
+        try:
+            raw = config_to_dict(config)
+        except Exception as exc:
+            raise ConfigError(f"fedsim.run: the RunConfig cannot be read back ({type(exc).__name__}: {exc})"[:300]) \
+                from None
+        return build_with_plugins(apply_overrides(raw, list(overrides)), Path.cwd())
     if isinstance(config, Mapping):  # relative plugin paths start at the working directory, as for `-o`
         return build_with_plugins(apply_overrides(dict(config), list(overrides)), Path.cwd())
     if config is None or isinstance(config, (str, Path)):
         return load_config(config, list(overrides))
     raise ConfigError(f"fedsim.run: config must be a YAML path, a RunConfig or a dict, got {type(config).__name__}")
+
+
+def _check_arguments(workers: Any, callbacks: Any, backend: Any) -> None:
+    """fedsim.run's own arguments, each refused in one line before anything starts."""
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or not 1 <= workers <= MAX_WORKERS):
+        raise ConfigError(f"fedsim.run: workers must be an integer from 1 to {MAX_WORKERS} (or None), "
+                          f"got {shown(workers)}")
+    if isinstance(callbacks, (str, bytes)) or not isinstance(callbacks, (list, tuple)):
+        raise ConfigError(f"fedsim.run: callbacks must be a list of Callback objects, got {shown(callbacks)}")
+    if backend is not None and not isinstance(backend, str) and not all(
+            callable(getattr(backend, name, None)) for name in ("start", "run_phase", "shutdown")):
+        raise ConfigError(f"fedsim.run: backend must be 'local', 'ray' or a Backend, got {shown(backend)}")
 
 
 def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
@@ -50,6 +69,7 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
     from fedsim.runtime.loop import run as run_loop
     from fedsim.runtime.rundir import resume_config
 
+    _check_arguments(workers, callbacks, backend)
     if resume is not None:
         if config is not None or overrides:
             raise ConfigError(f"fedsim.run: resume={str(resume)!r} keeps the run's saved config; leave config and "

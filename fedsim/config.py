@@ -251,6 +251,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def check_overrides(overrides: Any, where: str = "overrides") -> None:
+    """Overrides must be a list of "key=value" strings: a single string would be read letter by letter."""
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, (list, tuple)) or \
+            not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"{where}: expected a list of 'key=value' strings, got {shown(overrides)}")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Set each dotted key in a copy of the raw config dict."""
     out = copy.deepcopy(raw)
@@ -314,6 +321,7 @@ def build_config(raw: dict) -> RunConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a YAML config (or the defaults), apply overrides, validate."""
+    check_overrides(overrides or [])
     raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides or [])
     return build_with_plugins(raw, _config_folder(path))
 

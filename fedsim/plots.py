@@ -79,14 +79,16 @@ def curves(df: pd.DataFrame, x: str = "round", y: str = "accuracy") -> pd.DataFr
 
 def default_out(runs: Sequence[Any], x: str, y: str) -> Any:
     """RUN/<y>.png for one run (accuracy.png by default), else the same name in the runs' common folder (in the
-    current folder for runs kept in a store)."""
+    current folder for runs kept in a store, or with no common folder but the root)."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", y if x == "round" else f"{y}-vs-{x}") + ".png"
     if len(runs) == 1:
         return runs[0] / name
     if all(isinstance(p, Path) for p in runs):
         import os
 
-        return Path(os.path.commonpath([p.resolve() for p in runs])) / name
+        common = Path(os.path.commonpath([p.resolve() for p in runs]))
+        if common != Path(common.anchor):  # runs in different trees share only "/": the current folder instead
+            return common / name
     return Path(name)
 
 
@@ -98,10 +100,12 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     Folders without a readable table are skipped with a warning (fedsim.collect); none left is a one-line error."""
     import warnings
 
-    from fedsim.results import SkippedRuns, collect, find_runs
+    from fedsim.results import SkippedRuns, collect, find_runs, path_items
 
-    items = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    items = path_items(paths)
     if out is not None:
+        if not isinstance(out, (str, Path)):
+            raise FedsimError(f"out: expected the path of a .png file, got {type(out).__name__} {str(out)[:60]!r}")
         check_out(Path(out))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypedDict
 
 import pandas as pd
 
-from fedsim.errors import CheckpointError
+from fedsim.errors import CheckpointError, ConfigError
 from fedsim.io import atomic_write, atomic_write_text
 from fedsim.storage import Location, StorePath, glob_folders, location
 
@@ -331,6 +331,16 @@ def _looks_like_run(p: Location) -> bool:
     return _is_run(p) or (p / "config.yaml").exists() or (p / "meta.json").exists()
 
 
+def path_items(paths: Any) -> list[Any]:
+    """`paths` as a list of items: one path, URI or glob pattern (never its letters), or an iterable of them."""
+    if isinstance(paths, (str, Path, StorePath)) or hasattr(paths, "__fspath__"):
+        return [paths]
+    if isinstance(paths, Iterable) and not isinstance(paths, (bytes, dict)):
+        return list(paths)
+    raise ConfigError(f"run folders: expected a path, a URI, a glob pattern or a list of them, got "
+                      f"{type(paths).__name__} {str(paths)[:60]!r}")
+
+
 def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) -> tuple[list[Location], list[str]]:
     """Run folders named by `paths` and the incomplete ones skipped (as "path: reason").
 
@@ -338,20 +348,22 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
     them; a folder that is not itself a run but holds run folders (a results root) stands for its runs."""
     import glob
 
-    items = [paths] if isinstance(paths, (str, Path, StorePath)) else list(paths)
+    items = path_items(paths)
     runs: list[Location] = []
     skipped: list[str] = []
     for item in items:
         text = str(item)
         matches: list[Location]
-        if not isinstance(item, StorePath) and glob.has_magic(text):
+        literal = isinstance(item, StorePath) or not glob.has_magic(text) or Path(text).is_dir()
+        if not literal:  # a pattern; a folder whose name holds [ ] * ? is taken as it is
             matches = glob_folders(text)
             if not matches:
                 raise CheckpointError(f"{text}: matches no folder")
         else:
             folder = location(item, "run folder")
             if not folder.is_dir():
-                raise CheckpointError(f"{text}: no such run folder")
+                why = "a file, not a run folder" if folder.exists() else "no such run folder"
+                raise CheckpointError(f"{text}: {why}")
             matches = [folder]
         for p in matches:
             if _is_run(p):
@@ -375,7 +387,10 @@ def unfinished(res: RunTables) -> str | None:
     if status in ("completed", "stopped"):
         return None
     rounds = res["rounds"]
-    done = int(rounds["round"].max()) + 1 if "round" in rounds and len(rounds) else 0
+    numbered = pd.to_numeric(rounds["round"], errors="coerce") if "round" in rounds else pd.Series(dtype=float)
+    if numbered.isna().any():  # written by something else: no count of rounds to trust
+        return "incomplete (its round column is not round numbers)"
+    done = int(numbered.max()) + 1 if len(numbered) else 0
     planned = res["config"].get("rounds")
     if status is None:
         if isinstance(planned, int) and done >= planned:
@@ -394,6 +409,8 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
     listed in `df.attrs["skipped"]` as "folder: reason"."""
     import warnings
 
+    if table not in ("rounds", "clients"):
+        raise ConfigError(f"fedsim.collect: table must be 'rounds' or 'clients', got {table!r}"[:200])
     runs, skipped = find_runs(paths)
     frames = []
     for path in runs:
@@ -407,6 +424,9 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
             skipped.append(f"{path}: {reason}")
             continue
         df = res[table].copy()
+        if "run" in df.columns:  # what collect adds: a table gathered from several runs, saved in a run's place
+            skipped.append(f"{path}: its {table} table has a 'run' column, as collected tables do")
+            continue
         df.insert(0, "run", path.name)
         for k, v in flatten(res["config"]).items():
             df[f"config.{k}"] = v

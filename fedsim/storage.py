@@ -131,6 +131,10 @@ def location(text: str | Path | StorePath, key: str = "path") -> Location:
     An unknown scheme, or one whose package is not installed, is a ConfigError naming `key` and the URI."""
     if isinstance(text, (Path, StorePath)):
         return text
+    if not isinstance(text, str):  # os.PathLike too: a folder named by another library's path type
+        if not hasattr(text, "__fspath__") or not isinstance(text.__fspath__(), str):
+            raise ConfigError(f"{key}: expected a path or URI, got {type(text).__name__} {str(text)[:60]!r}")
+        text = text.__fspath__()
     match = _SCHEME.match(text)
     if match is None:
         return Path(text)

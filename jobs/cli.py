@@ -160,9 +160,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     res = load(args.run)
     df = read_table(run_folder(args.run) / "clients.parquet") if args.clients else summary(res["rounds"])
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.max_rows", args.rows,
-                           "display.float_format", "{:.4f}".format):
-        print(df.to_string(index=False, max_rows=args.rows))
+    hidden = len(df) - args.rows
+    if hidden > 0:  # the first and the last rows, as many as asked for, and a line in the gap
+        four = {c: df[c].map("{:.4f}".format) for c in df.columns if df[c].dtype.kind == "f"}
+        df = df.assign(**four).astype(str)
+        gap = pd.DataFrame([["..."] * len(df.columns)], columns=df.columns)
+        df = pd.concat([df.head((args.rows + 1) // 2), gap, df.tail(args.rows // 2)], ignore_index=True)
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4f}".format):
+        print(df.to_string(index=False))
+    if hidden > 0:
+        print(f"({hidden} of {len(df) + hidden - 1} rows not shown; --rows N shows more)")
     return 0
 
 
@@ -241,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = rsub.add_parser("show", help="print a run's table")
     show.add_argument("run")
     show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
-    show.add_argument("--rows", type=_count(0), default=60, help="at most this many rows")
+    show.add_argument("--rows", type=_count(1), default=60, help="at most this many rows (the first and the last)")
     show.set_defaults(fn=cmd_show)
     pl = sub.add_parser("plot", help="a metric of one or many runs as PNG, mean ± std over seeds")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders, folders of runs, or glob patterns")

@@ -39,15 +39,20 @@ def rounds_to(accuracy: pd.Series, target: float) -> int | None:
 
 def summarise(run_dir: Path) -> dict[str, Any]:
     """The figures the README quotes, from one run folder's tables and config."""
-    import yaml
+    from fedsim.results import load
 
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    tables = load(run_dir)  # one line naming the file for anything unreadable
+    cfg, meta = tables["config"], tables["meta"]
     counts = [cfg.get(section, {}).get(key) if isinstance(cfg, dict) and isinstance(cfg.get(section), dict) else None
               for section, key in (("data", "num_clients"), ("participation", "clients_per_round"))]
     if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
         raise ConfigError(f"{run_dir / 'config.yaml'}: not a run's config (no whole data.num_clients and "
                           "participation.clients_per_round)")
-    rounds = pd.read_parquet(run_dir / "rounds.parquet").sort_values("round")
+    rounds = tables["rounds"].sort_values("round")
+    if "accuracy" not in rounds or "stragglers" not in rounds or not rounds["accuracy"].notna().all() \
+            or not len(rounds):
+        raise ConfigError(f"{run_dir / 'rounds.parquet'}: not the demo's table (it needs an accuracy for every "
+                          "round, and the stragglers column)")
     acc = rounds["accuracy"]
     # the round's stragglers, as the virtual clock scheduled them: a late client whose training also failed is
     # recorded "failed" in clients.parquet, and is still an update that came too late
@@ -58,7 +63,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         "final_accuracy": round(float(acc.iloc[-1]), 4),
         "rounds_to": {f"{t:.2f}": rounds_to(acc, t) for t in TARGETS},
         "late_per_round": [int(late.min()), int(late.max())],
-        "backend": json.loads((run_dir / "meta.json").read_text(encoding="utf-8")).get("backend"),
+        "backend": meta.get("backend"),
     }
 
 
@@ -115,13 +120,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             return 0
         command = "python -m jobs.demo_summary"
-        if args.run_dir:
+        if not args.out:
+            raise ConfigError("--out: give a folder, not an empty string")
+        if read_blocks(README.read_text(encoding="utf-8"), "demo").get("headline") is None:
+            raise ConfigError(f"{README}: no <!-- demo:headline --> block to write into")  # before a minute's run
+        if args.run_dir is not None:
+            if not args.run_dir:
+                raise ConfigError("--from: give a run folder, not an empty string")
             run_dir = Path(args.run_dir)
             if not (run_dir / "rounds.parquet").is_file():
                 raise ConfigError(f"--from {run_dir}: not a run folder (no rounds.parquet)")
             figures, command = {**summarise(run_dir), "wall_s": None}, f"{command} --from {run_dir}"
         else:
-            figures, run_dir = measure(Path(args.out))
+            figures, run_dir = measure(Path(args.out).resolve())  # the run's process starts in the checkout
         figures.update(date=datetime.datetime.now().strftime("%Y-%m-%d"), command=command,
                        cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
                        run=run_dir.name)

@@ -28,6 +28,8 @@ import pandas as pd
 from fedsim.limits import MAX_ROUNDS
 from jobs.cli import _count, _Parser
 
+COMMAND = "python -m jobs.dosfl_compare"
+
 
 def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False,
           jobs: int = 1) -> list[tuple[Path, pd.DataFrame]]:
@@ -53,22 +55,24 @@ def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
 def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
             overrides: list[str], fresh: bool = False, jobs: int = 1) -> dict:
     """One row of the comparison table for one DOSFL config; `per_seed` holds each seed's runs and scores."""
-    from fedsim.config import apply_overrides, read_yaml
+    from fedsim.config import apply_overrides, build_config, read_yaml
     from fedsim.errors import ConfigError
 
     raw = apply_overrides(read_yaml(path), overrides)
-    if (raw.get("algorithm") or {}).get("name") != "dosfl":
+    algorithm = raw.get("algorithm") or {}
+    if not isinstance(algorithm, dict) or algorithm.get("name") != "dosfl":
         raise ConfigError(f"{path}: algorithm.name must be dosfl for a DOSFL/FedAvg comparison")
+    fed_raw = copy.deepcopy(raw)
+    fed_raw["algorithm"] = {"name": "fedavg"}
+    if fedavg_rounds:
+        fed_raw["rounds"] = fedavg_rounds
+    build_config(apply_overrides(fed_raw, fedavg_over))  # a bad --fedavg override fails before the DOSFL runs
     print(f"{path}: DOSFL", file=sys.stderr)
     dosfl_runs = _runs(raw, seeds, [], fresh, jobs)
     dosfl = [d for _, d in dosfl_runs]
     acc = np.array([d["accuracy"].iloc[0] for d in dosfl])
     d_bytes = np.array([d["bytes_up"].iloc[0] + d["bytes_down"].iloc[0] for d in dosfl])
     target = float(acc.max() if stat == "best" else acc.mean())
-    fed_raw = copy.deepcopy(raw)
-    fed_raw["algorithm"] = {"name": "fedavg"}
-    if fedavg_rounds:
-        fed_raw["rounds"] = fedavg_rounds
     print(f"{path}: FedAvg for {fed_raw.get('rounds', 30)} rounds, target {target:.4f}", file=sys.stderr)
     fed_runs = _runs(fed_raw, seeds, fedavg_over, fresh, jobs)
     fed = [f for _, f in fed_runs]
@@ -125,6 +129,14 @@ def markdown(rows: list[dict], stat: str) -> str:
     return md_table(head, [cells for _, cells in out])
 
 
+def _earlier_output(md: Path) -> bool:
+    """Whether `md` is a table this command wrote (its command line is in it), so it and its CSV may be replaced."""
+    try:
+        return md.is_file() and not md.is_symlink() and COMMAND in md.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     from fedsim.errors import FedsimError
     from fedsim.io import atomic_write, atomic_write_text
@@ -141,12 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.fedavg_rounds is not None and args.fedavg_rounds > MAX_ROUNDS:
         p.error(f"argument --fedavg-rounds: at most {MAX_ROUNDS:,}, got {args.fedavg_rounds}")
+    if args.out == "":
+        p.error("argument --out: give a path, not an empty string")
     dest = Path(args.out or Path("results") / "dosfl" / ("_".join(Path(c).stem for c in args.configs) + ".md"))
+    if dest.suffix != ".md":
+        p.error(f"argument --out: {dest}: name a .md file (the table's CSV goes beside it)")
+    for mine in (dest, dest.with_suffix(".csv")):  # replaced only when they are this command's earlier output
+        if (mine.exists() or mine.is_symlink()) and not _earlier_output(dest):
+            p.error(f"argument --out: {mine} exists and is not this command's earlier output; not replaced")
     made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     try:  # where the table goes is settled before the runs (minutes), not after them
-        if dest.is_dir():
-            raise IsADirectoryError(21, "a folder")
         dest.parent.mkdir(parents=True, exist_ok=True)
+        probe = dest.parent / f".{dest.name}.probe"
+        probe.touch()
+        probe.unlink()
     except OSError as exc:
         p.error(f"argument --out: cannot write {dest} ({exc.strerror or type(exc).__name__})")
     try:
@@ -159,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fedsim: error: {exc}", file=sys.stderr)
         return exc.exit_code
     md = markdown(rows, args.stat)
-    cmd = "python -m jobs.dosfl_compare " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = f"{COMMAND} " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"{md}\n\nCommand: `{cmd}`. DOSFL: one round, seeds {args.seeds}; the target is DOSFL's {args.stat} "
             f"accuracy over seeds. FedAvg: same data, model and seeds; bytes = up + down until the matching "
             f"round, averaged over the seeds that reach it.\n")

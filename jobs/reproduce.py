@@ -390,8 +390,17 @@ def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
     missing = [i for i in ids if i not in readme_blocks(text)]
     if missing:
         raise ConfigError(f"{readme}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
+    if not root.is_dir():
+        raise ConfigError(f"--root {root}: no such folder of tables")
     pasted = [i for i in ids if (root / f"{i}.md").is_file()]
-    paste_blocks(readme, "reproduce", {i: (root / f"{i}.md").read_text(encoding="utf-8") for i in pasted})
+    tables = {}
+    for i in pasted:
+        try:
+            tables[i] = (root / f"{i}.md").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{root / f'{i}.md'}: cannot be read as text "
+                              f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+    paste_blocks(readme, "reproduce", tables)
     return pasted
 
 
@@ -422,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.readme and args.quick:
         p.error("--readme pastes the full tables; --quick tables never go into README.md")
+    if args.root == "":
+        p.error("argument --root: give a folder, not an empty string")
     root = Path(args.root or (QUICK_ROOT if args.quick else ROOT))
     try:
         manifest = load_manifest(args.manifest)
@@ -451,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     except FedsimError as exc:
         print(f"fedsim: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # a table's file that cannot be written (the runs are kept: the command resumes)
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fedsim: error: {where}{exc.strerror or type(exc).__name__}; the same command resumes once it can be "
+              "written (finished runs are reused)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("fedsim: interrupted; the same command resumes (finished runs are reused)", file=sys.stderr)
         return 130

@@ -80,6 +80,10 @@ def read_points(csv: Path) -> pd.DataFrame:
             and not pd.api.types.is_numeric_dtype(ok[c])]
     if text:
         raise ConfigError(f"{csv}: column {text[0]!r} holds text where numbers belong")
+    for c in ("registered", "participants"):  # counts: whole, finite, not negative
+        bad = ok[c][~(ok[c].notna() & (ok[c] >= 0) & (ok[c] < 2**63) & (ok[c] % 1 == 0))]
+        if len(bad):
+            raise ConfigError(f"{csv}: column {c!r} holds {bad.iloc[0]!r}, not a count of clients")
     return df
 
 

@@ -331,3 +331,20 @@ def test_selection_bench_refuses_bad_arguments_before_measuring(tmp_path, monkey
             ["--n", "50", "--k", "5", "--niter", "1", "--threads", "1", "--out", str(tmp_path / "sel.md"),
              *[a.format(tmp=tmp_path) for a in argv]], flag, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_the_plain_loop_refuses_bad_threads_and_a_damaged_initial_model_in_one_line(prepared, tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    from bench import plain_fedavg
+
+    code, err = outcome(plain_fedavg.main, ["--workload", str(prepared), "--threads", "0"], capsys)
+    assert code == 2 and err == ["python -m bench.plain_fedavg: error: argument --threads: must be >= 1, got 0"]
+    shutil.copytree(prepared.parent, tmp_path / "cache")  # the workload and the data folder it names
+    damaged = tmp_path / "cache" / prepared.name
+    torch.save({"w": slice(1, 2)}, damaged / "init.pt")  # a pickle the weights-only reader refuses
+    code, err = outcome(plain_fedavg.main, ["--workload", str(damaged)], capsys)
+    assert code == 2 and err[-1] == (f"plain_fedavg: error: {damaged / 'init.pt'}: not a weights file (torch's "
+                                     "weights-only reader refused what it holds)"), err

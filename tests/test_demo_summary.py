@@ -81,12 +81,33 @@ def test_a_folder_that_is_not_a_run_is_one_line_and_exit_2(readme_copy, tmp_path
     assert readme_copy.read_text() == before and not (tmp_path / "demo.json").exists()
 
 
-@pytest.mark.parametrize("config", ["- a list\n", "data: 5\n", "data: {num_clients: many}\nparticipation: {}\n"])
-def test_a_run_whose_config_is_not_a_runs_is_one_line_and_exit_2(readme_copy, tmp_path, capsys, config) -> None:
+@pytest.mark.parametrize("config, problem", [("- a list\n", "expected a mapping"), ("data: 5\n", "not a run's config"),
+                                             ("data: {num_clients: many}\nparticipation: {}\n", "not a run's config"),
+                                             ("data: [\n", "unreadable (")])
+def test_a_run_whose_config_is_not_a_runs_is_one_line_and_exit_2(readme_copy, tmp_path, capsys, config,
+                                                                   problem) -> None:
     before = readme_copy.read_text()
     run = fake_run(tmp_path / "run", [0.5, 0.8], late=[0, 0])
     (run / "config.yaml").write_text(config)
     assert demo_summary.main(["--from", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"demo_summary: error: {run / 'config.yaml'}: not a run's config"), err
+    assert len(err) == 1 and err[0].startswith(f"demo_summary: error: {run / 'config.yaml'}: {problem}"), err
     assert readme_copy.read_text() == before
+
+
+@pytest.mark.parametrize("args, damage, message", [
+    (["--from", ""], None, "--from: give a run folder, not an empty string"),
+    (["--out", ""], None, "--out: give a folder, not an empty string"),
+    (["--from", "RUN"], "nan", "rounds.parquet: not the demo's table (it needs an accuracy for every round"),
+    (["--from", "RUN"], "no block", "README.md: no <!-- demo:headline --> block to write into"),
+])
+def test_what_cannot_be_summarised_writes_nothing(readme_copy, tmp_path, capsys, args, damage, message) -> None:
+    """Neither the README nor the saved figures change, and a bad argument fails before the demo runs."""
+    run = fake_run(tmp_path / "run", [0.5, float("nan") if damage == "nan" else 0.8], late=[0, 0])
+    if damage == "no block":
+        readme_copy.write_text("# no block here\n")
+    before = readme_copy.read_text()
+    assert demo_summary.main([str(run) if a == "RUN" else a for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("demo_summary: error: ") and message in err[0], err
+    assert readme_copy.read_text() == before and not (tmp_path / "demo.json").exists()

@@ -85,7 +85,14 @@ def _code(argv: list[str]) -> int:
     (["--fedavg-rounds", "10000000000"], "argument --fedavg-rounds: at most 1,000,000"),
     (["--nope"], "unrecognized arguments: --nope"),
     (["--out", "{tmp}/afile/out.md"], "argument --out: cannot write {tmp}/afile/out.md ("),
-    (["--out", "{tmp}"], "argument --out: cannot write {tmp} ("),
+    (["--out", "{tmp}"], "argument --out: {tmp}: name a .md file"),
+    (["--out", "{tmp}/d.yaml"], "argument --out: {tmp}/d.yaml: name a .md file"),
+    (["--out", "{tmp}/notes.md"], "argument --out: {tmp}/notes.md exists and is not this command's earlier output"),
+    (["--out", "{tmp}/data.md"], "argument --out: {tmp}/data.csv exists and is not this command's earlier output"),
+    (["--out", "/proc/fedsim-table.md"], "argument --out: cannot write /proc/fedsim-table.md ("),
+    (["--out", ""], "argument --out: give a path, not an empty string"),
+    (["--fedavg", "train.lr=-1"], "train.lr: must be > 0, got -1"),
+    (["-o", "algorithm=dosfl"], "algorithm.name must be dosfl"),
 ])
 def test_bad_arguments_are_one_line_before_any_run(tmp_path, monkeypatch, capsys, extra, message) -> None:
     def no_runs(*args, **kwargs):
@@ -93,14 +100,17 @@ def test_bad_arguments_are_one_line_before_any_run(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(dc, "_runs", no_runs)
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "notes.md").write_text("my notes")  # a user's files: never replaced by the table
+    (tmp_path / "data.csv").write_text("my,data")
     cfg = tmp_path / "d.yaml"
     cfg.write_text("algorithm: {name: dosfl}\nrounds: 3\n")
     before = sorted(tmp_path.iterdir())
     assert _code([str(cfg), *[a.replace("{tmp}", str(tmp_path)) for a in extra]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message.replace("{tmp}", str(tmp_path)) in err[0], err
-    assert err[0].startswith("python -m jobs.dosfl_compare: error: ")
+    assert err[0].startswith(("python -m jobs.dosfl_compare: error: ", "fedsim: error: "))
     assert sorted(tmp_path.iterdir()) == before
+    assert (tmp_path / "notes.md").read_text() == "my notes" and (tmp_path / "data.csv").read_text() == "my,data"
 
 
 def test_a_failed_comparison_leaves_no_folder_made_for_its_table(tmp_path, capsys) -> None:

@@ -509,3 +509,28 @@ def test_a_write_under_a_file_names_the_file_in_the_way_and_a_resume_of_a_file_s
     assert main(["run", "--resume", str(afile), "--quiet"]) == 2
     assert capsys.readouterr().err == f"fedsim: error: --resume {afile}: not a run folder (a file, not a folder)\n"
     assert afile.read_text() == "kept"
+
+
+def test_plot_takes_a_folder_named_like_a_pattern_as_it_is_and_names_a_file_given_as_a_run(finished, tmp_path, capsys):
+    from jobs.cli import main
+
+    odd = tmp_path / "run[1]"
+    shutil.copytree(finished, odd)
+    assert main(["plot", str(odd), "--out", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").is_file()
+    capsys.readouterr()
+    assert main(["plot", str(finished / "rounds.parquet")]) == 2
+    assert capsys.readouterr().err == f"fedsim: error: {finished / 'rounds.parquet'}: a file, not a run folder\n"
+
+
+def test_results_show_prints_exactly_the_rows_asked_for(finished, capsys):
+    from jobs.cli import main
+
+    assert main(["results", "show", str(finished), "--clients", "--rows", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()  # header, 2 first rows, the gap, 1 last row, the note
+    assert len(lines) == 6 and lines[3].split() == ["..."] * len(lines[0].split())
+    assert lines[-1] == "(1 of 4 rows not shown; --rows N shows more)"
+    assert main(["results", "show", str(finished), "--clients", "--rows", "4"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 5  # all of them, no note
+    with pytest.raises(SystemExit):
+        main(["results", "show", str(finished), "--rows", "0"])
+    assert "--rows: must be >= 1, got 0" in capsys.readouterr().err

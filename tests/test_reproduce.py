@@ -229,6 +229,26 @@ def test_paste_replaces_only_the_blocks_with_a_generated_file(tmp_path) -> None:
     assert rp.paste(readme, tmp_path, ["a"]) == ["a"] and readme.read_text() == text  # idempotent
     with pytest.raises(ConfigError, match="no <!-- reproduce:c -->"):
         rp.paste(readme, tmp_path, ["c"])
+    with pytest.raises(ConfigError, match=f"--root {tmp_path / 'none'}: no such folder of tables"):
+        rp.paste(readme, tmp_path / "none", ["a"])  # a mistyped root pastes nothing, and says so
+    (tmp_path / "a.md").write_bytes(b"\xff\xfe not text")
+    with pytest.raises(ConfigError, match=r"a\.md: cannot be read as text \(UnicodeDecodeError\)"):
+        rp.paste(readme, tmp_path, ["a"])
+    assert readme.read_text() == text
+
+
+def test_a_table_that_cannot_be_written_after_its_runs_is_one_line(tmp_path, monkeypatch, capsys) -> None:
+    def unwritable(*args, **kwargs):
+        raise IsADirectoryError(21, "Is a directory", str(tmp_path / "single_image.parquet"))
+
+    monkeypatch.setattr(rp, "reproduce", unwritable)
+    with pytest.raises(SystemExit) as exit_:  # an empty root is not the default root
+        rp.main(["--root", ""])
+    assert exit_.value.code == 2 and "--root: give a folder, not an empty string" in capsys.readouterr().err
+    assert rp.main(["--only", "single_image", "--root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fedsim: error: {tmp_path / 'single_image.parquet'}: Is a directory; the same command resumes once it can "
+        "be written (finished runs are reused)")
 
 
 # ---- the command ----

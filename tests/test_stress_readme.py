@@ -77,6 +77,12 @@ BROKEN_TABLES = {
     "text for numbers": b"registered,participants,skip_late,status,s_per_round,startup_s,peak_rss_gb,"
                         b"peak_rss_driver_gb,peak_rss_workers_gb,object_store_mb,computed\n"
                         b"10,5,False,ok,fast,3,2,1,0.5,10,5\n",
+    "an infinite count": b"registered,participants,skip_late,status,s_per_round,startup_s,peak_rss_gb,"
+                         b"peak_rss_driver_gb,peak_rss_workers_gb,object_store_mb,computed\n"
+                         b"1e400,5,False,ok,1,3,2,1,0.5,10,5\n",
+    "a fractional count": b"registered,participants,skip_late,status,s_per_round,startup_s,peak_rss_gb,"
+                          b"peak_rss_driver_gb,peak_rss_workers_gb,object_store_mb,computed\n"
+                          b"10,2.5,False,ok,1,3,2,1,0.5,10,5\n",
 }
 
 
