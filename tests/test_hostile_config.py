@@ -433,24 +433,25 @@ def test_trace_rows_are_checked(tmp_path, make_config, rows, fragment):
     assert fragment in str(info.value) and str(trace) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_a_trace_with_a_column_twice_is_refused(tmp_path, make_config):
-    """pandas would read the first `speed` and rename the second: the run would use one the writer may not mean."""
+def _two_clients(tmp_path, make_config, text: str):
+    """The profiles of two clients from a trace file holding `text`, and the file."""
     from fedsim.runtime.clock import make_profiles
 
     trace = tmp_path / "trace.csv"
-    trace.write_text("client,speed,bandwidth_mbps, speed\n0,1,10,0.001\n1,1,10,0.001\n")
-    with pytest.raises(DataError, match=f"^stragglers.trace: {trace} has the column 'speed' twice$"):
-        make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
-                                  "participation.clients_per_round=2"))
+    trace.write_text(text)
+    return make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
+                                     "participation.clients_per_round=2")), trace
+
+
+def test_a_trace_with_a_column_twice_is_refused(tmp_path, make_config):
+    """pandas would read the first `speed` and rename the second: the run would use one the writer may not mean."""
+    with pytest.raises(DataError, match=f"^stragglers.trace: {tmp_path / 'trace.csv'} has the column 'speed' twice$"):
+        _two_clients(tmp_path, make_config, "client,speed,bandwidth_mbps, speed\n0,1,10,0.001\n1,1,10,0.001\n")
 
 
 def test_a_good_trace_ignores_rows_of_other_clients(tmp_path, make_config):
-    from fedsim.runtime.clock import make_profiles
-
-    trace = tmp_path / "trace.csv"
-    trace.write_text("client,speed,bandwidth_mbps,availability\n1, 2.5 ,8,0.5\n0,1e-1,16,1\n9,-1,0,7\n")
-    prof = make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
-                                     "participation.clients_per_round=2"))
+    prof, _ = _two_clients(tmp_path, make_config,
+                           "client,speed,bandwidth_mbps,availability\n1, 2.5 ,8,0.5\n0,1e-1,16,1\n9,-1,0,7\n")
     np.testing.assert_allclose(prof.speed, [0.1, 2.5])
     np.testing.assert_allclose(prof.bandwidth, [2e6, 1e6])
     np.testing.assert_allclose(prof.availability, [1.0, 0.5])
@@ -458,12 +459,8 @@ def test_a_good_trace_ignores_rows_of_other_clients(tmp_path, make_config):
 
 def test_a_trace_may_repeat_the_columns_it_does_not_read(tmp_path, make_config):
     """A spreadsheet's export ends its header with empty columns, and notes may repeat: fedsim reads neither."""
-    from fedsim.runtime.clock import make_profiles
-
-    trace = tmp_path / "trace.csv"
-    trace.write_text("client,speed,bandwidth_mbps,note,note,,\n0,1,8,a,b,,\n1,2,16,c,d,,\n")
-    prof = make_profiles(make_config(f"stragglers.trace={trace}", "data.num_clients=2",
-                                     "participation.clients_per_round=2"))
+    prof, _ = _two_clients(tmp_path, make_config,
+                           "client,speed,bandwidth_mbps,note,note,,\n0,1,8,a,b,,\n1,2,16,c,d,,\n")
     np.testing.assert_allclose(prof.speed, [1.0, 2.0])
 
 
