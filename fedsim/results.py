@@ -327,8 +327,11 @@ def _is_run(p: Location) -> bool:
 
 
 def _looks_like_run(p: Location) -> bool:
-    """A folder a run started in (it has its config or meta) whether or not it finished a round."""
-    return _is_run(p) or (p / "config.yaml").exists() or (p / "meta.json").exists()
+    """A folder a run started in (it has its config or meta) whether or not it finished a round; a run's own
+    checkpoints/ folder, which holds a config.yaml too, is part of that run."""
+    if _is_run(p):
+        return True
+    return ((p / "config.yaml").exists() or (p / "meta.json").exists()) and not _is_run(p.parent)
 
 
 def path_items(paths: Any) -> list[Any]:

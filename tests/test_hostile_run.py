@@ -534,3 +534,11 @@ def test_results_show_prints_exactly_the_rows_asked_for(finished, capsys):
     with pytest.raises(SystemExit):
         main(["results", "show", str(finished), "--rows", "0"])
     assert "--rows: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_runs_checkpoints_folder_is_part_of_the_run_not_an_incomplete_one(finished):
+    """checkpoints/ holds a config.yaml too; a glob that reaches it must not report it as a run that never ended."""
+    from fedsim.results import find_runs
+
+    runs, skipped = find_runs([str(finished.parent / "*"), str(finished / "*")])
+    assert runs == [finished] and skipped == []
