@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         probe.touch()
         probe.unlink()
     except OSError as exc:
-        p.error(f"argument --out: cannot write {dest} ({exc.strerror or type(exc).__name__})")
+        in_the_way = next((d for d in dest.parents if d.exists() and not d.is_dir()), None)
+        why = f"{in_the_way} is a file" if in_the_way is not None else exc.strerror or type(exc).__name__
+        p.error(f"argument --out: cannot write {dest} ({why})")
     try:
         rows = [compare(c, args.seeds, args.stat, args.fedavg_rounds, args.fedavg, args.override, args.fresh)
                 for c in args.configs]

@@ -84,7 +84,7 @@ def _code(argv: list[str]) -> int:
     (["--fedavg-rounds", "0"], "argument --fedavg-rounds: must be >= 1, got 0"),
     (["--fedavg-rounds", "10000000000"], "argument --fedavg-rounds: at most 1,000,000"),
     (["--nope"], "unrecognized arguments: --nope"),
-    (["--out", "{tmp}/afile/out.md"], "argument --out: cannot write {tmp}/afile/out.md ("),
+    (["--out", "{tmp}/afile/out.md"], "argument --out: cannot write {tmp}/afile/out.md ({tmp}/afile is a file)"),
     (["--out", "{tmp}"], "argument --out: {tmp}: name a .md file"),
     (["--out", "{tmp}/d.yaml"], "argument --out: {tmp}/d.yaml: name a .md file"),
     (["--out", "{tmp}/notes.md"], "argument --out: {tmp}/notes.md exists and is not this command's earlier output"),
