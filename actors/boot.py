@@ -11,6 +11,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,13 @@ NODE_POLL_S = 0.02  # how often a local start asks the GCS whether its raylet ha
 NODE_WAIT_S = 5.0
 
 _THREAD_WARNING = "SIGTERM handler is not set"
+
+
+def drop_client_timeout_warning() -> None:
+    """Ray Client warns over two lines when a ray:// cluster does not answer in time, just before ray.init raises;
+    that failure is reported in one line ("starting Ray failed: ..."), so the warning would only repeat it."""
+    warnings.filterwarnings("ignore", message="Ray Client connection timed out", category=UserWarning,
+                            module="ray.util.client")
 
 
 class _DropThreadWarning(logging.Filter):
@@ -164,6 +172,7 @@ def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
     ours = in_main and is_sigterm_handler(previous)
+    drop_client_timeout_warning()  # here, not at import: a caller's warnings.catch_warnings would undo it
     try:
         with prompt_local_start(), lean_local_start():
             ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,

@@ -241,3 +241,19 @@ def test_a_local_ray_with_a_monitor_is_shut_down_whole_the_monitor_stopped_first
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "True [True] False []"
     assert "monitor" not in out.stderr.lower() and "autoscaler" not in out.stderr.lower()
+
+
+def test_ray_clients_timeout_warning_does_not_repeat_the_one_line_error():
+    """`ray://` to a server that accepts but never answers: ray.init raises after ~30 s (reported in one line), and
+    Ray Client's two-line warning just before it is dropped; other warnings from there still show."""
+    import warnings
+
+    from actors.boot import drop_client_timeout_warning
+
+    with warnings.catch_warnings(record=True) as shown:
+        drop_client_timeout_warning()  # as Ray's start does
+        for message in ("Ray Client connection timed out. Ensure that the Ray Client port on the head node is "
+                        "reachable", "something else"):
+            warnings.warn_explicit(message, UserWarning, "worker.py", 335, module="ray.util.client.worker",
+                                   registry={})
+    assert [str(w.message) for w in shown] == ["something else"]
