@@ -31,13 +31,18 @@ KW = [dict(lr=0.1), dict(lr=0.05, momentum=0.9), dict(lr=0.05, momentum=0.9, wei
       dict(lr=0.05, momentum=0.5, dampening=0.3), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)]
 
 
+ADAM_KW = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.5, 0.99), weight_decay=1e-2),
+           dict(lr=2e-3, betas=(0.5, 0.999), eps=1e-6, weight_decay=1e-2, amsgrad=True)]
+EQUAL = [(SGD, torch.optim.SGD, kw, 7) for kw in KW] + [(Adam, torch.optim.Adam, kw, 9) for kw in ADAM_KW]
+
+
 @pytest.mark.parametrize("ours", [False, True], ids=["ours per tensor", "ours multi-tensor"])
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("kw", KW)
-def test_sgd_equals_torch_sgd_bit_for_bit(kw, foreach, ours):
+@pytest.mark.parametrize("mine, theirs, kw, steps", EQUAL)
+def test_each_optimizer_equals_torchs_bit_for_bit(mine, theirs, kw, steps, foreach, ours):
     a, b = _model(), _model()
-    _steps(a, SGD(a.parameters(), foreach=ours, **kw), 7)
-    _steps(b, torch.optim.SGD(b.parameters(), foreach=foreach, **kw), 7)
+    _steps(a, mine(a.parameters(), foreach=ours, **kw), steps)
+    _steps(b, theirs(b.parameters(), foreach=foreach, **kw), steps)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
@@ -150,22 +155,6 @@ def test_load_state_dict_rejects_another_models_state():
     other = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="different set of parameters"):
         opt.load_state_dict(torch.optim.SGD(other.parameters(), lr=0.1).state_dict())
-
-
-ADAM_KW = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.5, 0.99), weight_decay=1e-2),
-           dict(lr=2e-3, betas=(0.5, 0.999), eps=1e-6, weight_decay=1e-2, amsgrad=True)]
-
-
-@pytest.mark.parametrize("ours", [False, True], ids=["ours per tensor", "ours multi-tensor"])
-@pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("kw", ADAM_KW)
-def test_adam_equals_torch_adam_bit_for_bit(kw, foreach, ours):
-    a, b = _model(), _model()
-    _steps(a, Adam(a.parameters(), foreach=ours, **kw), 9)
-    _steps(b, torch.optim.Adam(b.parameters(), foreach=foreach, **kw), 9)
-    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-        assert torch.equal(pa, pb)
-    assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
 
 
 @pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])

@@ -96,10 +96,9 @@ def _read_trace(path: str, n: int) -> Profiles:
     rows = np.full(n, -1, dtype=np.int64)
     keep = ids < n
     rows[ids[keep]] = np.flatnonzero(keep)
-    speed = _trace_column(df, "speed", path, row_no, rows, low=0.0, least=SPEED_RANGE[0], high=SPEED_RANGE[1])
-    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, low=0.0, least=BANDWIDTH_RANGE[0],
-                              high=BANDWIDTH_RANGE[1])
-    avail = _trace_column(df, "availability", path, row_no, rows, low=0.0, high=1.0) \
+    speed = _trace_column(df, "speed", path, row_no, rows, SPEED_RANGE, low_included=True)
+    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, BANDWIDTH_RANGE, low_included=True)
+    avail = _trace_column(df, "availability", path, row_no, rows, (0.0, 1.0)) \
         if "availability" in df.columns else np.ones(n)
     return Profiles(speed, bandwidth * 1e6 / 8, avail)
 
@@ -113,9 +112,9 @@ def _header(path: str) -> list[str]:
 
 
 def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarray | None = None,
-                  low: float | None = None, high: float | None = None, least: float | None = None) -> np.ndarray:
-    """One trace column (at `rows`, else all of it) as finite floats in (low, high] and at least `least`; else a
-    DataError."""
+                  bounds: tuple[float, float] | None = None, low_included: bool = False) -> np.ndarray:
+    """One trace column (at `rows`, else all of it) as finite floats within `bounds` ((low, high], or [low, high]
+    with `low_included`); else a DataError."""
     import pandas as pd
 
     text = df[column].to_numpy()
@@ -123,16 +122,13 @@ def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarr
         text, row_no = text[rows], row_no[rows]
     values = pd.to_numeric(pd.Series(text), errors="coerce").to_numpy(float)
     bad = ~np.isfinite(values)
-    if low is not None:
-        bad |= ~(values > low)
-    if least is not None:
-        bad |= ~(values >= least)
-    if high is not None:
-        bad |= ~(values <= high)
+    allowed = "a number"
+    if bounds is not None:
+        low, high = bounds
+        bad |= ~((values >= low if low_included else values > low) & (values <= high))
+        allowed = f"a number in {'[' if low_included else '('}{low:g}, {high:g}]"
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        allowed = "a number" if low is None else f"a number in [{least:g}, {high:g}]" if least is not None \
-            else f"a number in ({low:g}, {high:g}]" if high is not None else f"a number > {low:g}"
         raise DataError(f"stragglers.trace: {path} column {column}, row {row_no[i]}: {text[i]!r} is not "
                         f"{allowed}")
     return values
