@@ -150,6 +150,10 @@ class RuntimeConfig:
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU); on, a run "
         "repeats its numbers at the same runtime.num_workers and batch_clients_max, not across them")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
+    cuda_graphs: bool | Literal["auto", "on", "off"] = knob(
+        "auto", doc="where clients train one after another with plain SGD on a GPU, replay each full batch's step "
+        "from a CUDA graph the worker captures once (one launch instead of dozens; the same numbers): on, off, or "
+        "auto (on for CUDA workers; CPUs have no graphs)")
     tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
                       "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
                       "differ from the CPU's, and batched from one-after-another training, by more than float32 "
@@ -164,6 +168,8 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.batch_clients in ("on", "off"):  # the words YAML 1.1 read as booleans: kept as the same values
             self.batch_clients = self.batch_clients == "on"
+        if self.cuda_graphs in ("on", "off"):
+            self.cuda_graphs = self.cuda_graphs == "on"
 
 
 @dataclass

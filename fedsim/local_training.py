@@ -20,6 +20,8 @@ from torch import nn
 from fedsim import rng
 from fedsim.config import TrainConfig
 from fedsim.distill import clip_logits
+from fedsim.optim import SGD
+from fedsim.step_graphs import StepGraphs, cuda_graphs_of, graph_reason, graphs_on, note, train_replayed
 from fedsim.train import LossTerm, make_optimizer, train_classifier
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ class LocalTraining:
     optimizer_state: dict[str, Any] | None = None  # loaded into the first stage's optimizer
     keep_optimizer: bool = False  # hand the last stage's optimizer state to `finish`
     dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.train_batched)
+    cuda_graphs: bool = False  # full batches may be replayed from captured CUDA graphs (fedsim.step_graphs)
 
     @classmethod
     def of(cls, ctx: ClientContext, start: Mapping[str, torch.Tensor], finish: Finish,
@@ -115,7 +118,8 @@ class LocalTraining:
                    y=ctx.data.y if y is None else y, train=train, generator=ctx.generator(), finish=finish,
                    stages=(Stage(train.epochs, train.steps),) if stages is None else stages,
                    dropout_seed=rng.seed(ctx.env.config.seed, DROPOUT_STREAM, ctx.round, ctx.client_id,
-                                         ctx.phase_index), **options)
+                                         ctx.phase_index),
+                   cuda_graphs=graphs_on(ctx.env.config.runtime.cuda_graphs, ctx.device), **options)
 
     def stage_config(self, stage: Stage) -> TrainConfig:
         return dataclasses.replace(self.train, epochs=stage.epochs, steps=stage.steps)
@@ -134,10 +138,26 @@ class LocalTraining:
             opt = make_optimizer(self.model.parameters(), cfg)
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
-            done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt)
+            graphs = self._graphs(opt, extra)
+            if graphs is not None and isinstance(opt, SGD):
+                done = train_replayed(net, self.x, self.y, cfg, self.generator, opt, graphs)
+            else:
+                done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt)
             metrics.update({stage.prefix + k: v for k, v in done.items()})
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)
+
+    def _graphs(self, opt: Any, extra: LossTerm | None) -> StepGraphs | None:
+        """The captured steps this client's training may replay (`cuda_graphs`: plain SGD on cross-entropy on a
+        GPU), or None."""
+        if not self.cuda_graphs or extra is not None or self.clip is not None or not isinstance(opt, SGD) \
+                or not opt.params:
+            return None
+        reason = graph_reason(self.model)
+        if reason is not None:
+            note(reason)
+            return None
+        return cuda_graphs_of(self.model, opt)
 
     def complete(self, state: Mapping[str, torch.Tensor], metrics: dict[str, float],
                  momentum: Mapping[str, torch.Tensor] | None, finite: bool = False) -> ClientResult:

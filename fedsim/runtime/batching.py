@@ -1,10 +1,12 @@
-"""Training a phase's clients together (`runtime.batch_clients`): which phases qualify, the groups, the fallback.
+"""Training a phase's clients as a group (`runtime.batch_clients`, `runtime.cuda_graphs`): which phases qualify,
+the groups, the fallback.
 
 A phase qualifies when its method describes the client step as plain local training
 (`Algorithm.local_training`) and does not override that client step below the description. Its clients are
-grouped by architecture, in chunks of `runtime.batch_clients_max`, trained by fedsim.train_batched and
-finished one by one. Clients that cannot be trained together run one after another, as without batching;
-why is logged once per worker and reason.
+grouped by architecture, in chunks of `runtime.batch_clients_max`, trained by fedsim.train_batched (together) or,
+on a GPU without batching but with CUDA graphs, by fedsim.train_in_turn (one after another, one wait per group),
+and finished one by one. Clients that cannot be trained so run each on its own, as without either; why is logged
+once per worker and reason.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 from fedsim.algorithms.base import Algorithm, ClientResult, Phase
 from fedsim.local_training import LocalTraining
-from fedsim.train_batched import train_together
+from fedsim.step_graphs import graphs_on
+from fedsim.train_batched import Trained, train_together
+from fedsim.train_in_turn import train_in_turn
 
 log = logging.getLogger("fedsim.batching")
 
@@ -53,11 +57,18 @@ def phase_reason(algorithm: Algorithm, phase: Phase) -> str | None:
 
 
 class ClientBatcher:
-    """One worker's batching: the setting, and the reasons it has already logged."""
+    """One worker's grouped training: the setting, and the reasons it has already logged."""
 
-    def __init__(self, mode: Any, max_clients: int, device: torch.device, worker_index: int = 0) -> None:
-        self.on = batching_on(mode, device)
-        self.level = logging.INFO if mode == "auto" else logging.WARNING  # asked for explicitly: worth a warning
+    def __init__(self, mode: Any, max_clients: int, device: torch.device, worker_index: int = 0,
+                 cuda_graphs: Any = "off") -> None:
+        """`mode`: runtime.batch_clients; `cuda_graphs`: runtime.cuda_graphs, which (on a GPU, batching off) trains
+        the clients in turn."""
+        together = batching_on(mode, device)
+        self.together = together
+        self.on = together or graphs_on(cuda_graphs, device)
+        self.trainer: Callable[[list[LocalTraining]], list[Trained]] = train_together if together else train_in_turn
+        asked = mode if together else cuda_graphs
+        self.level = logging.INFO if asked == "auto" else logging.WARNING  # asked for explicitly: worth a warning
         self.max_clients = max(1, int(max_clients))
         self.worker_index = worker_index
         self.said: set[str] = set()
@@ -102,14 +113,15 @@ class ClientBatcher:
             return
         t0 = time.perf_counter()
         try:
-            trained = train_together(list(plans.values()))
+            trained = self.trainer(list(plans.values()))
         except Exception as exc:
             self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             for cid, plan in plans.items():
                 yield cid, _alone(plan, seconds[cid])
             return
         elapsed = time.perf_counter() - t0
-        self.trained += len(trained)
+        if self.together:
+            self.trained += len(trained)
         total = sum(t.samples for t in trained)
         for (cid, plan), t in zip(plans.items(), trained):
             t1 = time.perf_counter()

@@ -1,0 +1,96 @@
+"""Local training of a worker's clients one after another on a GPU, with one wait for the GPU per group.
+
+Trained alone (`LocalTraining.run`), a client ends by reading its loss and checking its weights on the host, so
+the GPU idles while the host finishes that client and prepares the next. Here each client trains exactly as it
+would alone (its steps replayed from CUDA graphs, fedsim.step_graphs) and its trained weights are copied aside;
+the group's losses and finiteness are read at the end in one wait, and each client is then finished from its copy
+(`LocalTraining.complete`, as after training together). The numbers are those of training each client alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fedsim.local_training import LocalTraining, load_weights
+from fedsim.optim import SGD
+from fedsim.step_graphs import cuda_graphs_of, graph_reason, replay_stage
+from fedsim.train import make_optimizer
+from fedsim.train_batched import Trained, Unbatchable
+
+
+def in_turn_reason(plan: LocalTraining) -> str | None:
+    """Why `plan` cannot be trained in turn (only what LocalTraining.run replays from graphs can), or None."""
+    if plan.mu > 0:
+        return "a proximal term (FedProx) is not replayed from CUDA graphs"
+    if plan.clip is not None:
+        return "clipped logits are not replayed from CUDA graphs"
+    if plan.train.optimizer != "sgd":
+        return f"optimizer {plan.train.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
+    return graph_reason(plan.model)
+
+
+def train_in_turn(plans: Sequence[LocalTraining]) -> list[Trained]:
+    """Train `plans` one after another, each as alone; one Trained per plan, in order. Raises Unbatchable (before
+    training any) when some plan cannot be trained this way, so the caller may run each on its own."""
+    for plan in plans:
+        reason = in_turn_reason(plan)
+        if reason is not None:
+            raise Unbatchable(reason)
+    out: list[Trained] = []
+    pending: list[tuple[int, list[torch.Tensor], list[int], list[int], torch.Tensor]] = []
+    for pos, plan in enumerate(plans):
+        try:
+            totals, counts, steps, state, momentum = _train(plan)
+        except Exception as exc:  # fails this client only, as its client step would
+            out.append(Trained({}, {}, None, 0, error=exc))
+            continue
+        floats = [t.sum(dtype=torch.float64) for t in state.values() if t.is_floating_point()]
+        finite = torch.stack(floats).sum() if floats else torch.zeros((), dtype=torch.float64, device=plan.x.device)
+        out.append(Trained(state, {}, momentum, sum(counts)))
+        pending.append((pos, totals, counts, steps, finite))
+    if pending:  # every loss total and weight sum of the group, read in one wait
+        values = torch.stack([v.to(torch.float64) for _, stage_totals, _, _, f in pending
+                              for v in (*stage_totals, f)]).tolist()
+        at = 0
+        for pos, _, counts, steps, _ in pending:
+            plan, t = plans[pos], out[pos]
+            for stage, count, n_steps in zip(plan.stages, counts, steps, strict=True):
+                t.metrics[stage.prefix + "train_loss"] = values[at] / max(count, 1)
+                t.metrics[stage.prefix + "steps"] = float(n_steps)
+                at += 1
+            t.finite = bool(torch.isfinite(torch.tensor(values[at])))
+            at += 1
+    return out
+
+
+def _train(plan: LocalTraining) -> tuple[list[torch.Tensor], list[int], list[int], dict[str, torch.Tensor],
+                                         dict[str, torch.Tensor] | None]:
+    """LocalTraining.run's training, without its reads: per stage the loss total (on the device), samples and
+    steps; then a copy of the trained weights and buffers, and the last stage's momentum by parameter name."""
+    model = plan.model
+    load_weights(model, plan.start)
+    totals: list[torch.Tensor] = []
+    counts: list[int] = []
+    steps: list[int] = []
+    opt: SGD | None = None
+    for i, stage in enumerate(plan.stages):
+        cfg = plan.stage_config(stage)
+        made = make_optimizer(model.parameters(), cfg)
+        assert isinstance(made, SGD)  # in_turn_reason let SGD only through
+        opt = made
+        if i == 0 and plan.optimizer_state is not None:
+            opt.load_state_dict(plan.optimizer_state)
+        graphs = cuda_graphs_of(model, opt)
+        total, count, n_steps = replay_stage(model, plan.x, plan.y, cfg, plan.generator, opt, graphs)
+        totals.append(total)
+        counts.append(count)
+        steps.append(n_steps)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    momentum = None
+    if opt is not None:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        held = {n: b for n, b in zip(names, opt._buffers, strict=True) if b is not None}
+        momentum = held or None
+    return totals, counts, steps, state, momentum
