@@ -96,6 +96,14 @@ class CudaGraph:
         self.graph.replay()
 
 
+def copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` made with one multi-tensor copy (a clone each would be a launch each)."""
+    out = [torch.empty_like(t) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
+
+
 class _Step:
     """One captured step: its static batch and the graph that trains on it."""
 
@@ -189,16 +197,16 @@ class StepGraphs:
     def adopt(self, opt: SGD) -> None:
         """Let the graphs step `opt`'s momentum buffers: their values move into the shared buffers, which `opt`
         then holds (so a direct step updates them in place too)."""
-        for mine, theirs in zip(self.buffers, opt._buffers, strict=True):
-            assert theirs is not None
-            if mine is not theirs:
-                mine.copy_(theirs)
+        theirs = [b for b in opt._buffers if b is not None]
+        if any(t is not m for t, m in zip(theirs, self.buffers, strict=True)):
+            torch._foreach_copy_(self.buffers, theirs)  # one multi-tensor copy, not a launch per buffer
         opt._buffers = list(self.buffers)
 
     def release(self, opt: SGD) -> None:
         """Give `opt` its own copies of the shared momentum buffers (the next client's steps overwrite them)."""
         if any(b is s for b, s in zip(opt._buffers, self.buffers)):
-            opt._buffers = [None if b is None else b.clone() for b in opt._buffers]
+            made = iter(copies([b for b in opt._buffers if b is not None]))
+            opt._buffers = [None if b is None else next(made) for b in opt._buffers]
 
 
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, StepGraphs] = weakref.WeakKeyDictionary()

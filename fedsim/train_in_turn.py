@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from fedsim.local_training import LocalTraining, load_weights
+from fedsim.local_training import LocalTraining, load_weights, weights_sum
 from fedsim.optim import SGD
-from fedsim.step_graphs import cuda_graphs_of, graph_reason, replay_stage
+from fedsim.step_graphs import copies, cuda_graphs_of, graph_reason, replay_stage
 from fedsim.train import make_optimizer
 from fedsim.train_batched import Trained, Unbatchable
 
@@ -46,8 +46,7 @@ def train_in_turn(plans: Sequence[LocalTraining]) -> list[Trained]:
         except Exception as exc:  # fails this client only, as its client step would
             out.append(Trained({}, {}, None, 0, error=exc))
             continue
-        floats = [t.sum(dtype=torch.float64) for t in state.values() if t.is_floating_point()]
-        finite = torch.stack(floats).sum() if floats else torch.zeros((), dtype=torch.float64, device=plan.x.device)
+        finite = weights_sum(list(state.values()), plan.x.device)
         out.append(Trained(state, {}, momentum, sum(counts)))
         pending.append((pos, totals, counts, steps, finite))
     if pending:  # every loss total and weight sum of the group, read in one wait
@@ -87,7 +86,8 @@ def _train(plan: LocalTraining) -> tuple[list[torch.Tensor], list[int], list[int
         totals.append(total)
         counts.append(count)
         steps.append(n_steps)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    own = model.state_dict()
+    state = dict(zip(own, copies([v.detach() for v in own.values()]), strict=True))
     momentum = None
     if opt is not None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
