@@ -7,8 +7,10 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -312,7 +314,7 @@ def test_gpu_sampler_reads_nvml_sample_buffer_once_per_sample_and_averages_it_ov
 
 
 @pytest.mark.slow
-def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
+def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path, capsys):
     """`python -m bench.gpu_bench --device cpu` on a tiny pfl-shaped workload: the plain loop and fedsim, one client
     after another and batched, each its own process; the same math (the plain loop's accuracy); the table, JSON and
     CSV written."""
@@ -320,13 +322,13 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
 
     out = tmp_path / "out"
     rc = gpu_bench.main(["--configs", "P", "--rounds", "2", "--n-train", "1000", "--n-test", "100", "--device", "cpu",
-                         "--clients-per-round", "20", "--systems", "plain,fedsim_seq,fedsim_batched", "--out", str(out),
-                         "--cache", str(tmp_path / "cache"), "--timeout", "600"])
+                         "--clients-per-round", "20", "--systems", "plain,fedsim_seq,fedsim_batched,fedsim_seq_direct",
+                         "--out", str(out), "--cache", str(tmp_path / "cache"), "--timeout", "600"])
     assert rc == 0
     runs = json.loads((out / "gpu.json").read_text())["runs"]
-    assert [r["system"] for r in runs] == ["plain", "fedsim_seq", "fedsim_batched"]
-    assert [r["status"] for r in runs] == ["ok"] * 3, [r["log"] for r in runs]
-    plain, seq, batched = runs
+    assert [r["system"] for r in runs] == ["plain", "fedsim_seq", "fedsim_batched", "fedsim_seq_direct"]
+    assert [r["status"] for r in runs] == ["ok"] * 4, [r["log"] for r in runs]
+    plain, seq, batched, _ = runs
     assert seq["final_accuracy"] == plain["final_accuracy"]  # the same math, as on the GPU
     assert abs(batched["final_accuracy"] - seq["final_accuracy"]) <= 0.02  # batched: to float rounding
     assert (seq["batch_clients"], batched["batch_clients"]) == ("False", "True")
@@ -335,8 +337,30 @@ def test_gpu_bench_runs_every_program_on_the_cpu_and_writes_its_table(tmp_path):
     assert all("gpu_util_mean" not in r for r in runs)  # no GPU here: no utilisation is claimed
     md = (out / "gpu.md").read_text()
     assert "| P: N=1000, K=20, R=2, cnn, batch 10 | fedsim local, batched |" in md
-    assert len((out / "gpu.csv").read_text().splitlines()) == 4
-    assert len(list((out / "gpu-runs").iterdir())) == 2  # fedsim's two run folders, beside the outputs
+    assert len((out / "gpu.csv").read_text().splitlines()) == 5
+    assert len(list((out / "gpu-runs").iterdir())) == 3  # fedsim's three run folders, beside the outputs
+    check_same_numbers(out / "gpu.json", runs, capsys)
+
+
+def check_same_numbers(gpu_json: Path, runs: list[dict], capsys) -> None:
+    """bench.same_numbers on a gpu_bench run: the pair that must agree does (both tables), a changed value is named,
+    and input that is not a gpu.json is one line with exit 2."""
+    from bench import same_numbers
+
+    capsys.readouterr()  # the bench's own output
+    assert same_numbers.main([str(gpu_json)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["P fedsim_seq vs fedsim_seq_direct rounds.parquet: 2 rows, 14 columns: IDENTICAL",
+                     "P fedsim_seq vs fedsim_seq_direct clients.parquet: 40 rows, 11 columns: IDENTICAL"]
+    table = Path(runs[3]["run_dir"]) / "clients.parquet"
+    clients = pd.read_parquet(table)
+    clients.loc[3, "train_loss"] += 1e-6
+    clients.to_parquet(table)
+    assert same_numbers.main([str(gpu_json)]) == 1
+    assert capsys.readouterr().out.splitlines()[1].endswith("40 rows, 11 columns: DIFFER in train_loss")
+    assert same_numbers.main([str(table)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m bench.same_numbers: error: {table}: not a gpu.json of bench.gpu_bench\n"
 
 
 def test_gpu_bench_render_rewrites_a_results_table_from_its_json_alone(tmp_path, capsys):
