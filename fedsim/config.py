@@ -151,9 +151,11 @@ class RuntimeConfig:
         "repeats its numbers at the same runtime.num_workers and batch_clients_max, not across them")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
     cuda_graphs: bool | Literal["auto", "on", "off"] = knob(
-        "auto", doc="where clients train one after another with plain SGD on a GPU, replay each full batch's step "
-        "from a CUDA graph the worker captures once (one launch instead of dozens; the same numbers): on, off, or "
-        "auto (on for CUDA workers; CPUs have no graphs)")
+        "auto", doc="where clients train one after another with plain SGD on a GPU, replay their full batches' steps "
+        "(with momentum, after a stage's first) from CUDA graphs the worker captures once (one launch instead of "
+        "dozens; the same numbers), and read a group's losses in one wait: on, off, or auto (on for CUDA workers; "
+        "CPUs have no graphs). Turn it off for a model whose forward draws random numbers itself (F.dropout, "
+        "torch.rand): only dropout layers are detected")
     tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
                       "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
                       "differ from the CPU's, and batched from one-after-another training, by more than float32 "

@@ -51,6 +51,18 @@ class SGD(_Optimizer):
         self.foreach = all(p.device.type == "cuda" for p in self.params) and bool(self.params) \
             if foreach is None else foreach
 
+    @property
+    def momentum_buffers(self) -> list[torch.Tensor | None]:
+        """Each parameter's momentum buffer (None until its first step); assigning a list makes those the buffers
+        that later steps update in place (fedsim.step_graphs shares them with its captured steps)."""
+        return self._buffers
+
+    @momentum_buffers.setter
+    def momentum_buffers(self, buffers: list[torch.Tensor | None]) -> None:
+        if len(buffers) != len(self.params):
+            raise ValueError(f"SGD: {len(buffers)} momentum buffers for {len(self.params)} parameters")
+        self._buffers = list(buffers)
+
     @torch.no_grad()
     def step(self) -> None:
         if self.foreach:

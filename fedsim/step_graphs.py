@@ -81,16 +81,18 @@ class CudaGraph:
         self.stream = stream
 
     def warm_up(self, step: Callable[[], None]) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
+        queue = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(queue)
         with torch.cuda.stream(self.stream):
             step()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        queue.wait_stream(self.stream)
 
     def capture(self, body: Callable[[], None]) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
+        queue = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(queue)
         with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
             body()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        queue.wait_stream(self.stream)
 
     def replay(self) -> None:
         self.graph.replay()
@@ -118,12 +120,13 @@ class _Step:
 
 class StepGraphs:
     """A worker's captured steps for one model instance: its parameters, the momentum buffers and loss total every
-    graph steps in place, and one graph per batch shape and SGD setting (None: capturing it failed)."""
+    graph steps in place, and one graph per batch shape and SGD setting (None: capturing it failed). A graph reads
+    the model's tensors where they were at capture, and its modules' settings (BatchNorm's momentum) as they were."""
 
     def __init__(self, model: nn.Module, make_graph: Callable[[], Graph]) -> None:
-        self.model = model
+        self.name = type(model).__name__
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.pointers = [p.data_ptr() for p in self.params]
+        self.pointers = _pointers(model)
         self.make_graph = make_graph
         self.total = torch.zeros((), dtype=torch.float64, device=self.params[0].device if self.params else "cpu")
         self.buffers: list[torch.Tensor] = []  # made at the first capture with momentum
@@ -131,10 +134,11 @@ class StepGraphs:
         self.failed: str | None = None  # the first capture failed: no other is tried
 
     def holds(self, model: nn.Module, opt: SGD) -> bool:
-        """Whether the graphs step `model`'s parameters as they are now, and `opt` steps the same ones."""
+        """Whether the graphs step `model`'s parameters and buffers where they are now, and `opt` steps the same
+        parameters."""
         params = [p for p in model.parameters() if p.requires_grad]
         return len(params) == len(self.params) == len(opt.params) and all(
-            p is q is o and p.data_ptr() == ptr for p, q, o, ptr in zip(params, self.params, opt.params, self.pointers))
+            p is q is o for p, q, o in zip(params, self.params, opt.params)) and _pointers(model) == self.pointers
 
     @staticmethod
     def _key(opt: SGD, x: torch.Tensor, y: torch.Tensor, rows: int) -> tuple:
@@ -148,7 +152,7 @@ class StepGraphs:
         step = self.steps.get(self._key(opt, x, y, rows))
         if step is None or opt.param_groups[0]["momentum"] == 0:
             return step
-        return step if all(b is not None for b in opt._buffers) else None
+        return step if all(b is not None for b in opt.momentum_buffers) else None
 
     def wanted(self, opt: SGD, x: torch.Tensor, y: torch.Tensor, rows: int) -> bool:
         """Whether to capture this shape and setting now (not tried yet, and room left)."""
@@ -160,14 +164,19 @@ class StepGraphs:
         setting without running it. A capture that fails leaves direct steps in use, with one log line."""
         key = self._key(opt, x, y, rows)
         lr, momentum, dampening, decay, nesterov, foreach = key[-1]
-        graph = self.make_graph()
+        try:
+            graph = self.make_graph()
+        except Exception as exc:  # no graph to be had here (say, no CUDA stream): the step runs directly
+            self._failed(key, exc)
+            step()
+            return
         graph.warm_up(step)
         if momentum != 0 and not self.buffers:
             self.buffers = [torch.zeros_like(p) for p in self.params]
         inner = SGD(self.params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=decay,
                     nesterov=nesterov, foreach=foreach)
         if momentum != 0:
-            inner._buffers = list(self.buffers)  # present, so the update is the one a stepped buffer gets
+            inner.momentum_buffers = list(self.buffers)  # present, so the update is the one a stepped buffer gets
         xs = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
         ys = torch.empty((rows, *y.shape[1:]), dtype=y.dtype, device=y.device)
 
@@ -183,38 +192,48 @@ class StepGraphs:
         try:
             graph.capture(body)
         except Exception as exc:
-            self.steps[key] = None
-            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-            note(f"capturing a step of {type(self.model).__name__} failed ({reason})")
-            if len(self.steps) == 1:
-                self.failed = reason
+            self._failed(key, exc)
         else:
             self.steps[key] = _Step(graph, xs, ys)
         finally:
             for p in self.params:
                 p.grad = None  # the graph's gradients are its own; a direct step starts without any
 
+    def _failed(self, key: tuple, exc: Exception) -> None:
+        """Remember that this step cannot be captured (after the model's first such failure, none is tried)."""
+        self.steps[key] = None
+        reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+        note(f"capturing a step of {self.name} failed ({reason})")
+        if len(self.steps) == 1:
+            self.failed = reason
+
     def adopt(self, opt: SGD) -> None:
         """Let the graphs step `opt`'s momentum buffers: their values move into the shared buffers, which `opt`
         then holds (so a direct step updates them in place too)."""
-        theirs = [b for b in opt._buffers if b is not None]
+        theirs = [b for b in opt.momentum_buffers if b is not None]
         if any(t is not m for t, m in zip(theirs, self.buffers, strict=True)):
             torch._foreach_copy_(self.buffers, theirs)  # one multi-tensor copy, not a launch per buffer
-        opt._buffers = list(self.buffers)
+        opt.momentum_buffers = list(self.buffers)
 
     def release(self, opt: SGD) -> None:
         """Give `opt` its own copies of the shared momentum buffers (the next client's steps overwrite them)."""
-        if any(b is s for b, s in zip(opt._buffers, self.buffers)):
-            made = iter(copies([b for b in opt._buffers if b is not None]))
-            opt._buffers = [None if b is None else next(made) for b in opt._buffers]
+        held = opt.momentum_buffers
+        if any(b is s for b, s in zip(held, self.buffers)):
+            made = iter(copies([b for b in held if b is not None]))
+            opt.momentum_buffers = [None if b is None else next(made) for b in held]
+
+
+def _pointers(model: nn.Module) -> list[int]:
+    """Where the model's parameters and buffers are (a captured graph reads and writes them there)."""
+    return [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
 
 
 _GRAPHS: weakref.WeakKeyDictionary[nn.Module, StepGraphs] = weakref.WeakKeyDictionary()
 
 
 def cuda_graphs_of(model: nn.Module, opt: SGD) -> StepGraphs:
-    """This process's captured steps of `model` (one set per model instance, kept while it lives; made anew when
-    its parameters are no longer the ones captured)."""
+    """This process's captured steps of `model` (one set per model instance, dropped with it; made anew when its
+    parameters or buffers are no longer where they were captured)."""
     graphs = _GRAPHS.get(model)
     if graphs is None or not graphs.holds(model, opt):
         device = opt.params[0].device

@@ -56,9 +56,10 @@ def unbatchable_reason(model: nn.Module) -> str | None:
 
 @dataclass
 class Trained:
-    """One client's outcome of training together: its weights and buffers (views into the stacks), metrics in
-    train_classifier's form per stage, its SGD momentum buffers (None when there are none), and the samples it
-    processed (its share of the group's time). `error` is set when the client cannot be trained this way."""
+    """One client's outcome of training in a group (together here, or in turn: fedsim.train_in_turn): its weights
+    and buffers (views into the stacks, or copies), metrics in train_classifier's form per stage, its SGD momentum
+    buffers (None when there are none), and the samples it processed (its share of the group's time). `error` is
+    set when the client cannot be trained this way."""
 
     state: dict[str, torch.Tensor]
     metrics: dict[str, float]

@@ -9,7 +9,9 @@ the group's losses and finiteness are read at the end in one wait, and each clie
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,50 +28,69 @@ def in_turn_reason(plan: LocalTraining) -> str | None:
         return "a proximal term (FedProx) is not replayed from CUDA graphs"
     if plan.clip is not None:
         return "clipped logits are not replayed from CUDA graphs"
-    if plan.train.optimizer != "sgd":
-        return f"optimizer {plan.train.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
+    t = plan.train
+    if t.optimizer != "sgd":
+        return f"optimizer {t.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
+    if plan.optimizer_state is not None:
+        groups = plan.optimizer_state.get("param_groups", [])
+        saved = [(g.get("lr"), g.get("momentum"), g.get("weight_decay"), g.get("dampening", 0),
+                  g.get("nesterov", False)) for g in groups]
+        if saved != [(t.lr, t.momentum, t.weight_decay, 0, False)]:  # finishing rebuilds the state from the config
+            return "the saved optimizer state has other SGD settings than the run's"
     return graph_reason(plan.model)
 
 
+@dataclass
+class _Pending:
+    """A trained client's figures still on the device: per stage its loss total, samples and steps, and the sum
+    that says whether its weights are finite."""
+
+    position: int
+    totals: list[torch.Tensor]
+    counts: list[int]
+    steps: list[int]
+    finite: torch.Tensor
+
+
 def train_in_turn(plans: Sequence[LocalTraining]) -> list[Trained]:
-    """Train `plans` one after another, each as alone; one Trained per plan, in order. Raises Unbatchable (before
-    training any) when some plan cannot be trained this way, so the caller may run each on its own."""
+    """Train `plans` one after another, each as alone; one Trained per plan, in order (a client whose training
+    raises gets its error). Raises Unbatchable, before training any, when some plan cannot be trained this way;
+    the plans' generators are left as they were, so the caller may then run each on its own."""
     for plan in plans:
         reason = in_turn_reason(plan)
         if reason is not None:
             raise Unbatchable(reason)
     out: list[Trained] = []
-    pending: list[tuple[int, list[torch.Tensor], list[int], list[int], torch.Tensor]] = []
+    pending: list[_Pending] = []
     for pos, plan in enumerate(plans):
         try:
             totals, counts, steps, state, momentum = _train(plan)
+            finite = weights_sum(list(state.values()), plan.x.device)
         except Exception as exc:  # fails this client only, as its client step would
             out.append(Trained({}, {}, None, 0, error=exc))
             continue
-        finite = weights_sum(list(state.values()), plan.x.device)
         out.append(Trained(state, {}, momentum, sum(counts)))
-        pending.append((pos, totals, counts, steps, finite))
+        pending.append(_Pending(pos, totals, counts, steps, finite))
     if pending:  # every loss total and weight sum of the group, read in one wait
-        values = torch.stack([v.to(torch.float64) for _, stage_totals, _, _, f in pending
-                              for v in (*stage_totals, f)]).tolist()
-        at = 0
-        for pos, _, counts, steps, _ in pending:
-            plan, t = plans[pos], out[pos]
-            for stage, count, n_steps in zip(plan.stages, counts, steps, strict=True):
-                t.metrics[stage.prefix + "train_loss"] = values[at] / max(count, 1)
-                t.metrics[stage.prefix + "steps"] = float(n_steps)
-                at += 1
-            t.finite = bool(torch.isfinite(torch.tensor(values[at])))
-            at += 1
+        values = iter(torch.stack([v.to(torch.float64) for p in pending for v in (*p.totals, p.finite)]).tolist())
+        for p in pending:
+            trained = out[p.position]
+            for stage, total, count, n_steps in zip(plans[p.position].stages, values, p.counts, p.steps):
+                trained.metrics[stage.prefix + "train_loss"] = total / max(count, 1)
+                trained.metrics[stage.prefix + "steps"] = float(n_steps)
+            trained.finite = math.isfinite(next(values))
     return out
 
 
 def _train(plan: LocalTraining) -> tuple[list[torch.Tensor], list[int], list[int], dict[str, torch.Tensor],
                                          dict[str, torch.Tensor] | None]:
     """LocalTraining.run's training, without its reads: per stage the loss total (on the device), samples and
-    steps; then a copy of the trained weights and buffers, and the last stage's momentum by parameter name."""
+    steps; then a copy of the trained weights and buffers, and the last stage's momentum by parameter name. Batches
+    come from a copy of the plan's generator (a retry on its own draws the same)."""
     model = plan.model
     load_weights(model, plan.start)
+    generator = torch.Generator()
+    generator.set_state(plan.generator.get_state())
     totals: list[torch.Tensor] = []
     counts: list[int] = []
     steps: list[int] = []
@@ -82,7 +103,7 @@ def _train(plan: LocalTraining) -> tuple[list[torch.Tensor], list[int], list[int
         if i == 0 and plan.optimizer_state is not None:
             opt.load_state_dict(plan.optimizer_state)
         graphs = cuda_graphs_of(model, opt)
-        total, count, n_steps = replay_stage(model, plan.x, plan.y, cfg, plan.generator, opt, graphs)
+        total, count, n_steps = replay_stage(model, plan.x, plan.y, cfg, generator, opt, graphs)
         totals.append(total)
         counts.append(count)
         steps.append(n_steps)
@@ -91,6 +112,6 @@ def _train(plan: LocalTraining) -> tuple[list[torch.Tensor], list[int], list[int
     momentum = None
     if opt is not None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
-        held = {n: b for n, b in zip(names, opt._buffers, strict=True) if b is not None}
+        held = {n: b for n, b in zip(names, opt.momentum_buffers, strict=True) if b is not None}
         momentum = held or None
     return totals, counts, steps, state, momentum

@@ -157,6 +157,27 @@ def test_load_state_dict_rejects_another_models_state():
         opt.load_state_dict(torch.optim.SGD(other.parameters(), lr=0.1).state_dict())
 
 
+@pytest.mark.parametrize("foreach", [False, True])
+def test_sgd_steps_the_momentum_buffers_it_is_given_in_place(foreach):
+    """Buffers assigned through momentum_buffers are the ones later steps update (fedsim.step_graphs shares them),
+    with the update the optimizer's own buffers would get; a list of another length is refused."""
+    w = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt, ref = SGD(w, lr=0.1, momentum=0.9, foreach=foreach), SGD([p.detach().clone().requires_grad_() for p in w],
+                                                                      lr=0.1, momentum=0.9, foreach=foreach)
+    for o in (opt, ref):
+        for p in o.params:
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    given = [b.clone() for b in opt.momentum_buffers if b is not None]
+    opt.momentum_buffers = given
+    for o in (opt, ref):
+        o.step()
+    assert all(a is b for a, b in zip(opt.momentum_buffers, given, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(given, ref.momentum_buffers, strict=True))
+    with pytest.raises(ValueError, match="1 momentum buffers for 2 parameters"):
+        opt.momentum_buffers = given[:1]
+
+
 @pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])
 def test_adam_counts_steps_per_parameter_as_torch_does(ours):
     """A parameter without a gradient in a step is not stepped, and its own step count (bias correction) waits."""

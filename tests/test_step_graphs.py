@@ -6,7 +6,9 @@ is what a CUDA graph does to the tensors; FEDSIM_TEST_DEVICE=cuda runs the same 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable
 
@@ -23,6 +25,7 @@ from fedsim.config import TrainConfig
 from fedsim.local_training import LocalTraining, Stage
 from fedsim.step_graphs import CudaGraph, StepGraphs, cuda_graphs_of, graph_reason, graphs_on, train_replayed
 from fedsim.train import make_optimizer, train_classifier
+from fedsim.train_batched import Unbatchable
 from fedsim.train_in_turn import train_in_turn
 from tests.test_train_batched import SIZES as SIZES_W
 from tests.test_train_batched import make_worker, one_round
@@ -136,7 +139,7 @@ def test_a_loaded_momentum_buffer_is_replayed_from_the_first_step() -> None:
     train = TrainConfig(lr=0.05, momentum=0.9, batch_size=8, epochs=1)
     model = fresh(mlp)
     saved = make_optimizer(model.parameters(), train)
-    saved._buffers = [torch.full_like(p, 0.01) for p in saved.params]
+    saved.momentum_buffers = [torch.full_like(p, 0.01) for p in saved.params]
     state = saved.state_dict()
     direct = train_clients(fresh(mlp), train, None, loaded=state)
     model = fresh(mlp)
@@ -144,6 +147,9 @@ def test_a_loaded_momentum_buffer_is_replayed_from_the_first_step() -> None:
     assert_identical(direct, train_clients(model, train, graphs, loaded=state))
     assert all(torch.equal(b["momentum_buffer"], torch.full_like(b["momentum_buffer"], 0.01))
                for b in state["state"].values())  # the saved state itself was not stepped
+    if DEVICE != "cuda":  # every full batch but the one run before the capture, first steps included
+        (step,) = graphs.steps.values()
+        assert step is not None and step.graph.replays == sum(n // 8 for n in SIZES) - 1
 
 
 class FailingGraph(EagerGraph):
@@ -303,3 +309,90 @@ def test_clients_that_cannot_be_replayed_train_alone_with_the_same_numbers(in_tu
     runs = run_both("algorithm.name=fedprox", "algorithm.mu=0.1", rounds=1)
     assert_same_rounds(runs["off"], runs["on"])
     assert in_turn == []  # a proximal term: each client on its own
+
+
+class Unused(nn.Module):
+    """A classifier with a parameter its forward never reads (so a non-finite value there leaves the loss finite)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 3))
+        self.extra = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def finished(result: tuple) -> tuple:
+    state, metrics, opt = result
+    return state, metrics, None if opt is None else [b["momentum_buffer"] for b in opt["state"].values()]
+
+
+def assert_same_result(a: tuple, b: tuple) -> None:
+    (sa, ma, oa), (sb, mb, ob) = finished(a), finished(b)
+    assert ma == mb and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert (oa is None) == (ob is None) and all(torch.equal(x, y) for x, y in zip(oa or [], ob or [], strict=True))
+
+
+def test_clients_trained_in_turn_end_as_each_alone(in_turn) -> None:
+    """Two stages with their own metrics, a loaded momentum state, a client that fails and one whose weights are
+    not finite while its loss is: each ends as LocalTraining.run ends, and the plans' generators are left as they
+    were (a retry on its own draws the same batches)."""
+    train = TrainConfig(lr=0.05, momentum=0.9, batch_size=8)
+    stages = (Stage(epochs=1, prefix="pretrain_"), Stage(steps=5))
+
+    def plans(graphs: bool) -> list[LocalTraining]:
+        model = fresh(cnn)  # each list from the same start (a plan starts from the weights the model has when made)
+        out = [plan(model, *client_data(k, n), train, graphs, stages) for k, n in enumerate((37, 8, 21))]
+        saved = make_optimizer(model.parameters(), train)
+        saved.momentum_buffers = [torch.full_like(p, 0.02) for p in saved.params]
+        out[2].optimizer_state = saved.state_dict()
+        out.insert(1, plan(model, torch.zeros(9, 3, 8, 8, device=DEVICE), torch.zeros(9, dtype=torch.long,
+                                                                                       device=DEVICE),
+                           train, graphs, stages))  # three channels for a one-channel model: its training raises
+        return out
+
+    alone = []
+    for p in plans(False):
+        try:
+            alone.append(p.run())
+        except RuntimeError as exc:
+            alone.append(exc)
+    group = plans(True)
+    before = [p.generator.get_state() for p in group]
+    trained = train_in_turn(group)
+    assert all(torch.equal(p.generator.get_state(), s) for p, s in zip(group, before, strict=True))
+    assert isinstance(alone[1], RuntimeError) and type(trained[1].error) is type(alone[1])
+    for i in (0, 2, 3):
+        t = trained[i]
+        assert t.error is None and t.finite, (i, t.error)
+        assert_same_result(alone[i], group[i].complete(t.state, t.metrics, t.momentum, t.finite))
+    assert trained[0].metrics == {"pretrain_train_loss": alone[0][1]["pretrain_train_loss"], "pretrain_steps": 5.0,
+                                  "train_loss": alone[0][1]["train_loss"], "steps": 5.0}
+    # an epoch, then 5 steps of 8 (an epoch of 37 ends in 5; of 21 in 5, then 8 + 8 of the next)
+    assert [t.samples for t in trained] == [37 + 37, 0, 8 + 5 * 8, 21 + 21 + 16]
+
+    bad = Unused().to(DEVICE)
+    with torch.no_grad():
+        bad.extra.fill_(float("inf"))
+    x, y = client_data(5, 16)
+    direct = plan(bad, x, y, train, False, stages)
+    with pytest.raises(FloatingPointError, match="weight 'extra' is not finite"):
+        direct.run()
+    t = train_in_turn([plan(bad, x, y, train, True, stages)])[0]
+    assert t.error is None and not t.finite and math.isfinite(t.metrics["train_loss"])
+    with pytest.raises(FloatingPointError, match="weight 'extra' is not finite"):
+        plan(bad, x, y, train, True, stages).complete(t.state, t.metrics, t.momentum, t.finite)
+
+
+def test_a_saved_state_with_other_sgd_settings_is_not_trained_in_turn(in_turn) -> None:
+    """Finishing in turn rebuilds the optimizer state from the run's settings, so a state saved with others (a
+    resumed run whose config changed) trains alone, where its own settings are kept."""
+    train = TrainConfig(lr=0.05, momentum=0.9, batch_size=8)
+    model = fresh(cnn)
+    saved = make_optimizer(model.parameters(), dataclasses.replace(train, lr=0.1))
+    saved.momentum_buffers = [torch.zeros_like(p) for p in saved.params]
+    p = plan(model, *client_data(1, 16), train, True, (Stage(),))
+    p.optimizer_state = saved.state_dict()
+    with pytest.raises(Unbatchable, match="the saved optimizer state has other SGD settings than the run's"):
+        train_in_turn([p])

@@ -21,7 +21,7 @@ import torch
 from fedsim.algorithms.base import Algorithm, ClientResult, Phase
 from fedsim.local_training import LocalTraining
 from fedsim.step_graphs import graphs_on
-from fedsim.train_batched import Trained, train_together
+from fedsim.train_batched import train_together
 from fedsim.train_in_turn import train_in_turn
 
 log = logging.getLogger("fedsim.batching")
@@ -66,7 +66,6 @@ class ClientBatcher:
         together = batching_on(mode, device)
         self.together = together
         self.on = together or graphs_on(cuda_graphs, device)
-        self.trainer: Callable[[list[LocalTraining]], list[Trained]] = train_together if together else train_in_turn
         asked = mode if together else cuda_graphs
         self.level = logging.INFO if asked == "auto" else logging.WARNING  # asked for explicitly: worth a warning
         self.max_clients = max(1, int(max_clients))
@@ -106,14 +105,15 @@ class ClientBatcher:
                 yield from self.train(plans, seconds)
 
     def train(self, plans: dict[int, LocalTraining], seconds: dict[int, float]) -> Iterator[tuple[int, Done]]:
-        """Train `plans` together and finish each, yielding each client's outcome as soon as it is finished (a
-        finished client's payload may view the shared model, which the next one's finish overwrites); one by one
-        when they cannot be trained together."""
+        """Train `plans` as a group (together, or in turn) and finish each, yielding each client's outcome as soon
+        as it is finished (a finished client's payload may view the shared model, which the next one's finish
+        overwrites); each on its own when they cannot be trained as a group."""
         if not plans:
             return
         t0 = time.perf_counter()
         try:
-            trained = self.trainer(list(plans.values()))
+            trainer = train_together if self.together else train_in_turn
+            trained = trainer(list(plans.values()))
         except Exception as exc:
             self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             for cid, plan in plans.items():
