@@ -141,7 +141,7 @@ class LocalTraining:
             opt = make_optimizer(self.model.parameters(), cfg)
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
-            graphs = self._graphs(opt, extra)
+            graphs = self._graphs(opt, extra) if isinstance(opt, SGD) else None
             if graphs is not None and isinstance(opt, SGD):
                 done = train_replayed(net, self.x, self.y, cfg, self.generator, opt, graphs)
             else:
@@ -150,11 +150,10 @@ class LocalTraining:
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)
 
-    def _graphs(self, opt: Any, extra: LossTerm | None) -> StepGraphs | None:
-        """The captured steps this client's training may replay (`cuda_graphs`: plain SGD on cross-entropy on a
+    def _graphs(self, opt: SGD, extra: LossTerm | None) -> StepGraphs | None:
+        """The captured steps this client's SGD training may replay (`cuda_graphs`: cross-entropy alone, on a
         GPU), or None."""
-        if not self.cuda_graphs or extra is not None or self.clip is not None or not isinstance(opt, SGD) \
-                or not opt.params:
+        if not self.cuda_graphs or extra is not None or self.clip is not None or not opt.params:
             return None
         reason = graph_reason(self.model)
         if reason is not None:

@@ -209,10 +209,11 @@ class StepGraphs:
 
     def adopt(self, opt: SGD) -> None:
         """Let the graphs step `opt`'s momentum buffers: their values move into the shared buffers, which `opt`
-        then holds (so a direct step updates them in place too)."""
-        theirs = [b for b in opt.momentum_buffers if b is not None]
-        if any(t is not m for t, m in zip(theirs, self.buffers, strict=True)):
-            torch._foreach_copy_(self.buffers, theirs)  # one multi-tensor copy, not a launch per buffer
+        then holds (so a direct step updates them in place too). Once held, nothing is done (a step each)."""
+        theirs = opt.momentum_buffers
+        if theirs and theirs[0] is self.buffers[0] and theirs[-1] is self.buffers[-1]:
+            return  # held since an earlier step: adopt and release swap the whole list
+        torch._foreach_copy_(self.buffers, [b for b in theirs if b is not None])  # one copy, not one per buffer
         opt.momentum_buffers = list(self.buffers)
 
     def release(self, opt: SGD) -> None:
