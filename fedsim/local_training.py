@@ -141,7 +141,7 @@ class LocalTraining:
             opt = make_optimizer(self.model.parameters(), cfg)
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
-            graphs = self._graphs(opt, extra) if isinstance(opt, SGD) else None
+            graphs = self._graphs(opt) if isinstance(opt, SGD) else None
             if graphs is not None and isinstance(opt, SGD):
                 done = train_replayed(net, self.x, self.y, cfg, self.generator, opt, graphs)
             else:
@@ -150,16 +150,35 @@ class LocalTraining:
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)
 
-    def _graphs(self, opt: SGD, extra: LossTerm | None) -> StepGraphs | None:
-        """The captured steps this client's SGD training may replay (`cuda_graphs`: cross-entropy alone, on a
-        GPU), or None."""
-        if not self.cuda_graphs or extra is not None or self.clip is not None or not opt.params:
+    def _graphs(self, opt: SGD) -> StepGraphs | None:
+        """The captured steps this client's SGD training may replay (`cuda_graphs`, on a GPU), or None."""
+        if not self.cuda_graphs or not opt.params:
             return None
-        reason = graph_reason(self.model)
+        reason = self.replay_reason()
         if reason is not None:
             note(reason)
             return None
         return cuda_graphs_of(self.model, opt)
+
+    def replay_reason(self) -> str | None:
+        """Why this client's steps cannot be replayed from CUDA graphs (fedsim.step_graphs: cross-entropy alone,
+        SGD, a model without random layers), or None."""
+        if self.mu > 0:
+            return "a proximal term (FedProx) is not replayed from CUDA graphs"
+        if self.clip is not None:
+            return "clipped logits are not replayed from CUDA graphs"
+        if self.train.optimizer != "sgd":
+            return f"optimizer {self.train.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
+        return graph_reason(self.model)
+
+    def saved_sgd_matches(self) -> bool:
+        """Whether the saved optimizer state is one parameter group with the run's SGD settings (what `complete`
+        rebuilds the state with; a state saved with others keeps them only when trained by `run`)."""
+        groups = (self.optimizer_state or {}).get("param_groups", [])
+        t = self.train
+        return len(groups) == 1 and (groups[0].get("lr"), groups[0].get("momentum"), groups[0].get("weight_decay"),
+                                     groups[0].get("dampening", 0), groups[0].get("nesterov", False)) == \
+            (t.lr, t.momentum, t.weight_decay, 0, False)
 
     def complete(self, state: Mapping[str, torch.Tensor], metrics: dict[str, float],
                  momentum: Mapping[str, torch.Tensor] | None, finite: bool = False) -> ClientResult:

@@ -203,9 +203,8 @@ def _loaded_momentum(plan: LocalTraining, trainable: list[str]) -> dict[str, tor
     groups = state.get("param_groups", [])
     if len(groups) != 1:
         raise Unbatchable("the saved optimizer state has more than one parameter group")
-    g, t = groups[0], plan.train
-    saved = (g.get("lr"), g.get("momentum"), g.get("weight_decay"), g.get("dampening", 0), g.get("nesterov", False))
-    if saved != (t.lr, t.momentum, t.weight_decay, 0, False):
+    g = groups[0]
+    if not plan.saved_sgd_matches():
         raise Unbatchable("the saved optimizer state has other SGD settings than the run's")
     ids = g.get("params", [])
     params = [n for n, p in plan.model.named_parameters()]

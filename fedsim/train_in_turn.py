@@ -17,27 +17,18 @@ import torch
 
 from fedsim.local_training import LocalTraining, load_weights, weights_sum
 from fedsim.optim import SGD
-from fedsim.step_graphs import copies, cuda_graphs_of, graph_reason, replay_stage
+from fedsim.step_graphs import copies, cuda_graphs_of, replay_stage
 from fedsim.train import make_optimizer
 from fedsim.train_batched import Trained, Unbatchable
 
 
 def in_turn_reason(plan: LocalTraining) -> str | None:
-    """Why `plan` cannot be trained in turn (only what LocalTraining.run replays from graphs can), or None."""
-    if plan.mu > 0:
-        return "a proximal term (FedProx) is not replayed from CUDA graphs"
-    if plan.clip is not None:
-        return "clipped logits are not replayed from CUDA graphs"
-    t = plan.train
-    if t.optimizer != "sgd":
-        return f"optimizer {t.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
-    if plan.optimizer_state is not None:
-        groups = plan.optimizer_state.get("param_groups", [])
-        saved = [(g.get("lr"), g.get("momentum"), g.get("weight_decay"), g.get("dampening", 0),
-                  g.get("nesterov", False)) for g in groups]
-        if saved != [(t.lr, t.momentum, t.weight_decay, 0, False)]:  # finishing rebuilds the state from the config
-            return "the saved optimizer state has other SGD settings than the run's"
-    return graph_reason(plan.model)
+    """Why `plan` cannot be trained in turn (only what LocalTraining.run replays from graphs can, and a saved
+    optimizer state only with the run's SGD settings, which finishing rebuilds it with), or None."""
+    reason = plan.replay_reason()
+    if reason is None and plan.optimizer_state is not None and not plan.saved_sgd_matches():
+        return "the saved optimizer state has other SGD settings than the run's"
+    return reason
 
 
 @dataclass
