@@ -17,6 +17,8 @@ each its own process on the same prepared folder, every program on the GPU:
     fedsim_batched   the same with runtime.batch_clients=on
     fedsim_ray_seq   fedsim on Ray, four workers at runtime.client_gpus=0.25, batching off (P only)
     fedsim_ray_seq_direct  the same with runtime.cuda_graphs=off (P only)
+    fedsim_ray_seq_serial  fedsim_ray_seq with runtime.overlap_eval=off: each round evaluated before the next one's
+                     clients train, not beside them (P only)
     fedsim_ray_batched  the same with batching on (P only)
 
 Each program samples the GPU's utilisation (NVML) and reports its mean over the steady rounds (after the first).
@@ -52,13 +54,14 @@ PFL_SHAPE = Workload(num_clients=1000, clients_per_round=50, rounds=20, model="c
                      momentum=0.0, partition="iid", n_train=50000, n_test=10000, eval_batch_size=1000)
 CONFIGS = {"P": PFL_SHAPE, **BENCH_CONFIGS}
 SYSTEMS = ["plain", "pfl", "pfl_2proc", "fedsim_seq", "fedsim_seq_direct", "fedsim_batched", "fedsim_ray_seq",
-           "fedsim_ray_seq_direct", "fedsim_ray_batched"]
-P_ONLY = {"pfl_2proc", "fedsim_ray_seq", "fedsim_ray_seq_direct", "fedsim_ray_batched"}
+           "fedsim_ray_seq_direct", "fedsim_ray_seq_serial", "fedsim_ray_batched"]
+P_ONLY = {"pfl_2proc", "fedsim_ray_seq", "fedsim_ray_seq_direct", "fedsim_ray_seq_serial", "fedsim_ray_batched"}
 LABEL = {"plain": "plain loop", "pfl": "pfl, 1 process", "pfl_2proc": "pfl, 2 processes (torchrun)",
          "fedsim_seq": "fedsim local, one after another", "fedsim_batched": "fedsim local, batched",
          "fedsim_seq_direct": "fedsim local, one after another, no CUDA graphs",
          "fedsim_ray_seq": "fedsim Ray 4 × 0.25 GPU, one after another",
          "fedsim_ray_seq_direct": "fedsim Ray 4 × 0.25 GPU, one after another, no CUDA graphs",
+         "fedsim_ray_seq_serial": "fedsim Ray 4 × 0.25 GPU, one after another, evaluation not overlapped",
          "fedsim_ray_batched": "fedsim Ray 4 × 0.25 GPU, batched"}
 KEYS = ["config", "system", "status", "total_seconds", "startup_seconds", "seconds_per_round", "first_round_s",
         "gpu_util_mean", "gpu_util_raw_mean", "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
@@ -85,6 +88,8 @@ def command(system: str, folder: Path, python: str, device: str, runs: Path) -> 
                            "-o", "runtime.batch_clients=off"],
         "fedsim_ray_seq_direct": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
                                   "-o", "runtime.batch_clients=off", "-o", "runtime.cuda_graphs=off"],
+        "fedsim_ray_seq_serial": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
+                                  "-o", "runtime.batch_clients=off", "-o", "runtime.overlap_eval=off"],
         "fedsim_ray_batched": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
                                "-o", "runtime.batch_clients=on"],
     }[system]

@@ -156,6 +156,11 @@ class RuntimeConfig:
         "dozens; the same numbers), and read a group's losses in one wait: on, off, or auto (on for CUDA workers; "
         "CPUs have no graphs). Turn it off for a model whose forward draws random numbers itself (F.dropout, "
         "torch.rand): only dropout layers are detected")
+    overlap_eval: bool | Literal["auto", "on", "off"] = knob(
+        "auto", doc="evaluate a round's global model while the next round's clients train, where no client keeps a "
+        "state (the same numbers; the round's rows and callbacks come as the next round trains, and a callback that "
+        "stops the run drops that next round): on, off, or auto (on for GPU client workers on Ray; on CPUs the "
+        "workers already fill the cores it would take)")
     tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
                       "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
                       "differ from the CPU's, and batched from one-after-another training, by more than float32 "
@@ -172,6 +177,8 @@ class RuntimeConfig:
             self.batch_clients = self.batch_clients == "on"
         if self.cuda_graphs in ("on", "off"):
             self.cuda_graphs = self.cuda_graphs == "on"
+        if self.overlap_eval in ("on", "off"):
+            self.overlap_eval = self.overlap_eval == "on"
 
 
 @dataclass

@@ -432,7 +432,7 @@ def test_gpu_bench_refuses_bad_arguments_in_one_line_before_preparing_anything(t
     assert err[:4] == ["bench.gpu_bench: error: --configs: unknown config 'Q'; choose from P, A, B, C",
                        "bench.gpu_bench: error: --systems: unknown system 'flower'; choose from plain, pfl, pfl_2proc, "
                        "fedsim_seq, fedsim_seq_direct, fedsim_batched, fedsim_ray_seq, fedsim_ray_seq_direct, "
-                       "fedsim_ray_batched",
+                       "fedsim_ray_seq_serial, fedsim_ray_batched",
                        "bench.gpu_bench: error: --rounds: must be >= 1, got 0",
                        "bench.gpu_bench: error: --num-clients: 10000 clients need at least 10000 training images, "
                        "--n-train is 5000"]

@@ -297,10 +297,10 @@ def test_a_run_stopped_during_its_first_round_leaves_no_folder(tmp_path, monkeyp
     from fedsim.runtime.loop import Simulation
     from jobs.cli import main
 
-    def first_round(self, r):
+    def first_round(self, r, before=None):
         raise AggregationError("server step failed") if stop == "error" else KeyboardInterrupt()
 
-    monkeypatch.setattr(Simulation, "run_round", first_round)
+    monkeypatch.setattr(Simulation, "train_round", first_round)
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
     code = main(["run", str(cfg), "--quiet"])
     err = capsys.readouterr().err

@@ -91,6 +91,21 @@ def test_ray_workers_train_clients_together_as_the_local_backend_does(ray_local,
     pd.testing.assert_frame_equal(deterministic(on_ray["clients"]), deterministic(local["clients"]))
 
 
+def test_overlapped_evaluation_on_ray_gives_the_local_numbers(ray_local, make_config):
+    """runtime.overlap_eval=on: each round but the last is evaluated, by the server actor, while the next round's
+    clients train on the workers; the numbers are those of the local backend, which evaluates before."""
+    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
+                      "runtime.overlap_eval=on", rounds=3)
+    backend = RayBackend(num_workers=2)
+    on_ray = load(run(cfg, backend))
+    assert on_ray["meta"]["server"]["pid"] != os.getpid()  # the ServerActor evaluated
+    cfg.results.run_id = None
+    cfg.runtime.overlap_eval = False
+    local = load(run(cfg, LocalBackend(num_workers=2)))
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    pd.testing.assert_frame_equal(deterministic(on_ray["clients"]), deterministic(local["clients"]))
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE

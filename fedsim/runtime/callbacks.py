@@ -2,7 +2,8 @@
 
 A callback sees three moments: `on_setup_end(run)` once data, backend and run folder are ready (before the
 first round it will run), `on_round_end(round, rows)` after every round (a true return value stops the run
-after that round), and `on_run_end(run, status)` whatever way the run ended, before the backend shuts down.
+after that round; with `runtime.overlap_eval`, round r's come while round r + 1's clients train, and that round is
+then dropped), and `on_run_end(run, status)` whatever way the run ended, before the backend shuts down.
 The run's own files are callbacks too, and run first: `MetaWriter` (meta.json) and `ResultsWriter` (tables,
 then the checkpoint, written while the next round trains); `ProgressBar` is the CLI's bar. A callback that
 raises stops the run with a CallbackError naming it, the hook and the round.

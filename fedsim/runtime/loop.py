@@ -8,6 +8,7 @@ the bench, in the `Inputs` a run starts from. Backends only move messages (fedsi
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -51,6 +52,18 @@ class Inputs:
     initial_state: Callable[[Any], Any] | None = None  # the algorithm's fresh server state -> the one to start from
 
 
+def overlap_on(cfg: RunConfig, backend: Backend) -> bool:
+    """Whether `runtime.overlap_eval` (true/"on", false/"off" or "auto") evaluates a round while the next one trains.
+    auto means where the clients train on GPUs in other processes (Ray): on CPUs the workers already fill the cores
+    the evaluation would take, and the local backend trains beside the driver."""
+    from fedsim.runtime.local import LocalBackend
+
+    mode = cfg.runtime.overlap_eval
+    if mode == "auto":
+        return cfg.runtime.client_gpus > 0 and not isinstance(backend, LocalBackend)
+    return mode is True or mode == "on"
+
+
 def owner(client_id: int, num_workers: int) -> int:
     """The worker that hosts a client, fixed for the whole run so personal state stays put."""
     return client_id % num_workers
@@ -87,6 +100,31 @@ class _RoundRecord:
     failures: int = 0
     clients_s: float = 0.0
     batched: int = 0  # client steps the workers' batched trainer ran (runtime.batch_clients)
+
+
+@dataclass(frozen=True)
+class _Trained:
+    """A round trained and aggregated: its row so far (without the evaluation), client rows and virtual seconds."""
+
+    round: int
+    base: dict[str, Any]
+    client_rows: list[dict]
+    virtual_round: float
+    evaluate: bool  # whether the round is evaluated (eval.every, the last round, a finished method)
+
+
+class _Once:
+    """A call made at most once; keeps what it returned (how the run ends, or None)."""
+
+    def __init__(self, call: Callable[[], RunStatus | None]) -> None:
+        self.call = call
+        self.called = False
+        self.status: RunStatus | None = None
+
+    def __call__(self) -> None:
+        if not self.called:
+            self.called = True
+            self.status = self.call()
 
 
 @dataclass
@@ -127,6 +165,7 @@ class Simulation:
         if self.inputs.initial_state is not None:
             self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
         self.profiles = make_profiles(cfg)
+        self.overlap = self.balance and overlap_on(cfg, self.backend)
 
     def describe(self) -> dict:
         """The backend as meta.json records it."""
@@ -170,27 +209,64 @@ class Simulation:
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
         """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
-        method finished after its last saved round (a one-shot method) trains no further round."""
+        method finished after its last saved round (a one-shot method) trains no further round. Where the
+        evaluation overlaps (`overlaps`), a round is evaluated and recorded while the next one's clients train; a
+        callback that stops the run then drops that next round, whose results are never aggregated."""
         if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
             return "completed"
+        held: _Trained | None = None  # trained and aggregated; evaluated and recorded as the next round trains
         for r in range(state.next_round, self.cfg.rounds):
-            row_list, client_rows, vround = self.run_round(r)
-            state.virtual_time += vround
-            for row in row_list:
-                row["virtual_time"] = state.virtual_time
-            state.rounds.extend(row_list)
-            state.clients.extend(client_rows)
-            state.next_round = r + 1
-            last = r + 1 == self.cfg.rounds or self.backend.server.finished(r)
-            stop = callbacks.round_end(r, RoundRows(r, row_list, client_rows, state.rounds, state.clients, last))
-            if last:
-                return "completed"
-            if stop:
-                return "stopped"
+            finish = _Once(functools.partial(self.record, state, held, callbacks, True)) if held else None
+            trained = self.train_round(r, finish)
+            if finish is not None and finish.status is not None:
+                return finish.status
+            assert trained is not None  # dropped only when the held round stopped the run
+            held = trained if self.overlaps(trained) else None
+            if held is None:
+                status = self.record(state, trained, callbacks)
+                if status is not None:
+                    return status
         return "completed"
 
-    def run_round(self, r: int) -> tuple[list[dict], list[dict], float]:
-        """Sample and schedule the round, run its phases in order, evaluate; returns rows and virtual seconds."""
+    def overlaps(self, trained: _Trained) -> bool:
+        """Whether `trained`'s evaluation waits for the next round's clients to be training: `runtime.overlap_eval`
+        is on, the round is evaluated, a next round follows, and no client keeps a state (a checkpoint taken while
+        the next round trains would hold that round's states)."""
+        r = trained.round
+        return self.overlap and trained.evaluate and r + 1 < self.cfg.rounds and \
+            not self.backend.server.finished(r)
+
+    def record(self, state: RunState, trained: _Trained, callbacks: Callbacks,
+               overlapped: bool = False) -> RunStatus | None:
+        """Evaluate `trained` (when due; `overlapped`: beside the next round's training), add its rows to `state` and
+        hand them to the callbacks; how the run ends there ("completed" after its last round, "stopped" when a
+        callback asked), or None to go on."""
+        r = trained.round
+        rows, clients = self.round_rows(trained, overlapped), trained.client_rows
+        state.virtual_time += trained.virtual_round
+        for row in rows:
+            row["virtual_time"] = state.virtual_time
+        state.rounds.extend(rows)
+        state.clients.extend(clients)
+        state.next_round = r + 1
+        last = r + 1 == self.cfg.rounds or self.backend.server.finished(r)
+        stop = callbacks.round_end(r, RoundRows(r, rows, clients, state.rounds, state.clients, last))
+        if last:
+            return "completed"
+        return "stopped" if stop else None
+
+    def train_round(self, r: int, before: _Once | None = None) -> _Trained | None:
+        """Sample and schedule the round and run its phases in order. `before` (the last round's evaluation and
+        record) runs once the first phase's work is handed out, or before this round raises; when it stops the run,
+        the round is dropped after its first phase (None)."""
+        try:
+            return self._train_round(r, before)
+        except BaseException:
+            if before is not None and not before.called:  # the last round's rows are kept, as without overlap
+                before()
+            raise
+
+    def _train_round(self, r: int, before: _Once | None) -> _Trained | None:
         cfg, backend = self.cfg, self.backend
         t_round = time.perf_counter()
         sampled = np.asarray(self.inputs.draw(cfg, r, self.profiles))
@@ -211,27 +287,41 @@ class Simulation:
             if pi > 0:
                 sent = backend.server.broadcast(phase, RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
                 server_s += sent.seconds
-            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [])
+            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [],
+                                     before if pi == 0 else None)
+            if pi == 0 and before is not None:
+                before()  # for a backend that never called `idle`
+                if before.status is not None:
+                    return None
             arrived = [c for c in arrived if rec.status.get((pi, c)) == "ok"]
             step = backend.server.step(phase, [replies[w] for w in sorted(replies)],
                                        RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
             server_s += step.seconds
             rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
-        eval_rows, eval_s = [{"model": ""}], 0.0
-        if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r):
-            evaluated = backend.server.evaluate()
-            eval_rows, eval_s = evaluated.rows or eval_rows, evaluated.seconds
+        evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
         base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": len(late),
                 "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
                 "bytes_down": rec.bytes_down, "virtual_round": vround, "deadline": sch.deadline,
                 "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": rec.clients_s,
-                "wall_server_s": server_s, "wall_eval_s": eval_s, "clients_batched": rec.batched, **rec.metrics}
-        return [{**base, **row} for row in eval_rows], rec.client_rows, vround
+                "wall_server_s": server_s, "wall_eval_s": 0.0, "clients_batched": rec.batched, **rec.metrics}
+        return _Trained(r, base, rec.client_rows, vround, evaluate)
+
+    def round_rows(self, trained: _Trained, overlapped: bool) -> list[dict]:
+        """The round's rows of rounds.parquet, one per global model the evaluation scores (one unscored row when
+        the round is not evaluated). An evaluation run beside the next round's training is not in wall_round_s."""
+        if not trained.evaluate:
+            return [{**trained.base, "model": ""}]
+        evaluated = self.backend.server.evaluate()
+        base = {**trained.base, "wall_eval_s": evaluated.seconds}
+        if not overlapped:
+            base["wall_round_s"] += evaluated.seconds
+        return [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
-                  late: list[int]) -> dict[int, WorkerReply]:
-        """Run one phase on the workers and record every client's outcome; returns the replies by worker."""
+                  late: list[int], before: _Once | None = None) -> dict[int, WorkerReply]:
+        """Run one phase on the workers and record every client's outcome; returns the replies by worker. `before`
+        runs, and then the queued file writes start, once the work is handed out."""
         common_b, per_b = sent.common_bytes, sent.per_client_bytes
         W = self.backend.num_workers
         skip = self.cfg.stragglers.skip_late
@@ -242,7 +332,8 @@ class Simulation:
         assignments = assign(clients, W, cost)
         t0 = time.perf_counter()
         replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
-                                                 self.cfg.runtime.round_timeout_s, idle=self.writes.start)
+                                                 self.cfg.runtime.round_timeout_s,
+                                                 idle=functools.partial(self._idle, before))
         rec.clients_s += time.perf_counter() - t0
         rec.batched += sum(int(reply.info.get("batched", 0)) for reply in replies.values())
         if self.balance:
@@ -283,6 +374,12 @@ class Simulation:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
         rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
         return replies
+
+    def _idle(self, before: _Once | None) -> None:
+        """The driver waits on its workers: the last round's evaluation and record, then the queued writes."""
+        if before is not None:
+            before()
+        self.writes.start()
 
     def replace_workers(self, ws: list[int]) -> None:
         """Restart dead workers, together; their clients get their states back from the last checkpoint, if any
