@@ -336,15 +336,15 @@ class RayBackend:
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int], timeout: float,
-                  idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+                  idle: Callable[[], bool] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         common = ray.put(for_the_wire(bc.common))
         futures = {}
         for w, cids in sorted(assignments.items()):
             per = {c: for_the_wire(bc.per_client[c]) for c in cids if bc.per_client and c in bc.per_client}
             futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late)
-        if idle is not None:
-            idle()
-        deadline = time.monotonic() + timeout
+        if idle is not None and idle():  # the run stopped: the phase is dropped, and shutdown ends its tasks
+            return {}, {}
+        deadline = time.monotonic() + timeout  # the workers' limit, whatever the driver did while idle
         pending = list(futures.values())
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))

@@ -572,10 +572,11 @@ class GpuSampler(threading.Thread):
         return out
 
 
-def steady_window(round_end_wall: list[float]) -> tuple[float | None, float | None]:
-    """The wall-clock window of the steady rounds (after the first): from the first round's end to the last's."""
-    if len(round_end_wall) >= 2:
-        return round_end_wall[0], round_end_wall[-1]
+def steady_window(bounds: list[float]) -> tuple[float | None, float | None]:
+    """The wall-clock window of the steady rounds (after the first), from their bounds: each round's end (or, for
+    fedsim, the start of the second round to the last one's end); None without two bounds."""
+    if len(bounds) >= 2:
+        return bounds[0], bounds[-1]
     return None, None
 
 

@@ -22,6 +22,7 @@ import time
 T_START = time.perf_counter()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -32,6 +33,7 @@ from bench.cli import OneLineParser  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from collections.abc import Callable  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
 from fedsim.config import apply_overrides  # noqa: E402
@@ -164,26 +166,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class BenchClock(Callback):
-    """The callback that timestamps each round's end (its files handed to the writer thread) and prints its line."""
+    """The callback that timestamps each round's start (its draw) and end (its files handed to the writer thread) and
+    prints its line. A round's time runs from its start to the next one's: where its evaluation and callbacks run
+    while the next round trains (runtime.overlap_eval), its end comes after the next round's start."""
 
     def __init__(self) -> None:
         self.t_loop = time.perf_counter()
+        self.starts: list[float] = []
+        self.starts_wall: list[float] = []
         self.marks: list[float] = []
         self.marks_wall: list[float] = []
         self.rows: list[dict] = []
         self.backend: dict = {}
+
+    def timed(self, draw: Callable) -> Callable:
+        """`draw` (Inputs.draw, called as each round starts), noting when it is called."""
+        def noted(*args: Any) -> Any:
+            self.starts.append(time.perf_counter())
+            self.starts_wall.append(time.time())
+            return draw(*args)
+        return noted
 
     def on_setup_end(self, run: RunInfo) -> None:
         self.backend = run.backend
         self.t_loop = time.perf_counter()
 
     def on_round_end(self, round: int, rows: RoundRows) -> None:
-        since = self.marks[-1] if self.marks else self.t_loop
+        since = self.starts[round] if round < len(self.starts) else self.t_loop
         self.marks.append(time.perf_counter())
         self.marks_wall.append(time.time())
         row = rows.row
         self.rows.append(row)
-        print(f"[fedsim] round {round + 1}: {self.marks[-1] - since:.3f}s "
+        print(f"[fedsim] round {round + 1}: {self.marks[-1] - since:.3f}s since it started "
               f"(clients {row.get('wall_clients_s', 0):.3f}s, "
               f"server {row.get('wall_server_s', 0):.3f}s, eval {row.get('wall_eval_s', 0):.3f}s) "
               f"acc={row.get('accuracy', float('nan')):.4f}", flush=True)
@@ -289,6 +303,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
         profiler = RoundProfiler(*args.profile_rounds)
     inputs = prepared_inputs(cfg, args.workload)  # checks the config against the folder before anything starts
     clock = BenchClock()
+    inputs = dataclasses.replace(inputs, draw=clock.timed(inputs.draw))
     run_dir = run(cfg, make_backend(cfg, args.workers, boot), callbacks=[clock, *([profiler] if profiler else [])],
                   inputs=inputs)
     t_done = time.perf_counter()
@@ -300,9 +315,10 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
             Path(args.profile_out).write_text(profiler.table + "\n")
         else:
             print(profiler.table, flush=True)
-    marks, rows, t_loop = clock.marks, clock.rows, clock.t_loop
-    starts = [t_loop] + marks[:-1]
-    round_times = [b - a for a, b in zip(starts, marks, strict=True)]
+    marks, rows = clock.marks, clock.rows
+    starts = clock.starts[:len(rows)]  # each round's start; the next one's, and the last round's end, close it
+    round_times = [b - a for a, b in zip(starts, starts[1:] + marks[-1:], strict=True)]
+    t_loop = clock.t_loop
     samples = [int(sizes[d].sum()) for d in draws[:len(rows)]]
     emit_result({
         "system": "fedsim", "tag": args.tag, "N": w.num_clients, "K": w.clients_per_round, "R": w.rounds,
@@ -314,7 +330,7 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
         **round_summary(round_times, samples, T_START, t_done),
         "client_compute_seconds": [round(float(r.get("wall_clients_s", 0)), 3) for r in rows],
         "eval_seconds": [round(float(r.get("wall_eval_s", 0)), 3) for r in rows],
-        **sampler.fields(), **gpu.fields(*steady_window(clock.marks_wall)),
+        **sampler.fields(), **gpu.fields(*steady_window(clock.starts_wall[1:len(rows)] + clock.marks_wall[-1:])),
         **(profiler.fields if profiler is not None else {}),
         "batch_clients": str(cfg.runtime.batch_clients), "client_gpus": cfg.runtime.client_gpus,
         "clients_batched": int(sum(r.get("clients_batched", 0) for r in rows)),  # trained together, all rounds

@@ -87,10 +87,11 @@ class Backend(Protocol):
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
                   assignments: dict[int, list[int]], late: list[int], timeout: float,
-                  idle: Callable[[], None] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+                  idle: Callable[[], bool] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         """Run a phase on the assigned workers; replies by worker, and the workers that returned none. The backend
         calls `idle` once the work is handed out (one that trains in this process: as it starts); the driver's files
-        are written from then on."""
+        are written from then on, and the last round is recorded (runtime.overlap_eval). When `idle` returns True the
+        run has stopped and the phase is dropped: the backend returns at once, with no replies."""
 
     def restart_workers(self, indices: list[int]) -> list[int]:
         """Start workers `indices` again, together where the backend can; the slots whose clients' states were

@@ -180,10 +180,14 @@ class ResultsWriter(Callback):
         self._handed = [0, 0]  # rows of each table handed to the writes so far
 
     def on_setup_end(self, run: RunInfo) -> None:
+        from fedsim.algorithms import get_algorithm
         from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter, warm_up_tables
 
         warm_up_tables()
         self.run = run
+        # clients that keep nothing have no state to collect: the workers are not asked (they may be training the
+        # next round, runtime.overlap_eval, and a dead one must cost only its clients)
+        self.stateless = get_algorithm(run.cfg.algorithm.name).stateless_clients(run.cfg)
         self.tables = (TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS),
                        TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS))
 
@@ -214,7 +218,8 @@ class ResultsWriter(Callback):
             self.writes.wait()
 
     def save(self, where: str) -> None:
-        """The checkpoint of the last round handed over: server state and every client's personal state."""
+        """The checkpoint of the last round handed over: server state and every client's personal state (none where
+        the method's clients keep none)."""
         from fedsim.checkpoint import checkpoint_bytes, save_checkpoint
         from fedsim.io import atomic_write_bytes
         from fedsim.runtime.store import state_nbytes
@@ -223,7 +228,7 @@ class ResultsWriter(Callback):
         round, virtual_time = self.written
         path = self.run.checkpoint
         payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
-                   "client_states": self.backend.export_states()}
+                   "client_states": {} if self.stateless else self.backend.export_states()}
         if state_nbytes(payload) > IN_MEMORY_CHECKPOINT_BYTES:
             self.writes.wait()  # its tables first
             save_checkpoint(path, payload)

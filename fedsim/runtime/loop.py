@@ -263,7 +263,11 @@ class Simulation:
             return self._train_round(r, before)
         except BaseException:
             if before is not None and not before.called:  # the last round's rows are kept, as without overlap
-                before()
+                try:
+                    before()
+                except Exception as late:  # this round's own error is the one raised
+                    log.error("round %d could not be recorded either: %s: %s", r - 1, type(late).__name__,
+                              (str(late).splitlines() or [""])[0])
             raise
 
     def _train_round(self, r: int, before: _Once | None) -> _Trained | None:
@@ -309,13 +313,15 @@ class Simulation:
 
     def round_rows(self, trained: _Trained, overlapped: bool) -> list[dict]:
         """The round's rows of rounds.parquet, one per global model the evaluation scores (one unscored row when
-        the round is not evaluated). An evaluation run beside the next round's training is not in wall_round_s."""
+        the round is not evaluated). An evaluation run beside the next round's training is not in wall_round_s (it
+        and the round's callbacks are in the next round's)."""
         if not trained.evaluate:
             return [{**trained.base, "model": ""}]
+        t0 = time.perf_counter()
         evaluated = self.backend.server.evaluate()
         base = {**trained.base, "wall_eval_s": evaluated.seconds}
         if not overlapped:
-            base["wall_round_s"] += evaluated.seconds
+            base["wall_round_s"] += time.perf_counter() - t0  # a server actor's round trip included
         return [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
@@ -375,11 +381,13 @@ class Simulation:
         rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
         return replies
 
-    def _idle(self, before: _Once | None) -> None:
-        """The driver waits on its workers: the last round's evaluation and record, then the queued writes."""
+    def _idle(self, before: _Once | None) -> bool:
+        """The driver waits on its workers: the last round's evaluation and record, then the queued writes. True
+        when that record stopped the run (the phase is then dropped)."""
         if before is not None:
             before()
         self.writes.start()
+        return before is not None and before.status is not None
 
     def replace_workers(self, ws: list[int]) -> None:
         """Restart dead workers, together; their clients get their states back from the last checkpoint, if any

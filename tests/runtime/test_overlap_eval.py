@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import types
 
 import pandas as pd
@@ -104,14 +105,68 @@ def test_a_round_that_fails_before_its_clients_train_still_records_the_last_one(
         return broadcast(self, phase, info)
 
     monkeypatch.setattr(Server, "broadcast", fails_in_round_2)
-    ends = Ends(events)
     with pytest.raises(RuntimeError, match="broadcast failed"):
         run(make_config("runtime.overlap_eval=on", "results.run_id=failing", rounds=4), HandsOut(events),
-            callbacks=[ends])
-    assert events[-2:] == [("evaluated",), ("recorded", 1)]
+            callbacks=[Ends(events)])
+    assert events == [("trained", 0), ("trained", 1), ("evaluated",), ("recorded", 0), ("evaluated",),
+                      ("recorded", 1)]  # round 1 recorded on the way out of round 2
     run_dir = tmp_path / "results" / "failing"
     assert pd.read_parquet(run_dir / "rounds.parquet")["round"].tolist() == [0, 1]
     assert load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 1
+
+
+def test_when_the_last_round_cannot_be_recorded_either_the_rounds_own_error_is_raised(make_config, monkeypatch,
+                                                                                      caplog):
+    broadcast = Server.broadcast
+
+    def fails_in_round_1(self, phase, info):
+        if info.round == 1:
+            raise RuntimeError("broadcast failed")
+        return broadcast(self, phase, info)
+
+    def fails(self):
+        raise ValueError("evaluation failed")
+
+    monkeypatch.setattr(Server, "broadcast", fails_in_round_1)
+    monkeypatch.setattr(Server, "evaluate", fails)
+    with pytest.raises(RuntimeError, match="broadcast failed"):  # round 0, evaluated on the way out, fails too
+        run(make_config("runtime.overlap_eval=on", rounds=4), HandsOut([]))
+    assert "round 0 could not be recorded either: ValueError: evaluation failed" in caplog.text
+
+
+def test_an_overlapped_evaluation_is_not_in_its_rounds_wall_time(make_config, monkeypatch):
+    from fedsim.algorithms.fedavg import FedAvg
+
+    evaluate = FedAvg.evaluate
+
+    def slow(self, *args):
+        time.sleep(1.5)
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(FedAvg, "evaluate", slow)
+    rounds = load(run(make_config("runtime.overlap_eval=on", rounds=2), HandsOut([])))["rounds"]
+    overlapped, last = rounds.iloc[0], rounds.iloc[1]
+    assert overlapped["wall_eval_s"] >= 1.5 and overlapped["wall_round_s"] < 1.5
+    assert last["wall_round_s"] >= last["wall_eval_s"] >= 1.5  # the last round's evaluation is its own
+    assert rounds.iloc[1]["wall_clients_s"] >= 1.5  # round 1's phase lasted until round 0 was recorded
+
+
+def test_a_stop_drops_the_next_round_before_a_backend_that_trains_in_this_process_trains_it(make_config, events,
+                                                                                            monkeypatch):
+    """The local backend calls `idle` before it trains: told that the run stopped, it trains nothing."""
+    from fedsim.runtime.worker import ClientWorker
+
+    train = ClientWorker.run_phase
+
+    def logged(self, round, *args, **kw):
+        events.append(("trained", round))
+        return train(self, round, *args, **kw)
+
+    monkeypatch.setattr(ClientWorker, "run_phase", logged)
+    run_dir = run(make_config("runtime.overlap_eval=on", rounds=4), LocalBackend(), callbacks=[Ends(events, stop=1)])
+    assert events == [("trained", 0), ("evaluated",), ("recorded", 0), ("trained", 1), ("evaluated",),
+                      ("recorded", 1)]  # round 2 was handed to the backend, which trained none of it
+    assert load(run_dir)["meta"]["status"] == "stopped"
 
 
 def test_clients_that_keep_a_state_are_evaluated_before_the_next_round(make_config, events):
