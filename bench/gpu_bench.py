@@ -378,8 +378,10 @@ def markdown(meta: dict, rows: list[dict], configs: dict[str, Workload]) -> list
     return ["# fedsim, pfl-research and the plain loop on one GPU", "", f"Command: `{meta['command']}`  ",
             f"Measured {meta['date']} on {meta['machine']}: {meta['gpu']}, {meta['cpus']} CPUs; "
             f"torch {v.get('torch')}, pfl {v.get('pfl')}, ray {v.get('ray')}.", "",
-            "s/round = mean of the rounds after the first (each round ends with the central evaluation); total = "
-            "process start to exit; GPU util = NVML's share of time a kernel ran, averaged over those rounds: the "
+            "s/round = mean of the rounds after the first (each round's time holds one central evaluation: its own, "
+            "or, where fedsim overlaps it with the next round's training, `runtime.overlap_eval`, the previous "
+            "round's); total = process start to exit; GPU util = NVML's share of time a kernel ran, averaged over "
+            "those rounds: the "
             "readings polled every 50 ms, and NVML's own buffered samples where the run read them (`python -m "
             "bench.gpu_util_probe` sets both beside a known busy share). fedsim "
             "computes in full float32 (its default `runtime.tf32: false`); the plain loop and pfl keep PyTorch's "
