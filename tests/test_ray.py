@@ -135,11 +135,7 @@ def test_a_worker_dying_while_the_last_round_is_recorded_costs_only_its_clients(
 
     def run_phase(round, *args, **kw):
         if round in (1, 2):  # the worker dies just before each of two phases is handed out
-            pid = backend.placement[1]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _kill(backend.placement[1]["pid"])
         return original(round, *args, **kw)
 
     backend.run_phase = run_phase
@@ -178,6 +174,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill(pid: int) -> int:
+    """SIGKILL a worker's process and wait (up to 30 s) until it is gone; returns its pid."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return pid
+
+
 def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "participation.clients_per_round=10", rounds=3)
     backend = RayBackend(num_workers=2)
@@ -188,12 +193,7 @@ def test_killed_worker_costs_one_round_of_its_clients(ray_local, make_config):
         if round == 1 and not killed:
             # killed just before the phase is sent, and gone before it is: a timer "mid-phase" raced the
             # phase on fast machines; what is tested is that the dead worker's clients fail this round only
-            pid = backend.placement[1]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            killed["pid"] = pid
-            deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            killed["pid"] = _kill(backend.placement[1]["pid"])
         return original(round, *args, **kw)
 
     backend.run_phase = run_phase

@@ -62,6 +62,18 @@ class Ends(Callback):
         return round == self.stop
 
 
+def broadcast_fails_in(monkeypatch, round: int) -> None:
+    """The server's broadcast raises in `round`, before any of its clients is handed work."""
+    broadcast = Server.broadcast
+
+    def failing(self, phase, info):
+        if info.round == round:
+            raise RuntimeError("broadcast failed")
+        return broadcast(self, phase, info)
+
+    monkeypatch.setattr(Server, "broadcast", failing)
+
+
 def test_a_round_is_evaluated_while_the_next_trains_with_the_same_numbers(make_config, events):
     cfg = make_config("runtime.overlap_eval=on", "eval.every=2", rounds=5)
     overlapped = load(run(cfg, HandsOut(events, num_workers=2), callbacks=[Ends(events)]))
@@ -97,14 +109,7 @@ def test_a_callback_stopping_the_run_drops_the_round_in_flight_and_a_resume_repe
 
 def test_a_round_that_fails_before_its_clients_train_still_records_the_last_one(make_config, events, monkeypatch,
                                                                                 tmp_path):
-    broadcast = Server.broadcast
-
-    def fails_in_round_2(self, phase, info):
-        if info.round == 2:
-            raise RuntimeError("broadcast failed")
-        return broadcast(self, phase, info)
-
-    monkeypatch.setattr(Server, "broadcast", fails_in_round_2)
+    broadcast_fails_in(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="broadcast failed"):
         run(make_config("runtime.overlap_eval=on", "results.run_id=failing", rounds=4), HandsOut(events),
             callbacks=[Ends(events)])
@@ -117,17 +122,10 @@ def test_a_round_that_fails_before_its_clients_train_still_records_the_last_one(
 
 def test_when_the_last_round_cannot_be_recorded_either_the_rounds_own_error_is_raised(make_config, monkeypatch,
                                                                                       caplog):
-    broadcast = Server.broadcast
-
-    def fails_in_round_1(self, phase, info):
-        if info.round == 1:
-            raise RuntimeError("broadcast failed")
-        return broadcast(self, phase, info)
-
     def fails(self):
         raise ValueError("evaluation failed")
 
-    monkeypatch.setattr(Server, "broadcast", fails_in_round_1)
+    broadcast_fails_in(monkeypatch, 1)
     monkeypatch.setattr(Server, "evaluate", fails)
     with pytest.raises(RuntimeError, match="broadcast failed"):  # round 0, evaluated on the way out, fails too
         run(make_config("runtime.overlap_eval=on", rounds=4), HandsOut([]))
