@@ -173,12 +173,9 @@ class RuntimeConfig:
                                       "add the workers the config asks for before failing (0: fail at once)")
 
     def __post_init__(self) -> None:
-        if self.batch_clients in ("on", "off"):  # the words YAML 1.1 read as booleans: kept as the same values
-            self.batch_clients = self.batch_clients == "on"
-        if self.cuda_graphs in ("on", "off"):
-            self.cuda_graphs = self.cuda_graphs == "on"
-        if self.overlap_eval in ("on", "off"):
-            self.overlap_eval = self.overlap_eval == "on"
+        for key in ("batch_clients", "cuda_graphs", "overlap_eval"):  # auto | on | off knobs
+            if getattr(self, key) in ("on", "off"):  # the words YAML 1.1 read as booleans: kept as the same values
+                setattr(self, key, getattr(self, key) == "on")
 
 
 @dataclass
