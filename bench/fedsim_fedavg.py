@@ -297,6 +297,9 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
     del p
     profiler = None
     if args.profile_rounds:
+        if cfg.runtime.overlap_eval is True:  # its start and stop hang on round ends, which then fall mid-round
+            raise BenchError("--profile-rounds: needs runtime.overlap_eval off (a round's end then falls inside the "
+                             "next round)")
         if args.profile_rounds[1] > w.rounds:
             raise BenchError(f"--profile-rounds {args.profile_rounds[0]}:{args.profile_rounds[1]}: the workload has "
                              f"{w.rounds} rounds")

@@ -501,6 +501,7 @@ def test_the_profile_totals_count_launches_waits_and_copies_from_the_events():
     (["--profile-rounds", "3:2"], "1 <= FIRST <= LAST"),
     (["--profile-rounds", "x"], "expected FIRST:LAST"),
     (["--profile-rounds", "1:2", "--profile-out", "/nonexistent/dir/p.txt"], "its folder does not exist"),
+    (["--profile-rounds", "1:2", "-o", "runtime.overlap_eval=on"], "needs runtime.overlap_eval off"),
 ])
 def test_fedsim_program_refuses_a_bad_profile_request_in_one_line(cache, tmp_path, args, message):
     folder = prepare(TINY["mlp"], cache)
