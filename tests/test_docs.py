@@ -13,6 +13,7 @@ def test_config_reference_is_current():
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "config-reference"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert "train.lr" in proc.stdout and "runtime.overlap_eval" in proc.stdout  # a reference, not an empty page
     doc = (Path(ROOT) / "docs" / "config.md").read_text()
     assert proc.stdout.strip() in doc, "docs/config.md is stale: regenerate it with `fedsim config-reference`"
 

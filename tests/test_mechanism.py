@@ -68,6 +68,7 @@ def test_probe_set_is_a_fixed_subset_and_off_when_disabled(make_config):
 def test_docs_mechanism_reference_is_current():
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "mechanism-reference"], cwd=ROOT, capture_output=True,
                           text=True, check=True)
+    assert "`train/mech_" in proc.stdout  # a reference of the columns, not an empty page
     doc = (Path(ROOT) / "docs" / "mechanism.md").read_text()
     assert proc.stdout.strip() in doc, "docs/mechanism.md is stale: regenerate it with `make docs`"
     documented = [n for n in algorithm_names() if get_algorithm(n).mechanism_columns]

@@ -65,7 +65,9 @@ def test_one_client_per_round_is_its_own_teacher(tmp_path):
     so they agree everywhere before distillation and share one test accuracy."""
     cfg = small_config(tmp_path, "algorithm.name=single_image", *TINY_SI, "algorithm.fedavg_every=1",
                        "participation.clients_per_round=1", rounds=2)
-    for _, row in load(run(cfg))["rounds"].iterrows():
+    rounds = load(run(cfg))["rounds"]
+    assert len(rounds) == 2
+    for _, row in rounds.iterrows():
         assert row["train/mech_patch_agree_before"] == 1.0
         assert row["train/mech_test_agree_before"] == 1.0
         assert row["train/mech_teacher_acc"] == pytest.approx(row["train/mech_student_acc_before"])
@@ -141,6 +143,8 @@ def test_at_the_paper_codes_ratio_the_two_rows_coincide():
 def test_heterogeneous_mirrors_rebuild_the_teacher_from_each_clients_architecture(tmp_path):
     cfg = small_config(tmp_path, "algorithm.name=single_image", *TINY_SI, "model.mix={cnn: 5, mlp: 5}",
                        "participation.clients_per_round=6", rounds=1)
-    row = load(run(cfg))["rounds"].iloc[0]
+    tables = load(run(cfg))
+    row = tables["rounds"].iloc[0]
+    assert set(tables["clients"]["arch"]) == {"cnn", "mlp"}  # the teacher's mirrors are of both architectures
     _in_range(row)
     assert all(not math.isnan(row[f"train/mech_{k}"]) for k in UPLOAD_ONLY)

@@ -35,15 +35,29 @@ def test_a_malformed_address_is_refused(monkeypatch, address):
         check_reachable(address)
 
 
+def _probed(server: socket.socket) -> bool:
+    """Whether a connection reached `server` (the probe connects and closes at once)."""
+    try:
+        server.accept()[0].close()
+        return True
+    except TimeoutError:
+        return False
+
+
 def test_a_listening_address_and_the_keywords_pass(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
+        server.settimeout(5)
         check_reachable(f"127.0.0.1:{server.getsockname()[1]}")
+        assert _probed(server)
         check_reachable(f"ray://127.0.0.1:{server.getsockname()[1]}")
-    for address in (None, "auto", "local", "anyscale://head"):
-        check_reachable(address)  # Ray's own forms are left to Ray
+        assert _probed(server)
+        server.settimeout(0.2)
+        for address in (None, "auto", "local", "anyscale://head"):
+            check_reachable(address)  # Ray's own forms are left to Ray: nothing is probed
+        assert not _probed(server)
 
 
 def test_an_ipv6_address_is_probed_without_its_brackets(monkeypatch):
@@ -51,9 +65,17 @@ def test_an_ipv6_address_is_probed_without_its_brackets(monkeypatch):
     with socket.socket(socket.AF_INET6) as server:
         server.bind(("::1", 0))
         server.listen()
+        server.settimeout(5)
         port = server.getsockname()[1]
         check_reachable(f"[::1]:{port}")
+        assert _probed(server)
         check_reachable(f"ray://[::1]:{port}")
+        assert _probed(server)
+    with socket.socket(socket.AF_INET6) as closed:
+        closed.bind(("::1", 0))
+        port = closed.getsockname()[1]  # free once the socket closes: nothing listens there
+    with pytest.raises(ConfigError, match=rf"runtime.ray_address=\[::1\]:{port}: no Ray cluster answers there"):
+        check_reachable(f"[::1]:{port}")
 
 
 def test_a_ray_client_address_where_nothing_listens_is_refused_at_once(monkeypatch):

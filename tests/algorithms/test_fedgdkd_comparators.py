@@ -182,12 +182,15 @@ def test_feddtg_averages_generator_and_discriminator_uniformly_without_catch_up(
     env = make(tmp_path, "feddtg")
     server, worker = Server(*env, device="cpu"), ClientWorker(*env, 0, device="cpu")
     phases = server.phases(0)
+    gan_phases = 0
     for r, clients in ((0, [0, 1]), (1, [1, 2])):
         for pi, phase in enumerate(phases):
             reply, sent = step(server, worker, r, pi, phase.name, clients)
             if phase.name == "gan":
+                gan_phases += 1
                 assert reply.summed.weight == 2.0 and reply.summed.count == 2  # uniform 1/|S_t|
                 keys = reply.summed.totals()
                 assert any(k.startswith("discriminator/") for k in keys)
                 assert all(k.split("/")[0] in ("generator", "discriminator") for k in keys)
                 assert sent == {}  # no catch-up payload, not even for client 2 in round 1
+    assert gan_phases == 2  # one GAN phase a round: the checks above ran

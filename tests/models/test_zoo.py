@@ -42,9 +42,13 @@ def test_forward_embed_and_head_agree(name: str, shape: tuple[int, int, int]) ->
 
 def test_trains_in_train_mode() -> None:
     model = build_model("resnet8", in_channels=1, num_classes=10, image_size=8)
+    assert model.training  # a new model trains: BatchNorm uses and updates batch statistics
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    before = [m.running_mean.clone() for m in norms]
     loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 1, 8, 8)), torch.arange(4))
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+    assert norms and all(not torch.equal(m.running_mean, b) for m, b in zip(norms, before))
 
 
 # Published sizes for CIFAR-10 (3×32×32, 10 classes). With option-A (parameter-free) shortcuts ResNet-20
