@@ -51,7 +51,8 @@ class PartitionConfig:
 @dataclass
 class DataConfig:
     name: str = knob("digits", doc="dataset: digits (embedded), synthetic, cifar10, cifar100, pathmnist and the "
-                     "other MedMNIST 2D sets, mnist, fashionmnist, emnist, svhn, npz")
+                     "other MedMNIST 2D sets, mnist, fashionmnist, emnist, svhn, npz, text_tsv and text_npz "
+                     "(token ids), subsample (a seeded fraction of another)")
     root: str = knob("~/.fedsim/data", doc="folder holding downloaded datasets")
     download: bool = knob(False, doc="let torchvision/medmnist download missing files (needs internet)")
     options: dict[str, Any] = knob({}, doc="loader options, e.g. {path: my.npz} for npz, {size: 32}")
@@ -121,7 +122,8 @@ class RuntimeConfig:
     backend: Literal["ray", "local"] = knob("ray", doc="ray actors, or everything in-process (debugging)")
     ray_address: str | None = knob(None, doc="join this Ray cluster; default: start or join a local one")
     num_workers: int | None = knob(None, ge=1, le=MAX_WORKERS,
-                                   doc="client workers; default: as many as the resources allow")
+                                   doc="client workers; default: on Ray, as many as the resources allow (1 in a "
+                                   "sweep trial); on the local backend, 1")
     client_cpus: float = knob(1.0, gt=0, le=MAX_CPUS, doc="CPUs per client worker")
     client_gpus: float = knob(0.0, ge=0, le=MAX_GPUS,
                               doc="GPU fraction per client worker (0.25 gives 4 workers per GPU)")
@@ -139,7 +141,8 @@ class RuntimeConfig:
     cache_bytes: int | None = knob(None, ge=0, le=MAX_BYTES,
                                    doc="per-worker cache for personal client state; spills to disk")
     spill_dir: str | None = knob(None, doc="where spilled client state goes (a folder per run inside it); "
-                                 "default: the run folder")
+                                 "default: the run folder's spill/ (a local temporary folder when results.root is "
+                                 "a URI)")
     exact_sum: bool = knob(True, doc="workers add clients' uploads exactly (double-double), so the numbers do not "
                            "depend on the worker count; false adds in plain float64, but a weight's last bit may then "
                            "change with the worker count (per upload of a 197k-weight MLP on one CPU thread, exact "
