@@ -48,7 +48,13 @@ def setting_columns(df: pd.DataFrame) -> list[str]:
                                                                       for s in RESUME_SAFE)
 
     per_run = df.drop_duplicates("run")
-    return [c for c in df.columns if experiment_key(c) and per_run[c].astype(str).nunique() > 1]
+    return [c for c in df.columns if experiment_key(c) and as_text(per_run[c]).nunique() > 1]
+
+
+def as_text(values: pd.Series) -> pd.Series:
+    """Each value as the text a setting's label shows; a missing one (a null in the config, or a key that run's
+    config lacks) as "None", so that it is a setting of its own rather than no value at all."""
+    return values.map(lambda v: "None" if v is None or v is pd.NA or (isinstance(v, float) and v != v) else str(v))
 
 
 def curves(df: pd.DataFrame, x: str = "round", y: str = "accuracy") -> pd.DataFrame:
@@ -68,7 +74,7 @@ def curves(df: pd.DataFrame, x: str = "round", y: str = "accuracy") -> pd.DataFr
         return pd.DataFrame(columns=CURVE_COLUMNS)
     label = pd.Series("", index=rows.index)
     for k in keys:
-        label += ("" if k == keys[0] else ", ") + f"{k.removeprefix('config.')}=" + rows[k].astype(str)
+        label += ("" if k == keys[0] else ", ") + f"{k.removeprefix('config.')}=" + as_text(rows[k])
     data = pd.DataFrame({"setting": label, "model": rows["model"].astype(str), "round": rows["round"],
                          "x": rows[x].astype(float), "y": rows[y].astype(float), "run": rows["run"]})
     grouped = data.groupby(["setting", "model", "round"], sort=False)

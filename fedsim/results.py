@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
@@ -223,6 +223,20 @@ def read_table(path: Location) -> pd.DataFrame:
     return pd.read_parquet(pa.BufferReader(sink.getvalue()))
 
 
+def table_rows(df: pd.DataFrame) -> list[dict]:
+    """A table read back (read_table) as the rows it was written from: a value missing from a column of text or
+    other objects is None, as the run made it, not the float NaN that pandas reads it as (which would make the
+    column numbers when the rows are written again); a float column keeps its NaN."""
+    rows = df.to_dict("records")
+    loose = [c for c in df.columns if not pd.api.types.is_float_dtype(df[c].dtype)]
+    for row in rows:
+        for c in loose:
+            v = row[c]
+            if v is pd.NA or (isinstance(v, float) and v != v):
+                row[c] = None
+    return rows
+
+
 def _read_bytes(path: Location) -> bytes:
     """A run's file in one read (a table that a live run replaces meanwhile is still read whole)."""
     try:
@@ -379,7 +393,26 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
                     raise CheckpointError(f"{p}: neither a run folder nor a folder of runs")
                 for c in children:
                     (runs.append(c) if _is_run(c) else skipped.append(f"{c}: incomplete (no rounds.parquet)"))
-    return list(dict.fromkeys(runs)), skipped
+    unique: dict[Any, Location] = {}  # one entry per folder, however it was named (r/x and r/../r/x)
+    for run in runs:
+        unique.setdefault(run.resolve() if isinstance(run, Path) else str(run), run)
+    return list(unique.values()), skipped
+
+
+def run_names(runs: Sequence[Location]) -> list[str]:
+    """A name per run for the `run` column: its folder's name, with as many parent folders before it as it takes
+    to tell apart runs whose folders share a name (results/a/seed0 and results/b/seed0: a/seed0 and b/seed0)."""
+    parts = [[p for p in (r.parts if isinstance(r, Path) else str(r).split("/")) if p.strip("/")] or [str(r)]
+             for r in runs]
+    depth = [1] * len(runs)
+    while True:
+        names = ["/".join(ps[-d:]) for ps, d in zip(parts, depth)]
+        clash = {n for n in names if names.count(n) > 1}
+        grow = [i for i, n in enumerate(names) if n in clash and depth[i] < len(parts[i])]
+        if not grow:
+            return names
+        for i in grow:
+            depth[i] += 1
 
 
 def unfinished(res: RunTables) -> str | None:
@@ -404,7 +437,7 @@ def unfinished(res: RunTables) -> str | None:
 
 def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds",
             incomplete: bool = False) -> pd.DataFrame:
-    """Concatenate one table of many runs, with a `run` column and every config key as `config.<key>`.
+    """Concatenate one table of many runs, with a `run` column (run_names) and every config key as `config.<key>`.
 
     `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a
     run started in but that hold no rounds.parquet, runs whose files are unreadable and, unless `incomplete`,
@@ -416,7 +449,7 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         raise ConfigError(f"fedsim.collect: table must be 'rounds' or 'clients', got {table!r}"[:200])
     runs, skipped = find_runs(paths)
     frames = []
-    for path in runs:
+    for path, name in zip(runs, run_names(runs)):
         try:
             res = load(path)
         except CheckpointError as exc:
@@ -430,7 +463,7 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         if "run" in df.columns:  # what collect adds: a table gathered from several runs, saved in a run's place
             skipped.append(f"{path}: its {table} table has a 'run' column, as collected tables do")
             continue
-        df.insert(0, "run", path.name)
+        df.insert(0, "run", name)
         for k, v in flatten(res["config"]).items():
             df[f"config.{k}"] = v
         frames.append(df)

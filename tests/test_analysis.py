@@ -60,6 +60,16 @@ def test_collect_keys_runs_by_flattened_config_and_names_the_runs_it_skips(root,
             [f"{killed}: incomplete (1 of 2 rounds; running, or killed)"]
 
 
+def test_runs_in_folders_of_one_name_stay_apart_and_one_folder_named_twice_counts_once(root, tmp_path):
+    shutil.copytree(root / "a1", tmp_path / "other" / "a0")  # another run, in a folder named like a0
+    df = fedsim.collect([root / "a0", tmp_path / "other" / "a0", root / "b0"])
+    assert list(df["run"].unique()) == ["results/a0", "other/a0", "b0"] and len(df) == 6
+    assert df.groupby("run")["config.seed"].first().to_dict() == {"results/a0": 0, "other/a0": 1, "b0": 0}
+    assert set(curves(df, "round", "accuracy")["runs"]) == {1, 2}  # a0's two seeds make one band
+    twice = fedsim.collect([root / "a0", root / ".." / root.name / "a0"])
+    assert list(twice["run"].unique()) == ["a0"] and len(twice) == 2
+
+
 def test_plot_bands_are_mean_and_std_over_the_seeds_of_one_setting(root):
     df = fedsim.collect([root / "a0", root / "a1", root / "b0"])
     data = curves(df, "round", "accuracy")
@@ -82,6 +92,19 @@ def test_plot_bands_are_mean_and_std_over_the_seeds_of_one_setting(root):
     np.testing.assert_allclose(a["y"], np.mean([t["loss"] for t in tables], axis=0))
     by = curves(df, "round", "bytes_up")  # the round's own column: one curve per setting, not per model
     assert set(by["model"]) == {""} and len(by) == 4
+
+
+def test_a_key_set_in_one_run_and_unset_or_absent_in_another_tells_settings_apart(root):
+    """train.steps: null in one run and 5 in another, or algorithm.mu absent from one run's config: two settings, each
+    drawn alone, never averaged together as seeds."""
+    df = fedsim.collect([root / "a0", root / "a1"])
+    for column, values in (("config.train.steps", {"a0": None, "a1": 5}),
+                           ("config.algorithm.mu", {"a0": np.nan, "a1": 0.01})):
+        edited = df.assign(**{column: df["run"].map(values).astype(object if column.endswith("steps") else float)})
+        data = curves(edited, "round", "accuracy")
+        key = column.removeprefix("config.")
+        assert len(set(data["setting"])) == 2 and all(s.startswith(key + "=") for s in data["setting"]), data
+        assert list(data["runs"]) == [1, 1, 1, 1]
 
 
 def test_round_numbering_is_the_same_in_the_table_results_show_and_the_plot(root, capsys):

@@ -26,7 +26,7 @@ from fedsim.checkpoint import load_run_checkpoint, state_mismatch
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
-from fedsim.results import failure_columns, read_table
+from fedsim.results import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
@@ -192,8 +192,8 @@ class Simulation:
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             raise CheckpointError(f"{self.ckpt_path}: does not fit this run ({lines[-1][:300]})") from None
         last = ck["round"]
-        return RunState(last + 1, ck["virtual_time"], rounds[rounds["round"] <= last].to_dict("records"),
-                        clients[clients["round"] <= last].to_dict("records"))
+        return RunState(last + 1, ck["virtual_time"], table_rows(rounds[rounds["round"] <= last]),
+                        table_rows(clients[clients["round"] <= last]))
 
     def _misfit(self, ck: dict, rounds: pd.DataFrame) -> str | None:
         """What in a checkpoint's bookkeeping contradicts this run's tables and clients, or None."""
@@ -304,7 +304,8 @@ class Simulation:
             rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
         evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
-        base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": len(late),
+        late_kept = sum(rec.status.get((0, c)) != "failed" for c in late)  # a late client that raised is a failure
+        base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": late_kept,
                 "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
                 "bytes_down": rec.bytes_down, "virtual_round": vround, "deadline": sch.deadline,
                 "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": rec.clients_s,
