@@ -6,8 +6,8 @@ aggregation backend and its PyTorchModel, doing the same math as the plain loop.
 
 Run it from the repository root. `--processes 2` starts two workers through `torchrun` (pfl's documented way to
 run a simulation on several processes: each takes a share of every cohort, and the statistics are summed over
-gloo), one torch thread each; this process launches them, samples the memory of the whole tree and prints the
-RESULT_JSON. What it shares with the other programs:
+gloo), one torch thread each; the launcher (bench.pfl_launch, which imports no torch) starts them, samples the
+memory of the whole tree and prints the RESULT_JSON. What it shares with the other programs:
 - the clients: pfl's user sampler is a callable returning the next user id; `DrawSampler` returns the prepared
   draws in order, and each user's data set carries its client's shuffle seed;
 - the training: pfl's local loop over `ClientBatches`, which draws a fresh permutation per epoch from the
@@ -27,12 +27,17 @@ import time
 T_START = time.perf_counter()
 T_START_WALL = time.time()
 
+import sys  # noqa: E402
+
+if __name__ == "__main__":  # the several-process launcher only waits on torchrun: it starts before torch loads
+    from bench.pfl_launch import launcher_main, launches, parse
+
+    if launches(_args := parse(sys.argv[1:])):
+        sys.exit(launcher_main(_args, T_START, T_START_WALL))
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,7 +46,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.cli import OneLineParser  # noqa: E402
 from bench.common import (  # noqa: E402
     CNN,
     MLP,
@@ -54,11 +58,8 @@ from bench.common import (  # noqa: E402
     evaluate,
     load_prepared,
     pss_interval_from_env,
-    round_summary,
-    steady_window,
 )
-
-REPO = Path(__file__).resolve().parents[1]
+from bench.pfl_launch import launcher_main, launches, parse, result  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # The pieces that need no pfl (the tests run them in fedsim's venv)
@@ -292,21 +293,6 @@ def result_fields(p: Prepared, stats: Stats) -> dict:
             "R": w.rounds}
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = OneLineParser(prog="python -m bench.pfl_fedavg", description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", required=True, help="a folder written by `python -m bench.prepare`")
-    ap.add_argument("--processes", type=int, default=1, choices=[1, 2, 4], help="1: one process; more: torchrun "
-                                                                                 "workers")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pfl's device (PFL_PYTORCH_DEVICE)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: 2 for one process, 1 each "
-                                                            "for two)")
-    ap.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)  # set by the launcher for its workers
-    ap.add_argument("--tag", default="")
-    args = ap.parse_args(argv)
-    args.threads = args.threads or (2 if args.processes == 1 else 1)
-    return args
-
-
 def worker(args: argparse.Namespace) -> int:
     """One torchrun worker: run pfl; the main one writes what it measured for the launcher."""
     p = load_prepared(args.workload)
@@ -317,29 +303,12 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def launch(args: argparse.Namespace) -> dict:
-    """Start `torchrun` with `--processes` workers on this host and read the main worker's measurements back."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.is_file():
-        raise BenchError(f"{torchrun}: not found; --processes 2 needs pfl's venv with torch")
-    with tempfile.TemporaryDirectory(prefix="pfl-bench-") as tmp:
-        out = Path(tmp) / "worker.json"
-        cmd = [str(torchrun), "--standalone", "--nnodes", "1", "--nproc-per-node", str(args.processes), "-m",
-               "bench.pfl_fedavg", "--workload", str(args.workload), "--threads", str(args.threads),
-               "--worker-result", str(out)]
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PFL_PYTORCH_DEVICE": args.device, "OMP_NUM_THREADS": str(args.threads),
-               "PYTHONPATH": path, **({"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})}
-        rc = subprocess.run(cmd, cwd=REPO, env=env).returncode
-        if rc != 0 or not out.is_file():
-            raise BenchError(f"torchrun workers failed (exit {rc}); see the output above")
-        return json.loads(out.read_text())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker_result:
         return worker(args)
+    if launches(args):
+        return launcher_main(args, T_START, T_START_WALL)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pfl_fedavg: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
@@ -352,32 +321,17 @@ def main(argv: list[str] | None = None) -> int:
         w = p.workload
         print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
               f"processes={args.processes} threads={args.threads} device={args.device}", flush=True)
-        if args.processes == 1:
-            os.environ["PFL_PYTORCH_DEVICE"] = args.device
-            stats = Stats()
-            run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
-            measured = result_fields(p, stats)
-        else:
-            measured = launch(args)
+        os.environ["PFL_PYTORCH_DEVICE"] = args.device
+        stats = Stats()
+        run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
+        measured = result_fields(p, stats)
     except BenchError as exc:
         print(f"pfl_fedavg: error: {exc}", file=sys.stderr)
         return 2
-    t_done = time.perf_counter()
-    t_done_wall = time.time()
+    t_done, t_done_wall = time.perf_counter(), time.time()
     sampler.stop()
     gpu.stop()
-    import pfl
-
-    emit_result({
-        "system": "pfl" if args.processes == 1 else "pfl_multiprocess", "tag": args.tag, "pfl": pfl.__version__,
-        "N": w.num_clients, "K": w.clients_per_round, "R": w.rounds, "E": w.local_epochs, "model": w.model,
-        "processes": args.processes, "threads": args.threads, "device": args.device,
-        "startup_seconds": round(measured["loop_start"] - T_START_WALL, 3),
-        "shutdown_seconds": round(t_done_wall - measured["last_round_end"], 3) if measured["last_round_end"] else None,
-        **round_summary(measured["round_times"], measured["samples"], T_START, t_done),
-        **sampler.fields(), **gpu.fields(*steady_window(measured.get("round_end_wall", []))),
-        "final_accuracy": measured["final_accuracy"], "final_loss": measured["final_loss"], "pid": os.getpid(),
-    })
+    emit_result(result(args, w, measured, T_START, T_START_WALL, t_done, t_done_wall, sampler, gpu))
     return 0
 
 
