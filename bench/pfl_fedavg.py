@@ -50,16 +50,13 @@ from bench.common import (  # noqa: E402
     CNN,
     MLP,
     BenchError,
-    GpuSampler,
     Prepared,
     ResNet8,
-    TreeMemSampler,
-    emit_result,
+    Workload,
     evaluate,
     load_prepared,
-    pss_interval_from_env,
 )
-from bench.pfl_launch import launcher_main, launches, parse, result  # noqa: E402
+from bench.pfl_launch import announce, launcher_main, launches, measured, parse  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # The pieces that need no pfl (the tests run them in fedsim's venv)
@@ -312,27 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("pfl_fedavg: error: --device cuda: no CUDA device here", file=sys.stderr)
         return 2
-    try:
-        sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
-        sampler.start()
-        gpu = GpuSampler()
-        gpu.start()
+
+    def body() -> tuple[Workload, dict]:
         p = load_prepared(args.workload)
-        w = p.workload
-        print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
-              f"processes={args.processes} threads={args.threads} device={args.device}", flush=True)
+        announce(p.workload, args)
         os.environ["PFL_PYTORCH_DEVICE"] = args.device
         stats = Stats()
         run_pfl(p, args.threads, stats, log=lambda m: print(m, flush=True))
-        measured = result_fields(p, stats)
-    except BenchError as exc:
-        print(f"pfl_fedavg: error: {exc}", file=sys.stderr)
-        return 2
-    t_done, t_done_wall = time.perf_counter(), time.time()
-    sampler.stop()
-    gpu.stop()
-    emit_result(result(args, w, measured, T_START, T_START_WALL, t_done, t_done_wall, sampler, gpu))
-    return 0
+        return p.workload, result_fields(p, stats)
+
+    return measured(args, T_START, T_START_WALL, body)
 
 
 if __name__ == "__main__":

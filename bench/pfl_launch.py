@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from bench.measure import (
     BenchError,
     GpuSampler,
     TreeMemSampler,
+    Workload,
     emit_result,
     pss_interval_from_env,
     read_workload,
@@ -73,28 +75,45 @@ def launch(args: argparse.Namespace) -> dict:
         return json.loads(out.read_text())
 
 
-def launcher_main(args: argparse.Namespace, t_start: float, t_start_wall: float) -> int:
-    """Run the workers and print the RESULT_JSON; times count from `t_start` (the program's first statement)."""
+def announce(w: Workload, args: argparse.Namespace) -> None:
+    """The run's first line of output: the workload and the mode."""
+    print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
+          f"processes={args.processes} threads={args.threads} device={args.device}", flush=True)
+
+
+def measured(args: argparse.Namespace, t_start: float, t_start_wall: float,
+             body: Callable[[], tuple[Workload, dict]]) -> int:
+    """Run `body` (it returns the workload and what the training process measured) under the memory and GPU
+    samplers and print the RESULT_JSON; times count from `t_start` (the program's first statement). A BenchError
+    is one line, exit 2."""
     try:
         sampler = TreeMemSampler(pss_interval=pss_interval_from_env())
         sampler.start()
         gpu = GpuSampler()
         gpu.start()
-        w = read_workload(Path(args.workload))
-        print(f"[pfl] N={w.num_clients} K={w.clients_per_round} R={w.rounds} model={w.model} "
-              f"processes={args.processes} threads={args.threads} device={args.device}", flush=True)
-        measured = launch(args)
+        w, fields = body()
     except BenchError as exc:
         print(f"pfl_fedavg: error: {exc}", file=sys.stderr)
         return 2
     t_done, t_done_wall = time.perf_counter(), time.time()
     sampler.stop()
     gpu.stop()
-    emit_result(result(args, w, measured, t_start, t_start_wall, t_done, t_done_wall, sampler, gpu))
+    emit_result(result(args, w, fields, t_start, t_start_wall, t_done, t_done_wall, sampler, gpu))
     return 0
 
 
-def result(args: argparse.Namespace, w, measured: dict, t_start: float, t_start_wall: float, t_done: float,
+def launcher_main(args: argparse.Namespace, t_start: float, t_start_wall: float) -> int:
+    """Run the workers through `torchrun` and print the RESULT_JSON."""
+
+    def body() -> tuple[Workload, dict]:
+        w = read_workload(Path(args.workload))
+        announce(w, args)
+        return w, launch(args)
+
+    return measured(args, t_start, t_start_wall, body)
+
+
+def result(args: argparse.Namespace, w: Workload, measured: dict, t_start: float, t_start_wall: float, t_done: float,
            t_done_wall: float, sampler: TreeMemSampler, gpu: GpuSampler) -> dict:
     """The RESULT_JSON of a pfl run (either mode) from what its training process measured."""
     return {
