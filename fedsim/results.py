@@ -290,7 +290,8 @@ def run_folder(path: str | Path | StorePath) -> Location:
     if isinstance(p, Path) and not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
         p = Path("results") / p
     if not p.is_dir():
-        raise CheckpointError(f"{p}: not a fedsim run folder (no such folder)")
+        why = "a file, not a folder" if p.exists() else "no such folder"
+        raise CheckpointError(f"{p}: not a fedsim run folder ({why})")
     if not (p / "rounds.parquet").exists():
         raise CheckpointError(f"{p}: not a fedsim run folder (no {p / 'rounds.parquet'})")
     return p

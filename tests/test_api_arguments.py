@@ -74,3 +74,11 @@ def test_a_path_of_another_library_is_a_path(tmp_path):
     with pytest.raises(FedsimError, match=f"{tmp_path / 'nothing'}: not a fedsim run folder"):
         fedsim.load(Elsewhere())
     assert isinstance(fedsim.storage.location(Elsewhere()), Path)
+
+
+def test_a_file_given_as_a_run_folder_is_named_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a run\n")
+    with pytest.raises(FedsimError, match=r"notes.txt: not a fedsim run folder \(a file, not a folder\)$"):
+        fedsim.load(tmp_path / "notes.txt")
+    with pytest.raises(FedsimError, match=r"nothing: not a fedsim run folder \(no such folder\)$"):
+        fedsim.load(tmp_path / "nothing")
