@@ -57,8 +57,9 @@ def tables(df, configs: list[str], workloads: dict) -> list[str]:
 
     systems = [s for s in ALL if s in set(df["system"])]
     n_rep = int(df["repeat"].max()) + 1
-    out = [f"Medians over {n_rep} interleaved repeat(s). Total = process start to exit (imports, Ray start, "
-           "data loading, all rounds, shutdown); s/round = steady state (rounds after the first).", "",
+    out = [f"Medians over {n_rep} interleaved repeat(s). Total = the program's first statement to its result "
+           "(imports, Ray start, data loading, all rounds, shutdown; the interpreter's own start and exit are left out "
+           "for every program); s/round = steady state (rounds after the first).", "",
            "| config | " + " | ".join(f"{LABEL[s]} total s (s/round)" for s in systems) +
            " | peak RSS MB " + " / ".join(LABEL[s] for s in systems) + " | final acc " + " / ".join(
                LABEL[s] for s in systems) + " |",

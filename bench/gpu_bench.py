@@ -380,7 +380,8 @@ def markdown(meta: dict, rows: list[dict], configs: dict[str, Workload]) -> list
             f"torch {v.get('torch')}, pfl {v.get('pfl')}, ray {v.get('ray')}.", "",
             "s/round = mean of the rounds after the first (each round's time holds one central evaluation: its own, "
             "or, where fedsim overlaps it with the next round's training, `runtime.overlap_eval`, the previous "
-            "round's, the first round's then none and the last round's two); total = process start to exit; GPU "
+            "round's, the first round's then none and the last round's two); total = the program's first statement to "
+            "its result; GPU "
             "util = NVML's share of time a kernel ran, averaged over "
             "those rounds: the "
             "readings polled every 50 ms, and NVML's own buffered samples where the run read them (`python -m "

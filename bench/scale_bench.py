@@ -47,8 +47,9 @@ def tables(df, names: list[str], workloads: dict) -> list[str]:
 
     pss = "peak_pss_mb" in df and df["peak_pss_mb"].notna().any()
     n_rep = int(df["repeat"].max()) + 1
-    out = [f"Medians over {n_rep} interleaved repeat(s). Total = process start to exit, imports and Ray start "
-           "included; peak RSS summed over the process and all its descendants (Ray daemons and workers).", "",
+    out = [f"Medians over {n_rep} interleaved repeat(s). Total = the program's first statement to its result, imports "
+           "and Ray start included (the interpreter's own start and exit left out); peak RSS summed over the "
+           "process and all its descendants (Ray daemons and workers).", "",
            "| clients (per round) | plain (1 thread) total s | fedsim total s (s/round) | Flower total s (s/round) | "
            "fedsim / Flower total | peak RSS MB fedsim / Flower | fedsim / Flower RSS |"
            + (" peak PSS MB fedsim / Flower |" if pss else "") + " target |",
