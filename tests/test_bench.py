@@ -562,3 +562,28 @@ def test_gpu_util_probe_without_a_gpu_says_so_in_one_line(capsys, monkeypatch):
     assert main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["gpu_util_probe: error: needs a CUDA GPU (torch.cuda.is_available() is False)"]
+
+
+def test_proc_memory_names_each_processs_private_library_and_shared_pages_at_the_peak(capsys):
+    from bench import proc_memory
+
+    child = "import time; b = bytearray(80 * 2**20); time.sleep(1.5)"  # 80 MB written: private pages
+    code = proc_memory.main(["--every", "0.1", "--", sys.executable, "-c", child])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[0].startswith("exit 0; peak RSS ") and out[1].split() == [
+        "RSS", "private", "library", "shared", "command"]
+    rss, private, library, shared = (int(v) for v in out[2].split()[:4])
+    assert private >= 80 and rss == private + library + shared and "bytearray" in out[2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--every", "0", "--", "true"], "bench.proc_memory: error: --every: must be > 0, got 0.0"),
+    (["--", "/no/such/program"],
+     "bench.proc_memory: error: /no/such/program: cannot start (No such file or directory)"),
+])
+def test_proc_memory_refuses_bad_arguments_in_one_line(argv, message, capsys):
+    from bench import proc_memory
+
+    with pytest.raises(SystemExit) as exit_:
+        proc_memory.main(argv)
+    assert exit_.value.code == 2 and capsys.readouterr().err == message + "\n"
