@@ -321,8 +321,24 @@ def load(path: str | Path | StorePath) -> RunTables:
     if "round" not in rounds.columns:  # a parquet file of something else: no table of it would mean anything
         raise CheckpointError(f"{p / 'rounds.parquet'}: not a fedsim rounds table (it has no 'round' column)")
     clients = read_table(p / "clients.parquet") if (p / "clients.parquet").exists() else pd.DataFrame()
-    return {"rounds": rounds, "clients": clients, "config": _read_text(p / "config.yaml", yaml.safe_load),
-            "meta": _read_text(p / "meta.json", json.loads)}
+    return {"rounds": rounds, "clients": _up_to(clients, rounds),
+            "config": _read_text(p / "config.yaml", yaml.safe_load), "meta": _read_text(p / "meta.json", json.loads)}
+
+
+def _up_to(clients: pd.DataFrame, rounds: pd.DataFrame) -> pd.DataFrame:
+    """`clients` without the rows of rounds past rounds.parquet's last: a run writes a round's client rows before
+    its row in rounds.parquet, so a live or killed run's clients.parquet may hold a round that rounds.parquet does
+    not yet; the two tables read back then hold the same rounds."""
+    if "round" not in clients.columns or clients.empty:
+        return clients
+    done = pd.to_numeric(rounds["round"], errors="coerce")
+    numbered = pd.to_numeric(clients["round"], errors="coerce")
+    if done.isna().any() or numbered.isna().any():  # not round numbers: nothing to line up
+        return clients
+    last = done.max() if len(done) else -1
+    if (numbered <= last).all():
+        return clients
+    return clients[numbered <= last].reset_index(drop=True)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -354,7 +370,10 @@ def path_items(paths: Any) -> list[Any]:
     if isinstance(paths, (str, Path, StorePath)) or hasattr(paths, "__fspath__"):
         return [paths]
     if isinstance(paths, Iterable) and not isinstance(paths, (bytes, dict)):
-        return list(paths)
+        items = list(paths)
+        if not items:  # e.g. a glob.glob() that matched nothing: an empty table would hide the mistake
+            raise ConfigError("run folders: none given (an empty list)")
+        return items
     raise ConfigError(f"run folders: expected a path, a URI, a glob pattern or a list of them, got "
                       f"{type(paths).__name__} {str(paths)[:60]!r}")
 

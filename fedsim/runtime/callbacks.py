@@ -188,8 +188,10 @@ class ResultsWriter(Callback):
         # clients that keep nothing have no state to collect: the workers are not asked (they may be training the
         # next round, runtime.overlap_eval, and a dead one must cost only its clients)
         self.stateless = get_algorithm(run.cfg.algorithm.name).stateless_clients(run.cfg)
-        self.tables = (TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS),
-                       TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS))
+        # clients.parquet is written before rounds.parquet, so a round in rounds.parquet has its client rows on
+        # disk: `fedsim.results.load` on a live run reads rounds.parquet first and keeps the clients up to it
+        self.tables = (TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS),
+                       TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS))
 
     def on_round_end(self, round: int, rows: RoundRows) -> None:
         from fedsim.runtime.signals import shielded
@@ -198,7 +200,7 @@ class ResultsWriter(Callback):
         where = f"on_round_end (round {round})"
         with shielded():
             self.writes.wait()  # the last round's files first: never more than one round behind, or in memory
-            for i, (table, every_row) in enumerate(zip(self.tables, (rows.all_rounds, rows.all_clients),
+            for i, (table, every_row) in enumerate(zip(self.tables, (rows.all_clients, rows.all_rounds),
                                                        strict=True)):
                 new = [dict(r) for r in every_row[self._handed[i]:]]  # later callbacks may change the dicts
                 self._handed[i] = len(every_row)

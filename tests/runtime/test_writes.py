@@ -116,8 +116,37 @@ def test_a_table_that_cannot_be_written_fails_the_run_naming_its_round_and_the_c
         run(cfg, LocalBackend(num_workers=2))
     run_dir = Path(cfg.results.root) / "full"
     assert pd.read_parquet(run_dir / "clients.parquet")["round"].max() == 0
+    assert pd.read_parquet(run_dir / "rounds.parquet")["round"].max() == 0  # not ahead of its client rows
     assert load_run_checkpoint(run_dir / "checkpoints" / "last.pt")["round"] == 0  # not ahead of the tables
     assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_a_rounds_client_rows_are_written_before_its_row_and_load_keeps_the_tables_in_step(make_config,
+                                                                                           monkeypatch):
+    """rounds.parquet is the last table of a round to land: a reader of a live run (`fedsim.load`) that finds a
+    round there finds its client rows, and client rows of a round not yet in rounds.parquet are left out."""
+    from fedsim.results import TableWriter, load
+
+    append, order = TableWriter.append, []
+
+    def noted(self, rows):
+        order.append((self.path.name, sorted({r["round"] for r in rows})))
+        append(self, rows)
+
+    monkeypatch.setattr(TableWriter, "append", noted)
+    run_dir = run(make_config(rounds=2), LocalBackend(num_workers=2))
+    assert order == [("clients.parquet", [0]), ("rounds.parquet", [0]), ("clients.parquet", [1]),
+                     ("rounds.parquet", [1])]
+    whole = load(run_dir)
+    assert sorted(whole["clients"]["round"].unique()) == [0, 1]
+
+    # as a reader finds a run between the two writes of round 1: clients.parquet holds it, rounds.parquet not yet
+    rounds = pd.read_parquet(run_dir / "rounds.parquet")
+    rounds[rounds["round"] == 0].to_parquet(run_dir / "rounds.parquet")
+    between = load(run_dir)
+    assert list(between["rounds"]["round"]) == [0] and set(between["clients"]["round"]) == {0}
+    pd.testing.assert_frame_equal(between["clients"], whole["clients"][whole["clients"]["round"] == 0])
+    assert len(pd.read_parquet(run_dir / "clients.parquet")) == len(whole["clients"])  # the file is left as it is
 
 
 def test_a_checkpoint_too_large_for_memory_is_written_in_place_after_its_tables(make_config, monkeypatch):
