@@ -156,10 +156,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from fedsim.results import load, read_table, run_folder, summary
+    from fedsim.errors import CheckpointError
+    from fedsim.results import load, run_folder, summary, unfinished
 
     res = load(args.run)
-    df = read_table(run_folder(args.run) / "clients.parquet") if args.clients else summary(res["rounds"])
+    reason = unfinished(res)
+    if reason is not None:  # on stderr, so that the table alone goes down a pipe
+        print(f"fedsim results show: {args.run}: {reason}", file=sys.stderr)
+    clients_table = run_folder(args.run) / "clients.parquet"
+    if args.clients and not clients_table.is_file():
+        raise CheckpointError(f"{clients_table}: missing (the run folder is incomplete)")
+    df = res["clients"] if args.clients else summary(res["rounds"])
     hidden = len(df) - args.rows
     if hidden > 0:  # the first and the last rows, as many as asked for, and a line in the gap
         four = {c: df[c].map("{:.4f}".format) for c in df.columns if df[c].dtype.kind == "f"}

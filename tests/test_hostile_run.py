@@ -332,6 +332,34 @@ def test_collect_skips_and_names_incomplete_folders(finished, tmp_path):
         fedsim.collect(str(root / "nope"))
 
 
+def test_results_show_says_on_stderr_when_a_run_did_not_finish(run_copy, capsys):
+    import json
+
+    from jobs.cli import main
+
+    assert main(["results", "show", str(run_copy)]) == 0
+    done = capsys.readouterr()
+    assert done.err == "" and done.out.split()[0] == "round"
+    meta = json.loads((run_copy / "meta.json").read_text())
+    (run_copy / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
+    assert main(["results", "show", str(run_copy)]) == 0
+    cut = capsys.readouterr()
+    assert cut.out == done.out  # the table alone on stdout, as before
+    assert cut.err == f"fedsim results show: {run_copy}: incomplete (interrupted after 2 of 2 rounds)\n"
+
+
+def test_collect_and_plot_refuse_an_empty_list_of_runs(tmp_path):
+    import fedsim
+    from fedsim.plots import plot_runs
+
+    for call in (fedsim.collect, plot_runs):
+        with pytest.raises(fedsim.FedsimError, match=r"^run folders: none given \(an empty list\)$"):
+            call([])
+        with pytest.raises(fedsim.FedsimError, match="none given"):
+            call(p for p in sorted(tmp_path.glob("nothing-*")))  # a generator that yields nothing
+    assert not list(tmp_path.iterdir())
+
+
 def _wait_for_rounds(run_dir: Path, proc: subprocess.Popen, timeout: float = 400) -> int:
     end = time.time() + timeout
     while time.time() < end and proc.poll() is None:
