@@ -135,8 +135,10 @@ def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
 def wait_released(before: dict[str, float], share: dict[str, float], limit: float) -> None:
     """Wait (at most `limit` s) until the cluster's free resources hold again the share a run gave back: Ray frees
     a killed actor's resources a moment after the kill, and a run started next in this process and sized from
-    the free resources (pool_size) should find them."""
-    want = {k: before.get(k, 0.0) + v for k, v in share.items() if v > 0}
+    the free resources (pool_size) should find them. What a lost node held never comes back: the wait is for no
+    more than the nodes still in the cluster hold (it waited its whole limit after a node was lost)."""
+    total = ray.cluster_resources()
+    want = {k: min(before.get(k, 0.0) + v, total.get(k, 0.0)) for k, v in share.items() if v > 0}
     deadline = time.monotonic() + limit
     while want and time.monotonic() < deadline:
         free = ray.available_resources()

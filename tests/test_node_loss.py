@@ -81,3 +81,34 @@ def test_workers_on_live_nodes_start_again_together_and_a_lost_nodes_alone(monke
     assert killed == ["actor1", "actor3"] and created == [1, 3] and attached == [[1, 3]]
     assert backend.workers[1:] == ["new1", "actor2", "new3"] and backend.placement[3]["pid"] == 103
     assert backend._host[0] != 0  # worker 0's node had no room: its clients moved to a survivor
+
+
+class Cluster:
+    """Ray's resource views, on a clock of its own: what the live nodes hold, and what is free."""
+
+    def __init__(self, total: dict[str, float], free: dict[str, float]) -> None:
+        self.total, self.free, self.now, self.polls = total, free, 0.0, 0
+
+    def cluster_resources(self) -> dict[str, float]:
+        return dict(self.total)
+
+    def available_resources(self) -> dict[str, float]:
+        self.polls += 1
+        return dict(self.free)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("free, returns", [({"CPU": 2.0}, True), ({"CPU": 1.0}, False)])
+def test_the_wait_for_released_resources_asks_no_more_than_the_live_nodes_hold(monkeypatch, free, returns):
+    """A run gave back 3 CPUs, 2 of them on a node that left meanwhile: the 2 CPUs the live nodes hold are all
+    that can come back, and once they are free the wait ends at once; while they are not, it waits its limit."""
+    ray = Cluster(total={"CPU": 2.0}, free=free)
+    monkeypatch.setattr(pool, "ray", ray)
+    monkeypatch.setattr(pool, "time", SimpleNamespace(monotonic=lambda: ray.now, sleep=ray.sleep))
+    pool.wait_released({"CPU": 0.0}, {"CPU": 3.0, "GPU": 0.0}, 5.0)
+    if returns:
+        assert ray.polls == 1 and ray.now == 0.0
+    else:
+        assert ray.polls > 50 and ray.now >= 5.0
