@@ -199,9 +199,13 @@ def test_bench_matrix_runs_the_programs_and_reads_their_results(cache, tmp_path,
     from bench import report
 
     monkeypatch.setattr(report, "OUT", tmp_path)
+    dropped: list[list] = []  # asked for, not done: the venvs' libraries dropped from the page cache would be read
+    # from disk again by every test process's next torch import
+    monkeypatch.setattr(report, "drop_cached_libraries", lambda venvs, log: dropped.append(venvs) or 0)
     df = report.run_matrix({"T": TINY["mlp"]}, ["plain_t1", "fedsim"], 1,
                            ["--backend", "local", "-o", f"results.root={tmp_path / 'runs'}", "-o", "runtime.threads=1"],
                            "t", cache=cache, log=lambda m: None)
+    assert dropped == [[Path(sys.prefix), report.FLOWER_VENV, report.PFL_VENV]]
     assert df["status"].tolist() == ["ok", "ok"], df["log"].tolist()
     assert df["system"].tolist() == ["plain_t1", "fedsim"]
     assert df["final_accuracy"].iloc[0] == df["final_accuracy"].iloc[1]

@@ -153,7 +153,7 @@ def test_ray_matches_local(ray_local, make_config) -> None:
 
     cfg = make_config("algorithm.name=scaffold", "train.momentum=0", "runtime.backend=ray",
                       "runtime.client_cpus=0.5", "participation.clients_per_round=4", rounds=3)
-    on_ray = load(run(cfg, RayBackend()))
+    on_ray = load(run(cfg, RayBackend(num_workers=2)))  # two clients a worker: each keeps both's control variates
     cfg.results.run_id = None
     local = load(run(cfg, LocalBackend()))
     pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
