@@ -137,8 +137,11 @@ def wait_released(before: dict[str, float], share: dict[str, float], limit: floa
     a killed actor's resources a moment after the kill, and a run started next in this process and sized from
     the free resources (pool_size) should find them. What a lost node held never comes back: the wait is for no
     more than the nodes still in the cluster hold (it waited its whole limit after a node was lost)."""
+    want = {k: before.get(k, 0.0) + v for k, v in share.items() if v > 0}
+    if not want:  # nothing given back (a Ray this run stops itself, or already stopped): nothing to ask Ray
+        return
     total = ray.cluster_resources()
-    want = {k: min(before.get(k, 0.0) + v, total.get(k, 0.0)) for k, v in share.items() if v > 0}
+    want = {k: min(v, total.get(k, 0.0)) for k, v in want.items()}
     deadline = time.monotonic() + limit
     while want and time.monotonic() < deadline:
         free = ray.available_resources()

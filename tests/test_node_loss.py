@@ -112,3 +112,10 @@ def test_the_wait_for_released_resources_asks_no_more_than_the_live_nodes_hold(m
         assert ray.polls == 1 and ray.now == 0.0
     else:
         assert ray.polls > 50 and ray.now >= 5.0
+
+
+def test_a_run_that_gave_nothing_back_does_not_ask_ray(monkeypatch):
+    """A Ray the run stops itself (or one already stopped) is not asked anything: no share, no wait."""
+    monkeypatch.setattr(pool, "ray", SimpleNamespace())  # any call would raise AttributeError
+    pool.wait_released({}, {}, 5.0)
+    pool.wait_released({"CPU": 1.0}, {"CPU": 0.0, "GPU": 0.0}, 5.0)
