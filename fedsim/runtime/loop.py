@@ -159,12 +159,12 @@ class Simulation:
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
         del data  # `arrays` is now the driver's only reference: the Ray backend frees it once it is shared
+        self.profiles = make_profiles(cfg)  # before the workers start: a bad device trace costs no Ray start
         t0 = time.perf_counter()
         self.backend.start(cfg, arrays, self.part, meta, self.run_dir)
         self.startup_s = time.perf_counter() - t0
         if self.inputs.initial_state is not None:
             self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
-        self.profiles = make_profiles(cfg)
         self.overlap = self.balance and overlap_on(cfg, self.backend)
 
     def describe(self) -> dict:

@@ -68,3 +68,22 @@ def test_trace_file(tmp_path, make_config):
     trace.write_text("client,speed\n0,1\n")
     with pytest.raises(DataError, match="lacks columns"):
         make_profiles(make_config(f"stragglers.trace={trace}"))
+
+
+def test_a_bad_trace_fails_before_the_backend_starts_its_workers(make_config, tmp_path):
+    """The device trace is read before the workers start: on Ray a typo in its path costs no Ray start."""
+    from fedsim.runtime.local import LocalBackend
+    from fedsim.runtime.loop import run
+
+    started: list[int] = []
+
+    class Recorded(LocalBackend):
+        def start(self, *args, **kwargs):
+            started.append(1)
+            return super().start(*args, **kwargs)
+
+    cfg = make_config("stragglers.enabled=true", f"stragglers.trace={tmp_path / 'no_such_trace.csv'}")
+    with pytest.raises(DataError, match=r"^stragglers.trace: cannot read .*no_such_trace.csv"):
+        run(cfg, Recorded())
+    assert started == []
+    assert run(make_config("stragglers.enabled=true", "results.run_id=ok"), Recorded()) and started == [1]
