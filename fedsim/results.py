@@ -488,6 +488,9 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
             df[f"config.{k}"] = v
         frames.append(df)
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    for c in out.columns:  # a key one run's config lacks and another's sets to null: one missing value, None
+        if c.startswith("config.") and out[c].dtype == object:
+            out[c] = out[c].astype(object).where(out[c].notna(), None)
     if skipped:
         warnings.warn(f"fedsim.collect skipped {len(skipped)} folder(s): " + "; ".join(skipped), SkippedRuns,
                       stacklevel=2)

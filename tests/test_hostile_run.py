@@ -332,6 +332,24 @@ def test_collect_skips_and_names_incomplete_folders(finished, tmp_path):
         fedsim.collect(str(root / "nope"))
 
 
+def test_collect_gives_a_config_key_missing_from_one_run_and_null_in_another_one_missing_value(finished, tmp_path):
+    import fedsim
+
+    root = tmp_path / "results"
+    for name in ("null", "absent", "set"):
+        shutil.copytree(finished, root / name)
+    cfg = yaml.safe_load((finished / "config.yaml").read_text())
+    assert cfg["stragglers"]["trace"] is None
+    del cfg["stragglers"]["trace"]
+    (root / "absent" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    cfg["stragglers"]["trace"] = "devices.csv"
+    (root / "set" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    df = fedsim.collect(root)
+    by_run = df.groupby("run")["config.stragglers.trace"].first().to_dict()
+    assert by_run == {"absent": None, "null": None, "set": "devices.csv"}
+    assert sorted(df["config.stragglers.trace"].unique(), key=str) == [None, "devices.csv"]
+
+
 def test_results_show_says_on_stderr_when_a_run_did_not_finish(run_copy, capsys):
     import json
 
