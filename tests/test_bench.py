@@ -25,6 +25,7 @@ from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.setup import client_seed
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 # tiny versions of configs C (the MLP) and A (ResNet-8, BatchNorm buffers)
 TINY = {
@@ -510,8 +511,8 @@ def test_the_profile_totals_count_launches_waits_and_copies_from_the_events():
 def test_fedsim_program_refuses_a_bad_profile_request_in_one_line(cache, tmp_path, args, message):
     folder = prepare(TINY["mlp"], cache)
     backend = [] if "--backend" in args else ["--backend", "local"]
-    proc = subprocess.run([sys.executable, "-m", "bench.fedsim_fedavg", "--workload", str(folder), *backend, *args,
-                           "-o", f"results.root={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_module("bench.fedsim_fedavg", ["--workload", str(folder), *backend, *args, "-o",
+                                              f"results.root={tmp_path}"])
     assert proc.returncode == 2, proc.stderr
     assert "fedsim_fedavg: error: " in proc.stderr and message in proc.stderr
     assert proc.stderr.strip().count("\n") == 0  # one line: no usage, no traceback

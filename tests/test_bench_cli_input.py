@@ -22,6 +22,7 @@ from bench.common import BenchError
 from bench.prepare import prepare
 from bench.workload import make_config, prepared_inputs
 from tests.conftest import ROOT
+from tests.forked import run_module
 from tests.test_bench import TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -278,9 +279,8 @@ FEDSIM_CASES = [
 def test_fedsim_program_refuses_bad_arguments_before_its_run(places, folder, args, needle):
     tmp = places
     before = snapshot(tmp)
-    proc = subprocess.run([sys.executable, "-m", "bench.fedsim_fedavg", "--workload", str(folder), "--backend",
-                           "local", "-o", f"results.root={tmp / 'runs'}", *fill(args, tmp)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=90)
+    proc = run_module("bench.fedsim_fedavg", ["--workload", str(folder), "--backend", "local", "-o",
+                                              f"results.root={tmp / 'runs'}", *fill(args, tmp)], timeout=90)
     assert_refused(proc.returncode, proc.stderr.strip().splitlines(), "fedsim_fedavg", needle)
     assert snapshot(tmp) == before  # no run folder, no profile
 

@@ -1,12 +1,12 @@
 """Hostile config values and data files: each is one line `fedsim: error: ...` naming the key or file, exit 2,
-no traceback, no hang, and no run folder left behind. CLI cases run `python -m jobs.cli run` in a subprocess."""
+no traceback, no hang, and no run folder left behind. CLI cases run `python -m jobs.cli run` in a process forked
+after the imports (tests/forked.py)."""
 
 from __future__ import annotations
 
 import json
 import struct
 import subprocess
-import sys
 import typing
 import zlib
 from dataclasses import fields, is_dataclass
@@ -19,7 +19,7 @@ import yaml
 from fedsim.algorithms import algorithm_names, get_algorithm
 from fedsim.config import RunConfig, load_config, parse_override, read_yaml
 from fedsim.errors import ConfigError, DataError
-from tests.conftest import ROOT
+from tests.forked import run_module
 
 TINY = """\
 name: hostile
@@ -36,11 +36,10 @@ def fedsim_run(tmp_path: Path, config: str | Path, *overrides: str) -> tuple[sub
     path = config if isinstance(config, Path) else tmp_path / "config.yaml"
     if not isinstance(config, Path):
         path.write_text(config)
-    args = [sys.executable, "-m", "jobs.cli", "run", str(path), "--quiet", "-o", "runtime.backend=local",
-            "-o", f"results.root={root}"]
+    args = ["run", str(path), "--quiet", "-o", "runtime.backend=local", "-o", f"results.root={root}"]
     for o in overrides:
         args += ["-o", o]
-    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300), root
+    return run_module("jobs.cli", args, timeout=300), root
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, root: Path, *fragments: str) -> str:

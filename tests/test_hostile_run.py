@@ -18,6 +18,7 @@ import yaml
 
 from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
 from tests.conftest import ROOT
+from tests.forked import run_module
 from tests.runtime.test_loop import deterministic
 
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ROOT}
@@ -34,6 +35,12 @@ def write_config(path: Path, results: Path, run_id: str | None = None, **top) ->
 
 
 def fedsim(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m jobs.cli ARGS`, forked from a process that has done the imports (tests/forked.py)."""
+    return run_module("jobs.cli", args, cwd=ROOT, env=ENV, timeout=timeout)
+
+
+def fedsim_process(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m jobs.cli ARGS` in a process of its own, imports and all."""
     return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -76,7 +83,7 @@ def run_copy(finished, tmp_path) -> Path:
 @pytest.mark.parametrize("workers", ["-3", "0", "two", "99999999"])  # above fedsim.limits.MAX_WORKERS
 def test_workers_must_be_a_positive_integer(tmp_path, workers):
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
-    proc = fedsim("run", str(cfg), "--workers", workers)
+    proc = fedsim_process("run", str(cfg), "--workers", workers)
     assert_one_line_error(proc, "--workers", workers)
     assert not (tmp_path / "results").exists()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -15,6 +14,7 @@ from fedsim.errors import ConfigError
 from jobs import reproduce as rp
 from jobs.sweep import Sweep, score, summary
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 REPO = Path(ROOT)
 
@@ -254,8 +254,8 @@ def test_a_table_that_cannot_be_written_after_its_runs_is_one_line(tmp_path, mon
 # ---- the command ----
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobs.reproduce", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    """`python -m jobs.reproduce ARGS`, forked from a process that has done the imports (tests/forked.py)."""
+    return run_module("jobs.reproduce", args, timeout=timeout)
 
 
 @pytest.mark.parametrize("args,message", [(["--only", "nosuch"], "--only: unknown table 'nosuch'"),

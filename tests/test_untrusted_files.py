@@ -30,6 +30,7 @@ from fedsim.io import atomic_write_text
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.store import ClientStateStore
+from tests.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,8 +154,7 @@ def test_resume_from_a_crafted_checkpoint_runs_nothing(finished_run, tmp_path, t
     real["server_state"] = {"__dataclass__": tag, "command": f"touch {shlex.quote(str(marker))}"}
     torch.save(real, ckpt)
     rounds = (folder / "rounds.parquet").read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(folder), "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_module("jobs.cli", ["run", "--resume", str(folder), "--quiet"], timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fedsim: error: {ckpt}: checkpoint names '{tag}'"), lines

@@ -1,0 +1,52 @@
+"""tests/forked.py gives what a real `python -m` process gives: exit code, output, a traceback, a kill on timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.forked import run_module
+
+
+def real(module: str, *args: str, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_a_config_error_is_the_same_line_and_exit_code_as_in_a_real_process(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 2\nalgorithm: {name: fedavg}\ndata: {name: digits, num_clients: 0}\n")
+    args = ["run", str(bad), "--quiet", "-o", f"results.root={tmp_path / 'results'}"]
+    want, got = real("jobs.cli", *args), run_module("jobs.cli", args)
+    assert want.returncode == 2 and "data.num_clients" in want.stderr
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_module_run_from_the_working_directory_exits_through_the_interpreter(tmp_path):
+    """The working directory is on the path as with `python -m`; a thread still running holds the exit until it
+    ends, its output comes after the main thread's, and an exception is a traceback with exit code 1."""
+    (tmp_path / "late.py").write_text(textwrap.dedent("""
+        import sys, threading, time
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
+        print("main done:", sys.argv[1:])
+        sys.exit(3)
+    """))
+    (tmp_path / "broken.py").write_text("raise ValueError('boom')\n")
+    for module, args in (("late", ["a", "b"]), ("broken", [])):
+        want, got = real(module, *args, cwd=str(tmp_path)), run_module(module, args, cwd=tmp_path)
+        assert (got.returncode, got.stdout) == (want.returncode, want.stdout)
+        assert got.stderr.splitlines()[-1:] == want.stderr.splitlines()[-1:]  # a traceback's frames differ
+    assert got.returncode == 1 and "Traceback" in got.stderr
+    assert run_module("late", ["x"], cwd=tmp_path).stdout == "main done: ['x']\nthread done\n"
+
+
+def test_a_child_past_its_time_is_killed_and_the_next_call_still_runs(tmp_path):
+    (tmp_path / "sleepy.py").write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_module("sleepy", [], cwd=tmp_path, timeout=0.5)
+    assert run_module("jobs.cli", ["--help"]).returncode == 0
