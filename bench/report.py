@@ -20,8 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from bench.cli import OneLineParser
-from bench.common import BenchError, Workload
-from bench.prepare import DEFAULT_CACHE, prepare
+from bench.measure import BenchError, Workload  # not bench.common: rendering a summary needs no torch
 from bench.runner import (
     FLOWER_VENV,
     PFL_VENV,
@@ -104,11 +103,15 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
 
 def run_matrix(workloads: dict[str, Workload], systems: list[str], repeat: int, fedsim_args: list[str], tag: str,
                timeout: float = 1800, log: Callable[[str], None] = print,
-               cache: str | Path = DEFAULT_CACHE) -> pd.DataFrame:
+               cache: str | Path | None = None) -> pd.DataFrame:
     """Every system on every workload, `repeat` times, interleaved so machine noise hits all of them alike.
 
-    Every workload is prepared (data, partition, draws, initial weights) before the first timed run.
+    Every workload is prepared (data, partition, draws, initial weights; under `cache`, by default bench.prepare's
+    DEFAULT_CACHE) before the first timed run.
     """
+    from bench.prepare import DEFAULT_CACHE, prepare
+
+    cache = DEFAULT_CACHE if cache is None else cache
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise BenchError(f"--systems: unknown system {unknown[0]!r}; choose from {', '.join(SYSTEMS)}")
