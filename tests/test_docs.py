@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 
 def test_config_reference_is_current():
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "config-reference"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_module("jobs.cli", ["config-reference"])
     assert proc.returncode == 0, proc.stderr
     assert "train.lr" in proc.stdout and "runtime.overlap_eval" in proc.stdout  # a reference, not an empty page
     doc = (Path(ROOT) / "docs" / "config.md").read_text()

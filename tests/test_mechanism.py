@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import torch
 from fedsim import mechanism
 from fedsim.algorithms import algorithm_names, get_algorithm
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 
 def test_accuracy_agreement_and_entropy_by_hand():
@@ -66,8 +65,8 @@ def test_probe_set_is_a_fixed_subset_and_off_when_disabled(make_config):
 
 
 def test_docs_mechanism_reference_is_current():
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "mechanism-reference"], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+    proc = run_module("jobs.cli", ["mechanism-reference"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "`train/mech_" in proc.stdout  # a reference of the columns, not an empty page
     doc = (Path(ROOT) / "docs" / "mechanism.md").read_text()
     assert proc.stdout.strip() in doc, "docs/mechanism.md is stale: regenerate it with `make docs`"

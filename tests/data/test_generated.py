@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import pickle
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -24,7 +22,7 @@ from fedsim.runtime.clock import make_profiles, sample_round
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.setup import build_env, client_data, load_data, make_partition
-from tests.conftest import ROOT
+from tests.forked import run_module
 
 GENERATED = ["data.name=synthetic", "data.partition.kind=generated", "data.options={n_test: 400, channels: 1, size: 8}",
              "model.name=mlp"]
@@ -189,8 +187,7 @@ def test_the_cli_refuses_a_bad_combination_in_one_line(tmp_path):
     config = tmp_path / "million.yaml"
     config.write_text("data: {name: digits, num_clients: 1000000, partition: {kind: generated}}\n"
                       f"results: {{root: {tmp_path / 'results'}}}\n")
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(config)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_module("jobs.cli", ["run", str(config)])
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         "fedsim: error: data.partition.kind: generated shards are drawn from the synthetic set's prototypes; set "

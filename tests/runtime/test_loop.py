@@ -19,6 +19,7 @@ from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import assign, owner, run
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 
 def deterministic(df: pd.DataFrame) -> pd.DataFrame:
@@ -278,7 +279,8 @@ def test_resume_after_kill_gives_identical_rounds(tmp_path):
     base = [sys.executable, "-m", "jobs.cli", "run", "configs/demo.yaml", "--quiet", "--backend", "local",
             "-o", "rounds=6", "-o", "train.epochs=2", "-o", "data.num_clients=10",
             "-o", "participation.clients_per_round=4", "-o", f"results.root={tmp_path}"]
-    subprocess.run(base + ["-o", "results.run_id=full"], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    full_run = run_module("jobs.cli", base[3:] + ["-o", "results.run_id=full"], timeout=600)  # forked after imports
+    assert full_run.returncode == 0, full_run.stderr[-3000:]
     proc = subprocess.Popen(base + ["-o", "results.run_id=killed"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     killed_dir = tmp_path / "killed"
@@ -291,8 +293,8 @@ def test_resume_after_kill_gives_identical_rounds(tmp_path):
     proc.wait()
     done = len(pd.read_parquet(killed_dir / "rounds.parquet"))
     assert 2 <= done < 6, "the run must be killed part-way"
-    subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(killed_dir), "--quiet"], cwd=ROOT,
-                   check=True, capture_output=True, timeout=600)
+    resumed_run = run_module("jobs.cli", ["run", "--resume", str(killed_dir), "--quiet"], timeout=600)
+    assert resumed_run.returncode == 0, resumed_run.stderr[-3000:]
     full = pd.read_parquet(tmp_path / "full" / "rounds.parquet")
     resumed = pd.read_parquet(killed_dir / "rounds.parquet")
     pd.testing.assert_frame_equal(deterministic(full), deterministic(resumed))
