@@ -580,9 +580,17 @@ def test_proc_memory_names_each_processs_private_library_and_shared_pages_at_the
     rss, private, library, shared = (int(v) for v in out[2].split()[:4])
     assert private >= 80 and rss == private + library + shared and "bytearray" in out[2]
 
+    assert proc_memory.main(["--every", "0.1", "--maps", "2", "--", sys.executable, "-c", child]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "bytearray" in out[2] and len(out) == 5  # the process, then its two largest mappings
+    largest = [line.split(maxsplit=1) for line in out[3:]]
+    assert float(largest[0][0]) >= 80 and largest[0][1] in ("[anon]", "[heap]")  # the 80 MB written
+    assert float(largest[0][0]) >= float(largest[1][0]) > 0
+
 
 @pytest.mark.parametrize("argv, message", [
     (["--every", "0", "--", "true"], "bench.proc_memory: error: --every: must be > 0, got 0.0"),
+    (["--maps", "-1", "--", "true"], "bench.proc_memory: error: --maps: must be >= 0, got -1"),
     (["--", "/no/such/program"],
      "bench.proc_memory: error: /no/such/program: cannot start (No such file or directory)"),
 ])
