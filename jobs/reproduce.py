@@ -89,7 +89,14 @@ class Manifest:
 
 def load_manifest(path: str | Path = MANIFEST) -> Manifest:
     """The manifest, with every table's rows, references and grid points checked against its sweep or configs."""
-    from fedsim.algorithms import get_algorithm
+    m = read_manifest(path)
+    check_manifest(m, path)
+    return m
+
+
+def read_manifest(path: str | Path = MANIFEST) -> Manifest:
+    """The manifest's shape and its tables' ids, what `--only` and `--readme` need: no algorithm is loaded (torch),
+    so a mistyped table id is refused at once."""
     from fedsim.config import read_yaml
 
     data = read_yaml(path)  # its errors name the file already
@@ -99,12 +106,6 @@ def load_manifest(path: str | Path = MANIFEST) -> Manifest:
         raise ConfigError(f"{path}: {exc}") from None
     if not m.tables:
         raise ConfigError(f"{path}: tables: list at least one table")
-    for name in m.quick.overrides:
-        if name != "*":
-            try:
-                get_algorithm(name)
-            except ConfigError:
-                raise ConfigError(f"{path}: quick.overrides.{name}: not an algorithm name (or '*')") from None
     seen = set()
     for i, t in enumerate(m.tables):
         where = f"{path}: tables[{i}]"
@@ -113,8 +114,22 @@ def load_manifest(path: str | Path = MANIFEST) -> Manifest:
         if t.id in seen:
             raise ConfigError(f"{where}.id: {t.id!r} appears twice")
         seen.add(t.id)
-        _check_table(t, f"{path}: tables[{i}] ({t.id})")
     return m
+
+
+def check_manifest(m: Manifest, path: str | Path) -> None:
+    """The rest of load_manifest's checks: quick overrides name algorithms, and every table's rows, references and
+    grid points fit its sweep or configs."""
+    from fedsim.algorithms import get_algorithm
+
+    for name in m.quick.overrides:
+        if name != "*":
+            try:
+                get_algorithm(name)
+            except ConfigError:
+                raise ConfigError(f"{path}: quick.overrides.{name}: not an algorithm name (or '*')") from None
+    for i, t in enumerate(m.tables):
+        _check_table(t, f"{path}: tables[{i}] ({t.id})")
 
 
 def _check_table(t: TableSpec, where: str) -> None:
@@ -435,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("argument --root: give a folder, not an empty string")
     root = Path(args.root or (QUICK_ROOT if args.quick else ROOT))
     try:
-        manifest = load_manifest(args.manifest)
+        manifest = read_manifest(args.manifest)  # the rest is checked before anything runs, not to paste
         tables = manifest.tables
         if args.only is not None:
             wanted = [i.strip() for i in args.only.split(",") if i.strip()]
@@ -450,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pasted into {args.readme_file}: {', '.join(pasted) or 'nothing'}"
                   + (f"; no {root}/<id>.md yet for: {', '.join(skipped)}" if skipped else ""))
             return 0
+        check_manifest(manifest, args.manifest)
         command = " ".join(["python -m jobs.reproduce", *argv])
         t0 = time.perf_counter()
         for t in tables:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -190,6 +191,20 @@ def test_a_bad_manifest_is_a_one_line_config_error(tmp_path, table, message) -> 
     with pytest.raises(ConfigError, match=message) as err:
         rp.load_manifest(write_manifest(tmp_path, table))
     assert "\n" not in str(err.value)
+
+
+def test_the_command_checks_the_whole_manifest_before_it_runs_but_not_to_name_a_table(tmp_path, capsys) -> None:
+    bad = write_manifest(tmp_path, "compare: rounds_to_target")
+    root = tmp_path / "out"
+    assert rp.main(["--manifest", str(bad), "--root", str(root)]) == 2
+    assert "compare: 'rounds_to_target' is not one of" in capsys.readouterr().err and not root.exists()
+    assert rp.main(["--manifest", str(bad), "--only", "nosuch"]) == 2  # the table's id, before the rest
+    assert "--only: unknown table 'nosuch'; tables: ['t']" in capsys.readouterr().err
+    # in a fresh process: a mistyped table id is refused without loading the algorithms (and torch, seconds)
+    probe = ("import sys; from jobs.reproduce import main; code = main(['--only', 'nosuch']); "
+             "print(code, 'torch' in sys.modules, 'fedsim.algorithms' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr[-2000:]
 
 
 def test_a_figure_for_one_grid_point_needs_the_references_figure_at_that_point(tmp_path) -> None:
