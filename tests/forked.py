@@ -1,6 +1,6 @@
 """`python -m MODULE ARGS` for tests that check a command's exit code and output many times over: each command runs
 in a process forked from one that has already imported torch, pandas and fedsim, so it costs its own work and not
-an interpreter start and those imports (3-5 CPU-s each on the CI machine).
+an interpreter start and those imports (3-5 CPU-s each on a 2-core machine like CI's).
 
 The forked child runs the module as `python -m` does (`runpy`, as `__main__`, with `sys.argv`, the working
 directory, the environment and standard streams of the call) and leaves through the interpreter's own exit, so
