@@ -490,4 +490,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the importable module's main, whose manifest classes resolve their annotations wherever this file runs as
+    # __main__ (under `python -m cProfile -m jobs.reproduce`, sys.modules["__main__"] is the profiler's)
+    from jobs.reproduce import main as entry
+
+    sys.exit(entry())

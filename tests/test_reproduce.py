@@ -207,6 +207,16 @@ def test_the_command_checks_the_whole_manifest_before_it_runs_but_not_to_name_a_
     assert proc.stdout.split() == ["2", "False", "False"], proc.stderr[-2000:]
 
 
+def test_the_command_reads_its_manifest_under_a_profiler(tmp_path) -> None:
+    """`python -m cProfile -m jobs.reproduce` runs the file as a __main__ that is not sys.modules["__main__"]: the
+    manifest's classes must still resolve their annotations (cProfile itself turns the exit code into 0)."""
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.prof"), "-m", "jobs.reproduce",
+                           "--only", "nosuch"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip() == "fedsim: error: --only: unknown table 'nosuch'; tables: ['single_image', 'dafkd', " \
+                                  "'fedgdkd', 'dosfl']", proc.stderr[-2000:]
+    assert (tmp_path / "p.prof").is_file()
+
+
 def test_a_figure_for_one_grid_point_needs_the_references_figure_at_that_point(tmp_path) -> None:
     ok = ("paper: [{arm: DaFKD, value: 95, source: s, grid: {data.partition.alpha: 0.1}}, "
           "{arm: FedAvg, value: 94, source: s, reference: DaFKD, grid: {data.partition.alpha: 0.1}}]")
