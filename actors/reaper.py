@@ -77,6 +77,11 @@ def watch(session_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():  # started by `watch`, never by hand
+        print(f"{os.path.basename(sys.argv[0])}: fedsim's watcher of a local Ray takes one argument, the pid of the "
+              f"driver that started it (then Ray session folders on standard input); got {sys.argv[1:]}",
+              file=sys.stderr)
+        sys.exit(2)
     sessions = [line.strip() for line in sys.stdin.buffer if line.strip()]  # until the driver's end closes
     spare = {os.getpid(), int(sys.argv[1])}  # the driver may still be exiting, with its own Ray log open
     stop(sorted({pid for s in sessions for pid in session_pids(s.decode(), spare)}))

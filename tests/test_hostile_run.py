@@ -446,6 +446,17 @@ def _survivors(procs: list, wait_s: float = 30) -> list[str]:
         time.sleep(0.5)
 
 
+@pytest.mark.parametrize("argv", [[], ["--help"], ["12", "34"], ["-5"]])
+def test_the_ray_watcher_run_by_hand_with_wrong_arguments_is_one_line(argv):
+    """actors/reaper.py is started by the driver with its pid; run otherwise, it says what it takes before it reads
+    anything (it would otherwise wait on standard input)."""
+    proc = subprocess.run([sys.executable, "-S", str(Path(ROOT) / "actors" / "reaper.py"), *argv], cwd=ROOT,
+                          stdin=subprocess.PIPE, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "takes one argument, the pid of the driver" in lines[0] and repr(argv) in lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
