@@ -212,8 +212,9 @@ def test_the_command_reads_its_manifest_under_a_profiler(tmp_path) -> None:
     manifest's classes must still resolve their annotations (cProfile itself turns the exit code into 0)."""
     proc = subprocess.run([sys.executable, "-m", "cProfile", "-o", str(tmp_path / "p.prof"), "-m", "jobs.reproduce",
                            "--only", "nosuch"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.stderr.strip() == "fedsim: error: --only: unknown table 'nosuch'; tables: ['single_image', 'dafkd', " \
-                                  "'fedgdkd', 'dosfl']", proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedsim: error: --only: unknown table 'nosuch'; tables: ["), \
+        proc.stderr[-2000:]
     assert (tmp_path / "p.prof").is_file()
 
 
