@@ -1,14 +1,14 @@
 """Knuth's TwoSum accumulation: hi + lo += w·term elementwise, and the merge of two (hi, lo) pairs.
 
 As whole-buffer torch operations, one exact add is nine passes over the model's weights: 0.30 ms per upload of a
-200k-weight MLP on one thread (bench config C, `python -m bench.sum_cost`). The same arithmetic as one loop, built
-with llvmlite for this machine's CPU when a process first adds (about 0.03 s and 75 MB: LLVM's library), reads each
-buffer once: 0.105 ms. A second loop reads a float32 term where it lies (`add_scaled_at`), so an upload is not
-copied into float64 first: 0.066 ms (fedsim.runtime.reduce adds an upload's small tensors together, in one call).
-All give the same bits: widening float32 to float64 is exact, the loops are strict IEEE (no fast-math flags, so
-LLVM neither reassociates nor fuses a multiply into an add; vectorising an elementwise loop changes no result) and
-do the torch operations' arithmetic in their order. Where the loops cannot be built, the torch operations go on.
-Merges are few (one per worker and round) and stay torch operations. The machine code lives in the process only.
+200k-weight MLP on one thread (bench config C, `python -m bench.sum_cost`, 2026-11-25). The same arithmetic as one
+loop, built with llvmlite for this machine's CPU when a process first adds (about 0.03 s and 75 MB: LLVM's library),
+reads each buffer once: 0.105 ms. A second loop reads a float32 term where it lies (`add_scaled_at`), so an upload is
+not copied into float64 first: 0.066 ms (fedsim.runtime.reduce adds an upload's small tensors together, in one call).
+All give the same bits: widening float32 to float64 is exact, the loops are strict IEEE (no fast-math flags, so LLVM
+neither reassociates nor fuses a multiply into an add; vectorising an elementwise loop changes no result) and do the
+torch operations' arithmetic in their order. Where the loops cannot be built, the torch operations go on. Merges are
+few (one per worker and round) and stay torch operations. The machine code lives in the process only.
 """
 
 from __future__ import annotations
