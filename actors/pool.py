@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -340,16 +339,14 @@ class RayBackend:
         return {"placement_strategy": self._where.kind if self._where else "none", "workers_per_node": nodes}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int], timeout: float,
-                  idle: Callable[[], bool] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         common = ray.put(for_the_wire(bc.common))
         futures = {}
         for w, cids in sorted(assignments.items()):
             per = {c: for_the_wire(bc.per_client[c]) for c in cids if bc.per_client and c in bc.per_client}
             futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late)
-        if idle is not None and idle():  # the run stopped: the phase is dropped, and shutdown ends its tasks
-            return {}, {}
-        deadline = time.monotonic() + timeout  # the workers' limit, whatever the driver did while idle
+        deadline = time.monotonic() + timeout
         pending = list(futures.values())
         while pending and time.monotonic() < deadline:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))

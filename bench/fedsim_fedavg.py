@@ -166,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class BenchClock(Callback):
-    """The callback that timestamps each round's start (its draw) and end (its files handed to the writer thread) and
-    prints its line. A round's time runs from its start to the next one's: where its evaluation and callbacks run
-    while the next round trains (runtime.overlap_eval), its end comes after the next round's start."""
+    """The callback that timestamps each round's start (its draw) and end (its files written) and prints its line. A
+    round's time runs from its start to the next one's."""
 
     def __init__(self) -> None:
         self.t_loop = time.perf_counter()
@@ -297,9 +296,6 @@ def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: Gp
     del p
     profiler = None
     if args.profile_rounds:
-        if cfg.runtime.overlap_eval is True:  # its start and stop hang on round ends, which then fall mid-round
-            raise BenchError("--profile-rounds: needs runtime.overlap_eval off (a round's end then falls inside the "
-                             "next round)")
         if args.profile_rounds[1] > w.rounds:
             raise BenchError(f"--profile-rounds {args.profile_rounds[0]}:{args.profile_rounds[1]}: the workload has "
                              f"{w.rounds} rounds")

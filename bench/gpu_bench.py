@@ -11,14 +11,9 @@ each its own process on the same prepared folder, every program on the GPU:
     plain            the plain loop (bench.plain_fedavg --device cuda)
     pfl              pfl-research in one process (bench.pfl_fedavg --device cuda)
     pfl_2proc        pfl-research's torchrun mode with two processes on the one GPU (P only)
-    fedsim_seq       fedsim, local backend, one worker, runtime.batch_clients=off (steps replayed from CUDA graphs,
-                     runtime.cuda_graphs' default on a GPU)
-    fedsim_seq_direct  the same with runtime.cuda_graphs=off (every step launched from Python)
+    fedsim_seq       fedsim, local backend, one worker, runtime.batch_clients=off (one client after another)
     fedsim_batched   the same with runtime.batch_clients=on
     fedsim_ray_seq   fedsim on Ray, four workers at runtime.client_gpus=0.25, batching off (P only)
-    fedsim_ray_seq_direct  the same with runtime.cuda_graphs=off (P only)
-    fedsim_ray_seq_serial  fedsim_ray_seq with runtime.overlap_eval=off: each round evaluated before the next one's
-                     clients train, not beside them (P only)
     fedsim_ray_batched  the same with batching on (P only)
 
 Each program samples the GPU's utilisation (NVML) and reports its mean over the steady rounds (after the first).
@@ -53,15 +48,11 @@ from fedsim.limits import MAX_SECONDS
 PFL_SHAPE = Workload(num_clients=1000, clients_per_round=50, rounds=20, model="cnn", batch_size=10, lr=0.1,
                      momentum=0.0, partition="iid", n_train=50000, n_test=10000, eval_batch_size=1000)
 CONFIGS = {"P": PFL_SHAPE, **BENCH_CONFIGS}
-SYSTEMS = ["plain", "pfl", "pfl_2proc", "fedsim_seq", "fedsim_seq_direct", "fedsim_batched", "fedsim_ray_seq",
-           "fedsim_ray_seq_direct", "fedsim_ray_seq_serial", "fedsim_ray_batched"]
-P_ONLY = {"pfl_2proc", "fedsim_ray_seq", "fedsim_ray_seq_direct", "fedsim_ray_seq_serial", "fedsim_ray_batched"}
+SYSTEMS = ["plain", "pfl", "pfl_2proc", "fedsim_seq", "fedsim_batched", "fedsim_ray_seq", "fedsim_ray_batched"]
+P_ONLY = {"pfl_2proc", "fedsim_ray_seq", "fedsim_ray_batched"}
 LABEL = {"plain": "plain loop", "pfl": "pfl, 1 process", "pfl_2proc": "pfl, 2 processes (torchrun)",
          "fedsim_seq": "fedsim local, one after another", "fedsim_batched": "fedsim local, batched",
-         "fedsim_seq_direct": "fedsim local, one after another, no CUDA graphs",
          "fedsim_ray_seq": "fedsim Ray 4 × 0.25 GPU, one after another",
-         "fedsim_ray_seq_direct": "fedsim Ray 4 × 0.25 GPU, one after another, no CUDA graphs",
-         "fedsim_ray_seq_serial": "fedsim Ray 4 × 0.25 GPU, one after another, evaluation not overlapped",
          "fedsim_ray_batched": "fedsim Ray 4 × 0.25 GPU, batched"}
 KEYS = ["config", "system", "status", "total_seconds", "startup_seconds", "seconds_per_round", "first_round_s",
         "gpu_util_mean", "gpu_util_raw_mean", "gpu_mem_peak_mb", "peak_rss_mb", "final_accuracy", "log"]
@@ -81,15 +72,9 @@ def command(system: str, folder: Path, python: str, device: str, runs: Path) -> 
         "pfl": [python, "-m", "bench.pfl_fedavg", *wl, "--processes", "1", "--threads", "2", "--device", device],
         "pfl_2proc": [python, "-m", "bench.pfl_fedavg", *wl, "--processes", "2", "--threads", "1", "--device", device],
         "fedsim_seq": [*fedsim, "--backend", "local", "--workers", "1", "-o", "runtime.batch_clients=off"],
-        "fedsim_seq_direct": [*fedsim, "--backend", "local", "--workers", "1", "-o", "runtime.batch_clients=off",
-                              "-o", "runtime.cuda_graphs=off"],
         "fedsim_batched": [*fedsim, "--backend", "local", "--workers", "1", "-o", "runtime.batch_clients=on"],
         "fedsim_ray_seq": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
                            "-o", "runtime.batch_clients=off"],
-        "fedsim_ray_seq_direct": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
-                                  "-o", "runtime.batch_clients=off", "-o", "runtime.cuda_graphs=off"],
-        "fedsim_ray_seq_serial": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
-                                  "-o", "runtime.batch_clients=off", "-o", "runtime.overlap_eval=off"],
         "fedsim_ray_batched": [*fedsim, "--backend", "ray", "--workers", "4", "-o", "runtime.client_gpus=0.25",
                                "-o", "runtime.batch_clients=on"],
     }[system]
@@ -378,10 +363,8 @@ def markdown(meta: dict, rows: list[dict], configs: dict[str, Workload]) -> list
     return ["# fedsim, pfl-research and the plain loop on one GPU", "", f"Command: `{meta['command']}`  ",
             f"Measured {meta['date']} on {meta['machine']}: {meta['gpu']}, {meta['cpus']} CPUs; "
             f"torch {v.get('torch')}, pfl {v.get('pfl')}, ray {v.get('ray')}.", "",
-            "s/round = mean of the rounds after the first (each round's time holds one central evaluation: its own, "
-            "or, where fedsim overlaps it with the next round's training, `runtime.overlap_eval`, the previous "
-            "round's, the first round's then none and the last round's two); total = the program's first statement to "
-            "its result; GPU "
+            "s/round = mean of the rounds after the first (each round's time holds its central evaluation); "
+            "total = the program's first statement to its result; GPU "
             "util = NVML's share of time a kernel ran, averaged over "
             "those rounds: the "
             "readings polled every 50 ms, and NVML's own buffered samples where the run read them (`python -m "

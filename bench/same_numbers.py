@@ -2,12 +2,10 @@
 
     python -m bench.same_numbers GPU_JSON
 
-For each config, the pairs one client after another with and without CUDA graphs (in one process, and on Ray),
-on Ray with and without the evaluation overlapping the next round (runtime.overlap_eval), and one process against
-Ray: every column of `rounds.parquet` and `clients.parquet` but the wall-clock ones and
-the worker's, compared value for value, row for row. One line per config, pair and table: IDENTICAL, or the
-columns that differ. Exit 0 when all agree, 1 when some differ, 2 on bad input (one line). It reads the run
-folders that GPU_JSON names, so it runs where the bench ran, before they are removed.
+For each config, one process against Ray (one client after another): every column of `rounds.parquet` and
+`clients.parquet` but the wall-clock ones and the worker's, compared value for value, row for row. One line per
+config, pair and table: IDENTICAL, or the columns that differ. Exit 0 when all agree, 1 when some differ, 2 on bad
+input (one line). It reads the run folders that GPU_JSON names, so it runs where the bench ran.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from pathlib import Path
 from bench.cli import OneLineParser
 from bench.common import BenchError
 
-PAIRS = [("fedsim_seq", "fedsim_seq_direct"), ("fedsim_ray_seq", "fedsim_ray_seq_direct"),
-         ("fedsim_ray_seq", "fedsim_ray_seq_serial"), ("fedsim_seq", "fedsim_ray_seq")]
+PAIRS = [("fedsim_seq", "fedsim_ray_seq")]
 TABLES = ("rounds.parquet", "clients.parquet")
 SKIPPED = ("wall", "worker", "clients_batched")  # wall-clock seconds, the worker a client ran on, and a count of them
 

@@ -145,25 +145,12 @@ class RuntimeConfig:
                                  "a URI)")
     exact_sum: bool = knob(True, doc="workers add clients' uploads exactly (double-double), so the numbers do not "
                            "depend on the worker count; false adds in plain float64, but a weight's last bit may then "
-                           "change with the worker count (per upload of a 197k-weight MLP on one CPU thread, exact "
-                           "costs 0.9-1.2x plain with the loop each process compiles at its first add, 3-4x as torch "
-                           "operations where it cannot be compiled: `python -m bench.sum_cost`)")
+                           "change with the worker count")
     batch_clients: bool | Literal["auto", "on", "off"] = knob(
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) where the method's "
         "client step is plain local training: on, off, or auto (on for CUDA workers, off on CPU); on, a run "
         "repeats its numbers at the same runtime.num_workers and batch_clients_max, not across them")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
-    cuda_graphs: bool | Literal["auto", "on", "off"] = knob(
-        "auto", doc="where clients train one after another with plain SGD on a GPU, replay their full batches' steps "
-        "(with momentum, after a stage's first) from CUDA graphs the worker captures once (one launch instead of "
-        "dozens; the same numbers), and read a group's losses in one wait: on, off, or auto (on for CUDA workers; "
-        "CPUs have no graphs). Turn it off for a model whose forward draws random numbers itself (F.dropout, "
-        "torch.rand): only dropout layers are detected")
-    overlap_eval: bool | Literal["auto", "on", "off"] = knob(
-        "auto", doc="evaluate a round's global model while the next round's clients train, where no client keeps a "
-        "state (the same numbers; the round's rows and callbacks come as the next round trains, and a callback that "
-        "stops the run drops that next round): on, off, or auto (on for GPU client workers on Ray; on CPUs the "
-        "workers already fill the cores it would take)")
     tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
                       "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
                       "differ from the CPU's, and batched from one-after-another training, by more than float32 "
@@ -176,7 +163,7 @@ class RuntimeConfig:
                                       "add the workers the config asks for before failing (0: fail at once)")
 
     def __post_init__(self) -> None:
-        for key in ("batch_clients", "cuda_graphs", "overlap_eval"):  # auto | on | off knobs
+        for key in ("batch_clients",):  # auto | on | off knobs
             if getattr(self, key) in ("on", "off"):  # the words YAML 1.1 read as booleans: kept as the same values
                 setattr(self, key, getattr(self, key) == "on")
 

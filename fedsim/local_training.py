@@ -20,8 +20,6 @@ from torch import nn
 from fedsim import rng
 from fedsim.config import TrainConfig
 from fedsim.distill import clip_logits
-from fedsim.optim import SGD
-from fedsim.step_graphs import StepGraphs, cuda_graphs_of, graph_reason, graphs_on, note, train_replayed
 from fedsim.train import LossTerm, make_optimizer, train_classifier
 
 if TYPE_CHECKING:
@@ -31,31 +29,12 @@ Finish = Callable[[nn.Module, "dict[str, float]", "dict[str, Any] | None"], "Cli
 """(model holding the trained weights, training metrics, optimizer state or None) -> the client's result."""
 
 DROPOUT_STREAM = "local/dropout"  # each client's dropout masks when trained together (fedsim.train_batched)
-_PLAIN_LOADERS = (nn.Module._load_from_state_dict, nn.modules.batchnorm._NormBase._load_from_state_dict)
 
 
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`model.load_state_dict(state)`, and the model's state dict (views of its tensors) after it. When `state`
-    has exactly the model's keys and shapes and no module saves or loads in its own way (hooks, extra state, a
-    custom `_load_from_state_dict`), that load is a copy into each tensor, done here without load_state_dict's
-    walk (a third of a small client's overhead)."""
-    own = model.state_dict()
-    plain = own.keys() == state.keys() and all(
-        isinstance(v := state[k], torch.Tensor) and v.shape == t.shape for k, t in own.items()) and all(
-        type(m)._load_from_state_dict in _PLAIN_LOADERS and type(m).get_extra_state is nn.Module.get_extra_state
-        and not (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks or m._state_dict_hooks
-                 or m._state_dict_pre_hooks) for m in model.modules())
-    if not plain:
-        model.load_state_dict(state)
-        return model.state_dict()
-    with torch.no_grad():
-        dst, src = list(own.values()), [state[k] for k in own]
-        if dst and all(v.device == t.device and v.dtype == t.dtype for v, t in zip(src, dst)):
-            torch._foreach_copy_(dst, src)  # one multi-tensor copy, not a launch per tensor
-            return own
-        for t, v in zip(dst, src):  # CPU weights into a GPU model: staged at once, without waiting for the GPU
-            t.copy_(v, non_blocking=t.device.type == "cuda" and v.device.type == "cpu")
-    return own
+    """`model.load_state_dict(state)`, and the model's state dict (views of its tensors) after it."""
+    model.load_state_dict(state)
+    return model.state_dict()
 
 
 class ClippedLogits(nn.Module):
@@ -109,7 +88,6 @@ class LocalTraining:
     optimizer_state: dict[str, Any] | None = None  # loaded into the first stage's optimizer
     keep_optimizer: bool = False  # hand the last stage's optimizer state to `finish`
     dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.train_batched)
-    cuda_graphs: bool = False  # full batches may be replayed from captured CUDA graphs (fedsim.step_graphs)
 
     @classmethod
     def of(cls, ctx: ClientContext, start: Mapping[str, torch.Tensor], finish: Finish,
@@ -121,8 +99,7 @@ class LocalTraining:
                    y=ctx.data.y if y is None else y, train=train, generator=ctx.generator(), finish=finish,
                    stages=(Stage(train.epochs, train.steps),) if stages is None else stages,
                    dropout_seed=rng.seed(ctx.env.config.seed, DROPOUT_STREAM, ctx.round, ctx.client_id,
-                                         ctx.phase_index),
-                   cuda_graphs=graphs_on(ctx.env.config.runtime.cuda_graphs, ctx.device), **options)
+                                         ctx.phase_index), **options)
 
     def stage_config(self, stage: Stage) -> TrainConfig:
         return dataclasses.replace(self.train, epochs=stage.epochs, steps=stage.steps)
@@ -141,35 +118,10 @@ class LocalTraining:
             opt = make_optimizer(self.model.parameters(), cfg)
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
-            graphs = self._graphs(opt) if isinstance(opt, SGD) else None
-            if graphs is not None and isinstance(opt, SGD):
-                done = train_replayed(net, self.x, self.y, cfg, self.generator, opt, graphs)
-            else:
-                done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt)
+            done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt)
             metrics.update({stage.prefix + k: v for k, v in done.items()})
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)
-
-    def _graphs(self, opt: SGD) -> StepGraphs | None:
-        """The captured steps this client's SGD training may replay (`cuda_graphs`, on a GPU), or None."""
-        if not self.cuda_graphs or not opt.params:
-            return None
-        reason = self.replay_reason()
-        if reason is not None:
-            note(reason)
-            return None
-        return cuda_graphs_of(self.model, opt)
-
-    def replay_reason(self) -> str | None:
-        """Why this client's steps cannot be replayed from CUDA graphs (fedsim.step_graphs: cross-entropy alone,
-        SGD, a model without random layers), or None."""
-        if self.mu > 0:
-            return "a proximal term (FedProx) is not replayed from CUDA graphs"
-        if self.clip is not None:
-            return "clipped logits are not replayed from CUDA graphs"
-        if self.train.optimizer != "sgd":
-            return f"optimizer {self.train.optimizer!r} (only SGD steps are replayed from CUDA graphs)"
-        return graph_reason(self.model)
 
     def saved_sgd_matches(self) -> bool:
         """Whether the saved optimizer state is one parameter group with the run's SGD settings (what `complete`
@@ -228,13 +180,9 @@ def all_finite_at_once(tensors: list[torch.Tensor]) -> bool:
 
 def weights_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Σ over the floating tensors of Σ|entry| (float64, on `device`, not read): finite exactly when every entry is
-    and no tensor's sum overflows its dtype (an inf or NaN entry makes its norm inf or NaN). One multi-tensor norm
-    rather than a sum per tensor: on a GPU a launch per tensor costs more than the sums."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    and no tensor's sum overflows its dtype (an inf or NaN entry makes its norm inf or NaN)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for t in tensors:
         if t.is_floating_point():
-            by_dtype.setdefault(t.dtype, []).append(t.detach())
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for group in by_dtype.values():
-        total = total + torch.stack(torch._foreach_norm(group, 1)).double().sum()
+            total = total + torch.linalg.vector_norm(t.detach(), 1).double()
     return total

@@ -2,9 +2,9 @@
 
 torch.optim wraps its methods to keep the compiler out, and the first call in a process imports
 torch._dynamo and torch._inductor (and Triton where it is installed): 0.7 to 2.8 s and 160 MB of RSS in every
-worker, paid in round 0. fedsim's optimizers are these instead. On a GPU they step all parameters with the
-multi-tensor (`torch._foreach_*`) operations that torch.optim uses there by default, so a step launches a few
-kernels rather than a few per parameter.
+worker, paid in round 0 (measured: torch.optim.SGD's first three steps 1.50-2.46 s and +165 MB of RSS, these
+0.07 s and +18 MB: `python -m bench.first_step`). fedsim's optimizers are these
+instead, stepping parameter by parameter with public tensor operations.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ class SGD(_Optimizer):
     """SGD with momentum, dampening, Nesterov and L2 weight decay, step for step equal to torch.optim.SGD."""
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, foreach: bool | None = None) -> None:
-        """`foreach`: step with multi-tensor operations (None: when every parameter is on a GPU, as torch.optim)."""
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"SGD: lr={lr}, momentum={momentum} and weight_decay={weight_decay} must be >= 0")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -48,26 +47,9 @@ class SGD(_Optimizer):
                                                    "dampening": dampening, "weight_decay": weight_decay,
                                                    "nesterov": nesterov}]
         self._buffers: list[torch.Tensor | None] = [None] * len(self.params)
-        self.foreach = all(p.device.type == "cuda" for p in self.params) and bool(self.params) \
-            if foreach is None else foreach
-
-    @property
-    def momentum_buffers(self) -> list[torch.Tensor | None]:
-        """Each parameter's momentum buffer (None until its first step); assigning a list makes those the buffers
-        that later steps update in place (fedsim.step_graphs shares them with its captured steps)."""
-        return self._buffers
-
-    @momentum_buffers.setter
-    def momentum_buffers(self, buffers: list[torch.Tensor | None]) -> None:
-        if len(buffers) != len(self.params):
-            raise ValueError(f"SGD: {len(buffers)} momentum buffers for {len(self.params)} parameters")
-        self._buffers = list(buffers)
 
     @torch.no_grad()
     def step(self) -> None:
-        if self.foreach:
-            self._step_foreach()
-            return
         g = self.param_groups[0]
         lr, momentum, dampening, decay = g["lr"], g["momentum"], g["dampening"], g["weight_decay"]
         for i, p in enumerate(self.params):
@@ -82,36 +64,6 @@ class SGD(_Optimizer):
                     buf.mul_(momentum).add_(d, alpha=1 - dampening)
                 d = d.add(buf, alpha=momentum) if g["nesterov"] else buf
             p.add_(d, alpha=-lr)
-
-    def _step_foreach(self) -> None:
-        """The same update with one multi-tensor operation per stage (the parameters that have a gradient, grouped
-        by device and dtype as multi-tensor operations need); the gradients are left as they are."""
-        g = self.param_groups[0]
-        lr, momentum, dampening, decay = g["lr"], g["momentum"], g["dampening"], g["weight_decay"]
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                groups.setdefault((p.device, p.dtype), []).append(i)
-        for ids in groups.values():
-            params = [self.params[i] for i in ids]
-            grads = [p.grad for p in params if p.grad is not None]  # all of them: grouped by having one
-            d = list(torch._foreach_add(grads, params, alpha=decay)) if decay != 0 else grads
-            if momentum != 0:
-                bufs = [b for b in (self._buffers[i] for i in ids) if b is not None]
-                if len(bufs) == len(ids):
-                    torch._foreach_mul_(bufs, momentum)
-                    torch._foreach_add_(bufs, d, alpha=1 - dampening)
-                else:  # a buffer starts as a copy of its first step's direction
-                    bufs = []
-                    for i, di in zip(ids, d, strict=True):
-                        buf = self._buffers[i]
-                        if buf is None:
-                            buf = self._buffers[i] = torch.clone(di).detach()
-                        else:
-                            buf.mul_(momentum).add_(di, alpha=1 - dampening)
-                        bufs.append(buf)
-                d = list(torch._foreach_add(d, bufs, alpha=momentum)) if g["nesterov"] else bufs
-            torch._foreach_add_(params, d, alpha=-lr)
 
     def state_dict(self) -> dict:
         """torch.optim.SGD's layout, so either optimizer can resume from the other's saved state."""
@@ -138,9 +90,7 @@ class Adam(_Optimizer):
     decoupled, not maximising), and its state_dict in torch's layout."""
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
-                 foreach: bool | None = None) -> None:
-        """`foreach`: step with multi-tensor operations (None: when every parameter is on a GPU, as torch.optim)."""
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"Adam: lr={lr}, eps={eps} and weight_decay={weight_decay} must be >= 0 and betas={betas}"
                              " in [0, 1)")
@@ -150,8 +100,6 @@ class Adam(_Optimizer):
         n = len(self.params)
         self._steps = [0] * n
         self._moments: list[tuple[torch.Tensor, ...] | None] = [None] * n  # exp_avg, exp_avg_sq[, max_exp_avg_sq]
-        self.foreach = all(p.device.type == "cuda" for p in self.params) and bool(self.params) \
-            if foreach is None else foreach
 
     def _moments_of(self, i: int) -> tuple[torch.Tensor, ...]:
         m = self._moments[i]
@@ -169,9 +117,6 @@ class Adam(_Optimizer):
         ids = [i for i, p in enumerate(self.params) if p.grad is not None]
         for i in ids:
             self._steps[i] += 1
-        if self.foreach:
-            self._step_foreach(ids)
-            return
         for i in ids:
             p, grad = self.params[i], self.params[i].grad
             assert grad is not None  # ids holds the parameters that have one
@@ -190,36 +135,6 @@ class Adam(_Optimizer):
             else:
                 denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
             p.addcdiv_(exp_avg, denom, value=-step_size)
-
-    def _step_foreach(self, ids: list[int]) -> None:
-        """The same update with one multi-tensor operation per stage, per device and dtype."""
-        g = self.param_groups[0]
-        lr, (beta1, beta2), eps, decay, amsgrad = g["lr"], g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i in ids:
-            groups.setdefault((self.params[i].device, self.params[i].dtype), []).append(i)
-        for members in groups.values():
-            params = [self.params[i] for i in members]
-            grads = [p.grad for p in params if p.grad is not None]  # all of them: grouped by having one
-            moments = [self._moments_of(i) for i in members]
-            exp_avgs, exp_avg_sqs = [m[0] for m in moments], [m[1] for m in moments]
-            if decay != 0:
-                grads = list(torch._foreach_add(grads, params, alpha=decay))
-            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-            steps = [float(self._steps[i]) for i in members]
-            step_size = [(lr / (1 - beta1 ** s)) * -1 for s in steps]
-            bias_correction2_sqrt = [(1 - beta2 ** s) ** 0.5 for s in steps]
-            if amsgrad:
-                maxima = [m[2] for m in moments]
-                torch._foreach_maximum_(maxima, exp_avg_sqs)
-                denom = torch._foreach_sqrt(maxima)
-            else:
-                denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
     def state_dict(self) -> dict:
         """torch.optim.Adam's layout, so either optimizer can resume from the other's saved state."""

@@ -56,7 +56,7 @@ def unbatchable_reason(model: nn.Module) -> str | None:
 
 @dataclass
 class Trained:
-    """One client's outcome of training in a group (together here, or in turn: fedsim.train_in_turn): its weights
+    """One client's outcome of training in a group : its weights
     and buffers (views into the stacks, or copies), metrics in train_classifier's form per stage, its SGD momentum
     buffers (None when there are none), and the samples it processed (its share of the group's time). `error` is
     set when the client cannot be trained this way."""

@@ -1,5 +1,4 @@
-"""fedsim's SGD and Adam against torch.optim's: the same parameters, bit for bit, with per-tensor and
-multi-tensor (`foreach`, a GPU's default) steps, and interchangeable state."""
+"""fedsim's SGD and Adam against torch.optim's: the same parameters, bit for bit, and interchangeable state."""
 
 from __future__ import annotations
 
@@ -36,25 +35,23 @@ ADAM_KW = [dict(lr=1e-2), dict(lr=3e-3, betas=(0.5, 0.99), weight_decay=1e-2),
 EQUAL = [(SGD, torch.optim.SGD, kw, 7) for kw in KW] + [(Adam, torch.optim.Adam, kw, 9) for kw in ADAM_KW]
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["ours per tensor", "ours multi-tensor"])
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("mine, theirs, kw, steps", EQUAL)
-def test_each_optimizer_equals_torchs_bit_for_bit(mine, theirs, kw, steps, foreach, ours):
+def test_each_optimizer_equals_torchs_bit_for_bit(mine, theirs, kw, steps, foreach):
     a, b = _model(), _model()
-    _steps(a, mine(a.parameters(), foreach=ours, **kw), steps)
+    _steps(a, mine(a.parameters(), **kw), steps)
     _steps(b, theirs(b.parameters(), foreach=foreach, **kw), steps)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert not torch.equal(next(a.parameters()), next(_model().parameters()))  # it did move
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])
-def test_sgd_leaves_a_parameter_without_gradient_and_the_gradients_alone(ours):
+def test_sgd_leaves_a_parameter_without_gradient_and_the_gradients_alone():
     kw = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
     a, b = _model(), _model()
     for m in (a, b):
         m[0].bias.requires_grad_(False)  # never trained
-    opt_a, opt_b = SGD(a.parameters(), foreach=ours, **kw), torch.optim.SGD(b.parameters(), foreach=False, **kw)
+    opt_a, opt_b = SGD(a.parameters(), **kw), torch.optim.SGD(b.parameters(), foreach=False, **kw)
     frozen = a[2].bias.detach().clone()
     for step in range(4):
         for m, opt in ((a, opt_a), (b, opt_b)):
@@ -98,31 +95,11 @@ def test_saved_state_resumes_across_the_two_optimizers(ours_first, ours, theirs,
         assert all(torch.equal(saved["state"][i][buffer], kept[i]) for i in kept)
 
 
-class OnGpu(torch.Tensor):
-    """A CPU tensor that reports a GPU device: the default's choice is tested without a GPU."""
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", 0)
-
-
-def test_multi_tensor_steps_are_the_default_on_a_gpu_only():
-    cpu = list(_model().parameters())
-    gpu = [torch.zeros(3, requires_grad=True).as_subclass(OnGpu) for _ in range(2)]
-    assert all(p.device.type == "cuda" and p.requires_grad for p in gpu)
-    assert SGD(cpu, lr=0.1).foreach is False  # CPU: per tensor (torch.optim's CPU default too)
-    assert SGD(gpu, lr=0.1).foreach is True
-    assert SGD(gpu + cpu, lr=0.1).foreach is False  # some on the CPU: per tensor
-    assert SGD([], lr=0.1).foreach is False
-    if torch.cuda.is_available():
-        assert SGD(_model().cuda().parameters(), lr=0.1).foreach is True
-
-
-def test_a_float64_parameter_beside_float32_ones_steps_in_its_own_group():
+def test_a_float64_parameter_beside_float32_ones_steps_as_in_torch():
     kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
     a, b = _model(), _model()
-    a[2].double(), b[2].double()  # multi-tensor operations take one dtype at a time
-    for m, opt in ((a, SGD(a.parameters(), foreach=True, **kw)), (b, torch.optim.SGD(b.parameters(), foreach=False,
+    a[2].double(), b[2].double()
+    for m, opt in ((a, SGD(a.parameters(), **kw)), (b, torch.optim.SGD(b.parameters(), foreach=False,
                                                                                         **kw))):
         for step in range(3):
             opt.zero_grad(set_to_none=True)
@@ -134,13 +111,13 @@ def test_a_float64_parameter_beside_float32_ones_steps_in_its_own_group():
 
 
 @pytest.mark.parametrize("kw", [dict(lr=0.1), dict(lr=0.05, momentum=0.9)])
-def test_sparse_gradients_step_as_in_torch_sgd_with_multi_tensor_steps(kw):
+def test_sparse_gradients_step_as_in_torch_sgd(kw):
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
 
     a, b = model(), model()
-    for m, opt in ((a, SGD(a.parameters(), foreach=True, **kw)), (b, torch.optim.SGD(b.parameters(), **kw))):
+    for m, opt in ((a, SGD(a.parameters(), **kw)), (b, torch.optim.SGD(b.parameters(), **kw))):
         for step in range(3):
             opt.zero_grad(set_to_none=True)
             m(torch.tensor([[step, step + 1], [3, 4]])).sum().backward()
@@ -157,33 +134,11 @@ def test_load_state_dict_rejects_another_models_state():
         opt.load_state_dict(torch.optim.SGD(other.parameters(), lr=0.1).state_dict())
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_sgd_steps_the_momentum_buffers_it_is_given_in_place(foreach):
-    """Buffers assigned through momentum_buffers are the ones later steps update (fedsim.step_graphs shares them),
-    with the update the optimizer's own buffers would get; a list of another length is refused."""
-    w = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
-    opt, ref = SGD(w, lr=0.1, momentum=0.9, foreach=foreach), SGD([p.detach().clone().requires_grad_() for p in w],
-                                                                      lr=0.1, momentum=0.9, foreach=foreach)
-    for o in (opt, ref):
-        for p in o.params:
-            p.grad = torch.full_like(p, 0.5)
-        o.step()
-    given = [b.clone() for b in opt.momentum_buffers if b is not None]
-    opt.momentum_buffers = given
-    for o in (opt, ref):
-        o.step()
-    assert all(a is b for a, b in zip(opt.momentum_buffers, given, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(given, ref.momentum_buffers, strict=True))
-    with pytest.raises(ValueError, match="1 momentum buffers for 2 parameters"):
-        opt.momentum_buffers = given[:1]
-
-
-@pytest.mark.parametrize("ours", [False, True], ids=["per tensor", "multi-tensor"])
-def test_adam_counts_steps_per_parameter_as_torch_does(ours):
+def test_adam_counts_steps_per_parameter_as_torch_does():
     """A parameter without a gradient in a step is not stepped, and its own step count (bias correction) waits."""
     kw = dict(lr=1e-2, weight_decay=1e-3, amsgrad=True)
     a, b = _model(), _model()
-    opt_a, opt_b = Adam(a.parameters(), foreach=ours, **kw), torch.optim.Adam(b.parameters(), foreach=False, **kw)
+    opt_a, opt_b = Adam(a.parameters(), **kw), torch.optim.Adam(b.parameters(), foreach=False, **kw)
     for step in range(5):
         for m, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad(set_to_none=True)

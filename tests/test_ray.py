@@ -94,45 +94,11 @@ def test_ray_workers_train_clients_together_as_the_local_backend_does(ray_local,
     pd.testing.assert_frame_equal(deterministic(on_ray["clients"]), deterministic(local["clients"]))
 
 
-def test_overlapped_evaluation_on_ray_gives_the_local_numbers(ray_local, make_config, monkeypatch):
-    """runtime.overlap_eval=on: each round but the last is evaluated, by the server actor, while the next round's
-    clients train on the workers; the numbers are those of the local backend, which evaluates before."""
-    from fedsim.runtime.loop import Simulation
-
-    idle, record = Simulation._idle, Simulation.record
-    inside: list[bool] = []
-    recorded: list[tuple[int, bool]] = []  # each round recorded, and whether in the driver's idle moment
-
-    def noted_idle(self, before):
-        inside.append(True)
-        try:
-            return idle(self, before)
-        finally:
-            inside.pop()
-
-    def noted_record(self, state, trained, *args):
-        recorded.append((trained.round, bool(inside)))
-        return record(self, state, trained, *args)
-
-    monkeypatch.setattr(Simulation, "_idle", noted_idle)
-    monkeypatch.setattr(Simulation, "record", noted_record)
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
-                      "runtime.overlap_eval=on", rounds=3)
-    on_ray = load(run(cfg, RayBackend(num_workers=2)))
-    assert on_ray["meta"]["server"]["pid"] != os.getpid()  # the ServerActor evaluated
-    assert recorded == [(0, True), (1, True), (2, False)]  # once the pool had handed out the next round's work
-    cfg.results.run_id = None
-    cfg.runtime.overlap_eval = False
-    local = load(run(cfg, LocalBackend(num_workers=2)))
-    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
-    pd.testing.assert_frame_equal(deterministic(on_ray["clients"]), deterministic(local["clients"]))
-
-
-def test_a_worker_dying_while_the_last_round_is_recorded_costs_only_its_clients(ray_local, make_config):
-    """With the evaluation overlapped, round r's checkpoint is taken while round r + 1 trains: it must not wait on
-    (or fail with) a worker, since clients that keep nothing have no state to collect."""
+def test_a_worker_dying_before_a_phase_costs_only_its_clients(ray_local, make_config):
+    """The checkpoint of clients that keep nothing must not wait on (or fail with) a dead worker: there is no state
+    to collect; the worker is replaced and the next rounds run whole."""
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "participation.clients_per_round=10",
-                      "runtime.overlap_eval=on", rounds=4)
+                      rounds=4)
     backend = RayBackend(num_workers=2)
     original = backend.run_phase
 
@@ -146,28 +112,6 @@ def test_a_worker_dying_while_the_last_round_is_recorded_costs_only_its_clients(
     failures = res["rounds"].set_index("round")["failures"]
     assert failures[0] == failures[3] == 0 and failures[1] > 0 and failures[2] > 0
     assert res["meta"]["status"] == "completed" and res["rounds"]["accuracy"].notna().all()
-
-
-def test_a_stop_on_ray_drops_the_round_in_flight_without_waiting_for_it(ray_local, make_config):
-    from fedsim.runtime.callbacks import Callback
-
-    class StopAfterFirst(Callback):
-        def on_round_end(self, round, rows):
-            return True
-
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.overlap_eval=on", rounds=3)
-    backend = RayBackend(num_workers=2)
-    original, returned = backend.run_phase, {}
-
-    def run_phase(round, *args, **kw):
-        returned[round] = original(round, *args, **kw)
-        return returned[round]
-
-    backend.run_phase = run_phase
-    res = load(run(cfg, backend, callbacks=[StopAfterFirst()]))
-    assert returned[1] == ({}, {})  # handed out, then left to the shutdown: no replies waited for
-    assert res["meta"]["status"] == "stopped" and res["rounds"]["round"].tolist() == [0]
-    assert set(res["clients"]["round"]) == {0}
 
 
 def _alive(pid: int) -> bool:

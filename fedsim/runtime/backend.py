@@ -7,7 +7,6 @@ dataclass with named fields.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -86,12 +85,9 @@ class Backend(Protocol):
         """Facts for meta.json: each worker's placement (pid, device, ...) and the server's."""
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int], timeout: float,
-                  idle: Callable[[], bool] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
-        """Run a phase on the assigned workers; replies by worker, and the workers that returned none. The backend
-        calls `idle` once the work is handed out (one that trains in this process: as it starts); the driver's files
-        are written from then on, and the last round is recorded (runtime.overlap_eval). When `idle` returns True the
-        run has stopped and the phase is dropped: the backend returns at once, with no replies."""
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+        """Run a phase on the assigned workers; replies by worker, and the workers that returned none."""
 
     def restart_workers(self, indices: list[int]) -> list[int]:
         """Start workers `indices` again, together where the backend can; the slots whose clients' states were

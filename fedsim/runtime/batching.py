@@ -1,10 +1,8 @@
-"""Training a phase's clients as a group (`runtime.batch_clients`, `runtime.cuda_graphs`): which phases qualify,
-the groups, the fallback.
+"""Training a phase's clients as a group (`runtime.batch_clients`): which phases qualify, the groups, the fallback.
 
 A phase qualifies when its method describes the client step as plain local training
 (`Algorithm.local_training`) and does not override that client step below the description. Its clients are
-grouped by architecture, in chunks of `runtime.batch_clients_max`, trained by fedsim.train_batched (together) or,
-on a GPU without batching but with CUDA graphs, by fedsim.train_in_turn (one after another, one wait per group),
+grouped by architecture, in chunks of `runtime.batch_clients_max`, trained together by fedsim.train_batched,
 and finished one by one. Clients that cannot be trained so run each on its own, as without either; why is logged
 once per worker and reason.
 """
@@ -20,9 +18,7 @@ import torch
 
 from fedsim.algorithms.base import Algorithm, ClientResult, Phase
 from fedsim.local_training import LocalTraining
-from fedsim.step_graphs import graphs_on
 from fedsim.train_batched import train_together
-from fedsim.train_in_turn import train_in_turn
 
 log = logging.getLogger("fedsim.batching")
 
@@ -59,15 +55,10 @@ def phase_reason(algorithm: Algorithm, phase: Phase) -> str | None:
 class ClientBatcher:
     """One worker's grouped training: the setting, and the reasons it has already logged."""
 
-    def __init__(self, mode: Any, max_clients: int, device: torch.device, worker_index: int = 0,
-                 cuda_graphs: Any = "off") -> None:
-        """`mode`: runtime.batch_clients; `cuda_graphs`: runtime.cuda_graphs, which (on a GPU, batching off) trains
-        the clients in turn."""
-        together = batching_on(mode, device)
-        self.together = together
-        self.on = together or graphs_on(cuda_graphs, device)
-        asked = mode if together else cuda_graphs
-        self.level = logging.INFO if asked == "auto" else logging.WARNING  # asked for explicitly: worth a warning
+    def __init__(self, mode: Any, max_clients: int, device: torch.device, worker_index: int = 0) -> None:
+        """`mode`: runtime.batch_clients."""
+        self.on = batching_on(mode, device)
+        self.level = logging.INFO if mode == "auto" else logging.WARNING  # asked for explicitly: worth a warning
         self.max_clients = max(1, int(max_clients))
         self.worker_index = worker_index
         self.said: set[str] = set()
@@ -105,23 +96,21 @@ class ClientBatcher:
                 yield from self.train(plans, seconds)
 
     def train(self, plans: dict[int, LocalTraining], seconds: dict[int, float]) -> Iterator[tuple[int, Done]]:
-        """Train `plans` as a group (together, or in turn) and finish each, yielding each client's outcome as soon
+        """Train `plans` together and finish each, yielding each client's outcome as soon
         as it is finished (a finished client's payload may view the shared model, which the next one's finish
         overwrites); each on its own when they cannot be trained as a group."""
         if not plans:
             return
         t0 = time.perf_counter()
         try:
-            trainer = train_together if self.together else train_in_turn
-            trained = trainer(list(plans.values()))
+            trained = train_together(list(plans.values()))
         except Exception as exc:
             self.note(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
             for cid, plan in plans.items():
                 yield cid, _alone(plan, seconds[cid])
             return
         elapsed = time.perf_counter() - t0
-        if self.together:
-            self.trained += len(trained)
+        self.trained += len(trained)
         total = sum(t.samples for t in trained)
         for (cid, plan), t in zip(plans.items(), trained):
             t1 = time.perf_counter()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,12 +65,10 @@ class LocalBackend:
                                                                           "device": str(self.server.device)}}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, bc: Broadcast,
-                  assignments: dict[int, list[int]], late: list[int], timeout: float,
-                  idle: Callable[[], bool] | None = None) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
+                  assignments: dict[int, list[int]], late: list[int],
+                  timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         replies: dict[int, WorkerReply] = {}
         failed: dict[int, WorkerFailure] = {}
-        if idle is not None and idle():  # the driver trains: its files are written beside the training
-            return replies, failed
         with torch_threads(self._threads):
             for w, cids in sorted(assignments.items()):
                 per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}

@@ -8,7 +8,6 @@ the bench, in the `Inputs` a run starts from. Backends only move messages (fedsi
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -35,7 +34,6 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
-from fedsim.runtime.writes import BackgroundWrites
 from fedsim.storage import Location, StorePath, location
 
 log = logging.getLogger("fedsim.loop")
@@ -50,18 +48,6 @@ class Inputs:
     partition: Callable[[RunConfig, Dataset], AnyPartition] = make_partition
     draw: Callable[[RunConfig, int, Profiles], np.ndarray] = sample_round  # (cfg, round, profiles) -> client ids
     initial_state: Callable[[Any], Any] | None = None  # the algorithm's fresh server state -> the one to start from
-
-
-def overlap_on(cfg: RunConfig, backend: Backend) -> bool:
-    """Whether `runtime.overlap_eval` (true/"on", false/"off" or "auto") evaluates a round while the next one trains.
-    auto means where the clients train on GPUs in other processes (Ray): on CPUs the workers already fill the cores
-    the evaluation would take, and the local backend trains beside the driver."""
-    from fedsim.runtime.local import LocalBackend
-
-    mode = cfg.runtime.overlap_eval
-    if mode == "auto":
-        return cfg.runtime.client_gpus > 0 and not isinstance(backend, LocalBackend)
-    return mode is True or mode == "on"
 
 
 def owner(client_id: int, num_workers: int) -> int:
@@ -113,20 +99,6 @@ class _Trained:
     evaluate: bool  # whether the round is evaluated (eval.every, the last round, a finished method)
 
 
-class _Once:
-    """A call made at most once; keeps what it returned (how the run ends, or None)."""
-
-    def __init__(self, call: Callable[[], RunStatus | None]) -> None:
-        self.call = call
-        self.called = False
-        self.status: RunStatus | None = None
-
-    def __call__(self) -> None:
-        if not self.called:
-            self.called = True
-            self.status = self.call()
-
-
 @dataclass
 class RunState:
     """What the loop carries between rounds (and restores from a checkpoint)."""
@@ -140,11 +112,9 @@ class RunState:
 class Simulation:
     """One run of a config on a backend: setup, restore, and the rounds; `run()` below drives it."""
 
-    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None,
-                 writes: BackgroundWrites | None = None) -> None:
+    def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None) -> None:
         self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
         self.inputs = inputs or Inputs()
-        self.writes = writes or BackgroundWrites(background=False)  # the run's files, perhaps still being written
         self.ckpt_path = run_dir / "checkpoints" / "last.pt"
 
     def setup(self) -> None:
@@ -165,7 +135,6 @@ class Simulation:
         self.startup_s = time.perf_counter() - t0
         if self.inputs.initial_state is not None:
             self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
-        self.overlap = self.balance and overlap_on(cfg, self.backend)
 
     def describe(self) -> dict:
         """The backend as meta.json records it."""
@@ -209,40 +178,20 @@ class Simulation:
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
         """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
-        method finished after its last saved round (a one-shot method) trains no further round. Where the
-        evaluation overlaps (`overlaps`), a round is evaluated and recorded while the next one's clients train; a
-        callback that stops the run then drops that next round, whose results are never aggregated."""
+        method finished after its last saved round (a one-shot method) trains no further round."""
         if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
             return "completed"
-        held: _Trained | None = None  # trained and aggregated; evaluated and recorded as the next round trains
         for r in range(state.next_round, self.cfg.rounds):
-            finish = _Once(functools.partial(self.record, state, held, callbacks, True)) if held else None
-            trained = self.train_round(r, finish)
-            if finish is not None and finish.status is not None:
-                return finish.status
-            assert trained is not None  # dropped only when the held round stopped the run
-            held = trained if self.overlaps(trained) else None
-            if held is None:
-                status = self.record(state, trained, callbacks)
-                if status is not None:
-                    return status
+            status = self.record(state, self.train_round(r), callbacks)
+            if status is not None:
+                return status
         return "completed"
 
-    def overlaps(self, trained: _Trained) -> bool:
-        """Whether `trained`'s evaluation waits for the next round's clients to be training: `runtime.overlap_eval`
-        is on, the round is evaluated, a next round follows, and no client keeps a state (a checkpoint taken while
-        the next round trains would hold that round's states)."""
+    def record(self, state: RunState, trained: _Trained, callbacks: Callbacks) -> RunStatus | None:
+        """Evaluate `trained` (when due), add its rows to `state` and hand them to the callbacks; how the run ends
+        there ("completed" after its last round, "stopped" when a callback asked), or None to go on."""
         r = trained.round
-        return self.overlap and trained.evaluate and r + 1 < self.cfg.rounds and \
-            not self.backend.server.finished(r)
-
-    def record(self, state: RunState, trained: _Trained, callbacks: Callbacks,
-               overlapped: bool = False) -> RunStatus | None:
-        """Evaluate `trained` (when due; `overlapped`: beside the next round's training), add its rows to `state` and
-        hand them to the callbacks; how the run ends there ("completed" after its last round, "stopped" when a
-        callback asked), or None to go on."""
-        r = trained.round
-        rows, clients = self.round_rows(trained, overlapped), trained.client_rows
+        rows, clients = self.round_rows(trained), trained.client_rows
         state.virtual_time += trained.virtual_round
         for row in rows:
             row["virtual_time"] = state.virtual_time
@@ -255,22 +204,8 @@ class Simulation:
             return "completed"
         return "stopped" if stop else None
 
-    def train_round(self, r: int, before: _Once | None = None) -> _Trained | None:
-        """Sample and schedule the round and run its phases in order. `before` (the last round's evaluation and
-        record) runs once the first phase's work is handed out, or before this round raises; when it stops the run,
-        the round is dropped after its first phase (None)."""
-        try:
-            return self._train_round(r, before)
-        except BaseException:
-            if before is not None and not before.called:  # the last round's rows are kept, as without overlap
-                try:
-                    before()
-                except Exception as late:  # this round's own error is the one raised
-                    log.error("round %d could not be recorded either: %s: %s", r - 1, type(late).__name__,
-                              (str(late).splitlines() or [""])[0])
-            raise
-
-    def _train_round(self, r: int, before: _Once | None) -> _Trained | None:
+    def train_round(self, r: int) -> _Trained:
+        """Sample and schedule the round and run its phases in order."""
         cfg, backend = self.cfg, self.backend
         t_round = time.perf_counter()
         sampled = np.asarray(self.inputs.draw(cfg, r, self.profiles))
@@ -291,12 +226,7 @@ class Simulation:
             if pi > 0:
                 sent = backend.server.broadcast(phase, RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
                 server_s += sent.seconds
-            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [],
-                                     before if pi == 0 else None)
-            if pi == 0 and before is not None:
-                before()  # for a backend that never called `idle`
-                if before.status is not None:
-                    return None
+            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [])
             arrived = [c for c in arrived if rec.status.get((pi, c)) == "ok"]
             step = backend.server.step(phase, [replies[w] for w in sorted(replies)],
                                        RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
@@ -312,23 +242,20 @@ class Simulation:
                 "wall_server_s": server_s, "wall_eval_s": 0.0, "clients_batched": rec.batched, **rec.metrics}
         return _Trained(r, base, rec.client_rows, vround, evaluate)
 
-    def round_rows(self, trained: _Trained, overlapped: bool) -> list[dict]:
+    def round_rows(self, trained: _Trained) -> list[dict]:
         """The round's rows of rounds.parquet, one per global model the evaluation scores (one unscored row when
-        the round is not evaluated). An evaluation run beside the next round's training is not in wall_round_s (it
-        and the round's callbacks are in the next round's)."""
+        the round is not evaluated)."""
         if not trained.evaluate:
             return [{**trained.base, "model": ""}]
         t0 = time.perf_counter()
         evaluated = self.backend.server.evaluate()
         base = {**trained.base, "wall_eval_s": evaluated.seconds}
-        if not overlapped:
-            base["wall_round_s"] += time.perf_counter() - t0  # a server actor's round trip included
+        base["wall_round_s"] += time.perf_counter() - t0  # a server actor's round trip included
         return [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
-                  late: list[int], before: _Once | None = None) -> dict[int, WorkerReply]:
-        """Run one phase on the workers and record every client's outcome; returns the replies by worker. `before`
-        runs, and then the queued file writes start, once the work is handed out."""
+                  late: list[int]) -> dict[int, WorkerReply]:
+        """Run one phase on the workers and record every client's outcome; returns the replies by worker."""
         common_b, per_b = sent.common_bytes, sent.per_client_bytes
         W = self.backend.num_workers
         skip = self.cfg.stragglers.skip_late
@@ -339,8 +266,7 @@ class Simulation:
         assignments = assign(clients, W, cost)
         t0 = time.perf_counter()
         replies, failed = self.backend.run_phase(rec.round, pi, phase, sent.broadcast, assignments, late,
-                                                 self.cfg.runtime.round_timeout_s,
-                                                 idle=functools.partial(self._idle, before))
+                                                 self.cfg.runtime.round_timeout_s)
         rec.clients_s += time.perf_counter() - t0
         rec.batched += sum(int(reply.info.get("batched", 0)) for reply in replies.values())
         if self.balance:
@@ -350,7 +276,6 @@ class Simulation:
                                      f"{phase.name!r}, but {self.algorithm.__name__}.stateless_clients(config) is "
                                      "True, so clients move between workers and the state would be lost; override "
                                      "stateless_clients to return False")
-        self.writes.start()  # for a backend that never called `idle`
 
         def row(c: int, w: int, status: str, bytes_up: int, wall: float, **extra: Any) -> dict:
             rec.status[(pi, c)] = status
@@ -382,21 +307,12 @@ class Simulation:
         rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
         return replies
 
-    def _idle(self, before: _Once | None) -> bool:
-        """The driver waits on its workers: the last round's evaluation and record, then the queued writes. True
-        when that record stopped the run (the phase is then dropped)."""
-        if before is not None:
-            before()
-        self.writes.start()
-        return before is not None and before.status is not None
-
     def replace_workers(self, ws: list[int]) -> None:
         """Restart dead workers, together; their clients get their states back from the last checkpoint, if any
         (the clients of every slot the backend says the dead workers served: after a node loss, one worker may
         serve several)."""
         slots = self.backend.restart_workers(ws)
         named = f"worker{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"
-        self.writes.wait()  # the last checkpoint queued
         if self.ckpt_path.exists():
             ck = load_run_checkpoint(self.ckpt_path)
             n, lost = self.backend.num_workers, set(slots)
@@ -455,15 +371,14 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             backend.shutdown()
         raise
     backend = backend or LocalBackend()
-    writes = BackgroundWrites()
-    sim = Simulation(cfg, backend, run_dir, inputs, writes)
+    sim = Simulation(cfg, backend, run_dir, inputs)
     hooks = Callbacks([])
     created: NewRunDir | None = None
     info: RunInfo | None = None
     status: RunStatus = "failed"
     try:
         # first: a tracking library that is not installed fails the run before anything starts
-        hooks = Callbacks([*default_callbacks(backend, writes), *tracking_callbacks(cfg), *callbacks])
+        hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
         if resume is None:
             created = NewRunDir(run_dir, cfg)
@@ -478,9 +393,8 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         with shielded():
             try:
                 if info is not None:
-                    _end(hooks, info, status)  # ResultsWriter waits for the queued writes there
+                    _end(hooks, info, status)
             finally:
-                writes.close()
                 backend.shutdown()
                 if created is not None and not created.has_rounds():
                     created.remove()

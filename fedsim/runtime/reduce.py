@@ -5,10 +5,8 @@ Each term w·x (integer-ish weight, float32 value) is exact in float64; accumula
 does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
-accumulators are one flat float64 buffer each. With the compiled loop a client's large tensors are read where
-they lie and its small ones are copied together, a few calls of the loop in all; without it, a copy and one TwoSum
-over the whole buffer instead of one of each per tensor. The arithmetic is elementwise either way, so every layout
-gives the same bits.
+accumulators are one flat float64 buffer each: an upload costs a copy and one TwoSum over the whole buffer instead
+of one of each per tensor. The arithmetic is elementwise either way, so every layout gives the same bits.
 
 `WeightedSum(exact=False)` (runtime.exact_sum: false) adds a flat payload into hi in plain float64 instead, with a
 rounding error near 2^-53 relative that depends on the order of the additions (so, rarely, on the worker count).
@@ -32,7 +30,6 @@ from fedsim.runtime import twosum
 
 Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
 
-IN_PLACE_ELEMENTS = 16384  # a tensor this large is added where it lies; a smaller one costs less copied than called
 # values of these dtypes have at most 24 significant bits, so times a weight of at most 29 they are exact in float64
 NARROW_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
                            torch.int16})
@@ -51,23 +48,6 @@ def _layout(payload: dict[str, torch.Tensor]) -> Layout:
     return tuple((k, v.shape, v.dtype) for k, v in payload.items())
 
 
-def _segments(layout: Layout) -> list[tuple[int, int, int, int, bool]]:
-    """`layout` cut for the compiled adds: (first key, key after the last, offset, elements, large). A tensor of at
-    least IN_PLACE_ELEMENTS float32 or float64 elements is a segment of its own; consecutive smaller ones share one,
-    so that a model of many small tensors (ResNet-8: 57) costs few calls of the loop."""
-    cuts: list[list] = []
-    offset = 0
-    for i, (_, shape, dtype) in enumerate(layout):
-        n = math.prod(shape)
-        large = n >= IN_PLACE_ELEMENTS and dtype in (torch.float32, torch.float64)
-        if cuts and not large and not cuts[-1][4]:
-            cuts[-1][1], cuts[-1][3] = i + 1, cuts[-1][3] + n
-        else:
-            cuts.append([i, i + 1, offset, n, large])
-        offset += n
-    return [tuple(c) for c in cuts]
-
-
 class _Flat:
     """The hi/lo accumulators of one payload layout as one float64 buffer each, with a buffer for the incoming term
     and its per-key views."""
@@ -76,7 +56,6 @@ class _Flat:
         self.layout, self.hi, self.lo = layout, hi, lo
         self.narrow = all(dtype in NARROW_DTYPES for _, _, dtype in layout)
         self._term: tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]] | None = None  # term, spare, views
-        self.segments = _segments(layout)
 
     @classmethod
     def of(cls, payload: dict[str, torch.Tensor], weight: float, device: torch.device | None = None) -> _Flat:
@@ -109,11 +88,7 @@ class _Flat:
 
     def add(self, payload: dict[str, torch.Tensor], weight: float, exact: bool = True) -> None:
         """hi + lo += weight·payload, as the per-key sum does it, on the whole buffer at once (not exact: hi +=
-        weight·payload, rounded). With the compiled loop, segment by segment (the same elementwise arithmetic, so
-        the same bits)."""
-        if exact and self._compiled():
-            self._add_in_place(payload, weight)
-            return
+        weight·payload, rounded)."""
         term, spare, views = self._scratch(exact)
         self.load(term, payload, views)
         if exact:
@@ -123,10 +98,6 @@ class _Flat:
         else:
             self.hi.add_(term, alpha=weight)
 
-    def _compiled(self) -> bool:
-        """Whether the compiled loop adds here (it runs on the CPU only)."""
-        return self.hi.device.type == "cpu" and twosum.compiled()
-
     def to_cpu(self) -> None:
         """Move the accumulators to the CPU (the term buffers go: the next add makes new ones)."""
         self.hi, self.lo, self._term = self.hi.cpu(), self.lo.cpu(), None
@@ -135,22 +106,9 @@ class _Flat:
         """The term buffer (its per-key views), and a spare for hi where the torch operations add."""
         if self._term is None:
             term = torch.empty_like(self.hi)
-            spare = torch.empty_like(self.hi) if exact and not self._compiled() else None
+            spare = torch.empty_like(self.hi) if exact else None
             self._term = (term, spare, self.views(term))
         return self._term
-
-    def _add_in_place(self, payload: dict[str, torch.Tensor], weight: float) -> None:
-        """The compiled loop over the payload segment by segment (`_segments`): a large contiguous CPU float32 or
-        float64 tensor is read where it lies (an upload costs no copy); a run of small tensors, or one that cannot
-        be read in place, is widened into the term buffer first and added in one call."""
-        values = list(payload.values())
-        term, _, views = self._scratch(True)
-        for first, stop, offset, count, large in self.segments:
-            if large and twosum.add_scaled_at(self.hi, self.lo, offset, values[first], weight):
-                continue
-            for i in range(first, stop):
-                views[i].copy_(values[i].detach())
-            twosum.add_scaled_at(self.hi, self.lo, offset, term[offset:offset + count], weight)
 
     def merge(self, other: _Flat) -> None:
         """Fold in another partial sum of the same layout, as the per-key merge does (brought to this one's device)."""

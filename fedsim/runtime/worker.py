@@ -122,7 +122,7 @@ class ClientWorker:
         self.seed = cfg.seed
         rt = cfg.runtime
         self.exact_sum = rt.exact_sum
-        self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index, rt.cuda_graphs)
+        self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
         self.kept_state: list[int] = []  # clients whose state a phase committed (checked for a stateless method)
 
     def ping(self) -> dict[str, Any]:
