@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from actors.placement import worker_bundle
+from actors.placement import cluster_nodes, size_pool, worker_bundle
 from fedsim.errors import ResourceError
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
 
 log = logging.getLogger("fedsim.cluster")
 
@@ -31,8 +31,6 @@ def joined_cluster() -> bool:
 
 def fitting_workers(cfg: RunConfig) -> tuple[int, str]:
     """How many client workers fit on the alive nodes now, and why none does (empty when some do)."""
-    from actors.pool import cluster_nodes, size_pool
-
     try:
         return size_pool(cfg, cluster_nodes()), ""
     except ResourceError as exc:

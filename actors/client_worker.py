@@ -15,7 +15,7 @@ from fedsim.runtime.threads import client_threads
 from fedsim.runtime.worker import ClientWorker
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
     from fedsim.runtime.setup import AnyPartition
 
 

@@ -1,7 +1,7 @@
 """A node that leaves the cluster mid-run: the failure its workers' clients are recorded with, and the worker that
 takes over a lost worker's clients when no node has room to start it again.
 
-A lost worker's clients keep their slot (fedsim.runtime.loop.owner stays fixed for the run); when the pool
+A lost worker's clients keep their slot (fedsim.runtime.backend.owner stays fixed for the run); when the pool
 shrinks, the slot is served by a surviving actor, which then hosts the clients of two slots.
 """
 

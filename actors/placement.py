@@ -7,6 +7,7 @@ for. Inside a captured group no group is nested: the workers take any free bundl
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from fedsim.errors import ResourceError
 
 if TYPE_CHECKING:
-    from fedsim.config import RuntimeConfig
+    from fedsim.config.schema import RunConfig, RuntimeConfig
 
 STRATEGIES = {"spread": "SPREAD", "pack": "PACK"}
 
@@ -136,3 +137,32 @@ class WorkerPlacement:
             except Exception:  # Ray is already down
                 pass
             self.group = None
+
+
+def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
+    """How many client workers fit, node by node, after the server's reservation; fails naming the knob."""
+    rt = cfg.runtime
+    total = 0
+    server_left = True
+    for res in sorted(nodes, key=lambda r: -r.get("GPU", 0.0)):
+        cpus, gpus = res.get("CPU", 0.0), res.get("GPU", 0.0)
+        if server_left and cpus >= rt.server_cpus and gpus >= rt.server_gpus:
+            cpus, gpus, server_left = cpus - rt.server_cpus, gpus - rt.server_gpus, False
+        fit = math.floor(cpus / rt.client_cpus + 1e-9)
+        if rt.client_gpus > 0:
+            fit = min(fit, math.floor(gpus / rt.client_gpus + 1e-9))
+        total += max(fit, 0)
+    if server_left:
+        raise ResourceError(f"the server actor does not fit: it needs runtime.server_cpus={rt.server_cpus} and "
+                            f"runtime.server_gpus={rt.server_gpus} on one node")
+    if total == 0:
+        most = max(nodes, key=lambda r: r.get("CPU", 0.0), default={})
+        raise ResourceError(f"0 client workers fit: each needs runtime.client_cpus={rt.client_cpus} and "
+                            f"runtime.client_gpus={rt.client_gpus}; the largest node has {most.get('CPU', 0)} CPUs "
+                            f"and {most.get('GPU', 0)} GPUs; lower runtime.client_cpus or runtime.client_gpus")
+    return min(total, cfg.data.num_clients)
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """Schedulable resources of each alive node."""
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]

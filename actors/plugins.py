@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fedsim.plugins import shipped_paths
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
 
 JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job manager in a submitted job's driver
 OVERRIDE_VAR = "RAY_OVERRIDE_JOB_RUNTIME_ENV"  # lets ray.init's py_modules replace the job's (we pass both)

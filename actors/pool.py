@@ -13,7 +13,6 @@ only add its start-up (~3 CPU-seconds of imports) and memory (~1 GB of torch) an
 
 from __future__ import annotations
 
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +24,12 @@ from actors.autoscale import await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
 from actors.node_loss import NodeLostError, await_marked_dead, log, node_gone, node_lost_failure, pick_host
-from actors.placement import WorkerPlacement, alive_nodes
+from actors.placement import WorkerPlacement, alive_nodes, cluster_nodes, size_pool
 from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
-from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
 from fedsim.errors import FedsimError, ResourceError
+from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
@@ -38,40 +37,11 @@ from fedsim.runtime.threads import server_threads
 from fedsim.runtime.worker import WorkerReply
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
+    from fedsim.persist.storage import Location
     from fedsim.runtime.setup import AnyPartition
-    from fedsim.storage import Location
 
 CLOSE_WAIT_S = 2.0  # at most this long for the workers to remove their spilled states when the run stops
-
-
-def size_pool(cfg: RunConfig, nodes: list[dict[str, float]]) -> int:
-    """How many client workers fit, node by node, after the server's reservation; fails naming the knob."""
-    rt = cfg.runtime
-    total = 0
-    server_left = True
-    for res in sorted(nodes, key=lambda r: -r.get("GPU", 0.0)):
-        cpus, gpus = res.get("CPU", 0.0), res.get("GPU", 0.0)
-        if server_left and cpus >= rt.server_cpus and gpus >= rt.server_gpus:
-            cpus, gpus, server_left = cpus - rt.server_cpus, gpus - rt.server_gpus, False
-        fit = math.floor(cpus / rt.client_cpus + 1e-9)
-        if rt.client_gpus > 0:
-            fit = min(fit, math.floor(gpus / rt.client_gpus + 1e-9))
-        total += max(fit, 0)
-    if server_left:
-        raise ResourceError(f"the server actor does not fit: it needs runtime.server_cpus={rt.server_cpus} and "
-                            f"runtime.server_gpus={rt.server_gpus} on one node")
-    if total == 0:
-        most = max(nodes, key=lambda r: r.get("CPU", 0.0), default={})
-        raise ResourceError(f"0 client workers fit: each needs runtime.client_cpus={rt.client_cpus} and "
-                            f"runtime.client_gpus={rt.client_gpus}; the largest node has {most.get('CPU', 0)} CPUs "
-                            f"and {most.get('GPU', 0)} GPUs; lower runtime.client_cpus or runtime.client_gpus")
-    return min(total, cfg.data.num_clients)
-
-
-def cluster_nodes() -> list[dict[str, float]]:
-    """Schedulable resources of each alive node."""
-    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
 
 
 def free_nodes() -> list[dict[str, float]]:
@@ -442,7 +412,7 @@ class RayBackend:
         return out
 
     def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None:
-        from fedsim.runtime.loop import owner
+        from fedsim.runtime.backend import owner
 
         targets = workers if workers is not None else range(self.num_workers)
         for i in targets:

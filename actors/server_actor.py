@@ -12,7 +12,7 @@ from fedsim.runtime.server import Server
 from fedsim.runtime.threads import server_threads
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
     from fedsim.runtime.setup import AnyPartition
 
 

@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import fedsim.runtime.batching as batching
     from bench.common import emit_result
-    from fedsim.algorithms.base import RoundInfo
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
+    from fedsim.method.contract import RoundInfo
     from fedsim.runtime.server import Server
     from fedsim.runtime.setup import Partition, Ragged
     from fedsim.runtime.worker import ClientWorker

@@ -81,8 +81,8 @@ def measure(name: str, iterations: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from fedsim.algorithms._meta_distill import Distiller, DistillSettings, trainable, xavier_init_
     from fedsim.algorithms.dosfl import distilled_shape
-    from fedsim.meta_distill import Distiller, DistillSettings, trainable, xavier_init_
     from fedsim.models import build_model
     from fedsim.models import text as _text  # noqa: F401
 
@@ -152,7 +152,7 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, in one line, what would measure nothing (0 iterations give a table of nan that says the default
     fits) or fail after minutes of measuring (an --out that cannot be written)."""
     from bench.runner import out_of_range, unwritable
-    from fedsim.limits import MAX_STEPS
+    from fedsim.config.limits import MAX_STEPS
 
     problem = out_of_range("--iterations", args.iterations, 1, MAX_STEPS)
     if problem:
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             "CUDA peak. Real batches are random inputs "
             "of the datasets' shapes.\n")
     print(text)
-    from fedsim.io import atomic_write_text
+    from fedsim.persist.io import atomic_write_text
 
     atomic_write_text(Path(args.out), text)
     return 0

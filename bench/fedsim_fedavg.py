@@ -36,9 +36,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 from collections.abc import Callable  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from fedsim.config import apply_overrides  # noqa: E402
+from fedsim.config.limits import MAX_CPUS, MAX_WORKERS  # noqa: E402
+from fedsim.config.schema import apply_overrides  # noqa: E402
 from fedsim.errors import ConfigError  # noqa: E402
-from fedsim.limits import MAX_CPUS, MAX_WORKERS  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo  # noqa: E402
 
 if TYPE_CHECKING:
@@ -281,10 +281,10 @@ def device_busy_seconds(events: Any) -> float:
 
 def _run(args: argparse.Namespace, w: Workload, sampler: TreeMemSampler, gpu: GpuSampler, boot: Any) -> int:
     """Run the prepared workload through fedsim's driver, every round, and print RESULT_JSON."""
+    from actors.backend import make_backend
     from bench.common import BenchError, emit_result, load_prepared, round_summary, steady_window
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
-    from jobs.cli import make_backend
 
     overrides = [f"runtime.backend={args.backend}"] + (
         [f"runtime.client_cpus={args.client_cpus}"] if args.client_cpus is not None else []) + args.override

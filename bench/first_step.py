@@ -1,7 +1,7 @@
-"""What a worker's first optimizer steps cost: torch.optim's against fedsim.optim's, each in a fresh process.
+"""What a worker's first optimizer steps cost: torch.optim's against fedsim.training.optim's, each in a fresh process.
 
 `python -m bench.first_step` prints, for each, the seconds and the RSS growth of three SGD steps of a small
-model (torch.optim imports its compiler stack at its first step; fedsim.optim does not).
+model (torch.optim imports its compiler stack at its first step; fedsim.training.optim does not).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ rss, t = proc.memory_info().rss, time.perf_counter()
 if which == "torch":
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 else:
-    from fedsim.optim import SGD
+    from fedsim.training.optim import SGD
     opt = SGD(m.parameters(), lr=0.1, momentum=0.9)
 for _ in range(3):
     opt.zero_grad(); m(x).sum().backward(); opt.step()

@@ -42,8 +42,8 @@ from bench.prepare import DEFAULT_CACHE, check, prepare
 from bench.report import fmt
 from bench.runner import REPO, load_average, run_program
 from bench.workload import BENCH_CONFIGS
+from fedsim.config.limits import MAX_SECONDS
 from fedsim.errors import FedsimError
-from fedsim.limits import MAX_SECONDS
 
 PFL_SHAPE = Workload(num_clients=1000, clients_per_round=50, rounds=20, model="cnn", batch_size=10, lr=0.1,
                      momentum=0.0, partition="iid", n_train=50000, n_test=10000, eval_batch_size=1000)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from bench.cli import OneLineParser
 from bench.runner import out_of_range
-from fedsim.limits import MAX_ROUNDS, MAX_WORKERS
+from fedsim.config.limits import MAX_ROUNDS, MAX_WORKERS
 
 if TYPE_CHECKING:
     from bench.common import Workload

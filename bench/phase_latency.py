@@ -23,7 +23,7 @@ import numpy as np
 
 from bench.cli import OneLineParser
 from bench.runner import out_of_range
-from fedsim.limits import MAX_ARRAY_BYTES, MAX_ROUNDS, MAX_WORKERS
+from fedsim.config.limits import MAX_ARRAY_BYTES, MAX_ROUNDS, MAX_WORKERS
 
 MLP_WEIGHTS = 3072 * 64 + 64 + 64 * 10 + 10
 

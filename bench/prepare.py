@@ -32,8 +32,8 @@ import torch
 
 from bench.cli import OneLineParser
 from bench.common import IMAGE_SHAPE, MODELS, PARTITIONS, BenchError, Workload, check_out_dir
+from fedsim.config.limits import MAX_ARRAY_BYTES, MAX_BATCH, MAX_CLIENTS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_SEED
 from fedsim.errors import FedsimError
-from fedsim.limits import MAX_ARRAY_BYTES, MAX_BATCH, MAX_CLIENTS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_SEED
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / "results" / "bench" / "cache"

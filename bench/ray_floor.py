@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def max_workers() -> int:
-    """fedsim.limits.MAX_WORKERS, read from its file without importing the fedsim package: the package's config
+    """fedsim.config.limits.MAX_WORKERS, read from its file without importing the fedsim package: the package's config
     module would add 0.1 s to the start-up this floor measures."""
     import runpy
 

@@ -34,7 +34,7 @@ from bench.runner import (
     run_program,
     unwritable,
 )
-from fedsim.limits import MAX_ROUNDS, MAX_SECONDS
+from fedsim.config.limits import MAX_ROUNDS, MAX_SECONDS
 
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",

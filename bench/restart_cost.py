@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from actors.pool import RayBackend
     from bench.common import emit_result
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
     from fedsim.runtime.callbacks import Callback, RoundRows
     from fedsim.runtime.loop import run
 

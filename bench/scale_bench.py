@@ -30,7 +30,7 @@ from bench.report import (
     write,
 )
 from bench.runner import out_of_range
-from fedsim.limits import MAX_CLIENTS
+from fedsim.config.limits import MAX_CLIENTS
 
 SYSTEMS = ["plain_t1", "fedsim", "flower"]
 

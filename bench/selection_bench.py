@@ -20,8 +20,8 @@ import torch
 
 from bench.cli import OneLineParser
 from bench.runner import out_of_range, unwritable
-from fedsim.io import atomic_write_text
-from fedsim.limits import MAX_SAMPLES, MAX_STEPS, MAX_THREADS
+from fedsim.config.limits import MAX_SAMPLES, MAX_STEPS, MAX_THREADS
+from fedsim.persist.io import atomic_write_text
 
 
 def timed(fn):
@@ -36,9 +36,15 @@ def measure(args, threads: int) -> dict[str, float]:
 
     torch.set_num_threads(threads)
     faiss.omp_set_num_threads(threads)
+    from fedsim.algorithms._selection import (
+        SelectionConfig,
+        embed_and_predict,
+        entropy_prune,
+        kmeans_balance,
+        kmeans_distances,
+    )
     from fedsim.data.single_image import PatchSpec, generate_patches, load_image
     from fedsim.models import build_model
-    from fedsim.selection import SelectionConfig, embed_and_predict, entropy_prune, kmeans_balance, kmeans_distances
 
     px, t_pool = timed(lambda: generate_patches(load_image("china"), PatchSpec(n=args.n, size=32, seed=0)))
     torch.manual_seed(0)

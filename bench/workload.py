@@ -14,7 +14,8 @@ import numpy as np
 
 from bench.common import BenchError, Prepared, Workload, load_prepared
 from bench.prepare import MODEL_OPTIONS, REPO
-from fedsim.config import RunConfig, load_config
+from fedsim.config.schema import RunConfig
+from fedsim.configure import load_config
 from fedsim.runtime.loop import Inputs
 from fedsim.runtime.setup import Partition, Ragged, client_seed
 

@@ -16,12 +16,12 @@ from typing import Literal
 
 import torch
 
-from fedsim.algorithms import Env, Phase, RoundInfo, SummedUpdate, register_algorithm
-from fedsim.algorithms.aggregate import average_by_arch
 from fedsim.algorithms.fedavg import FedAvg
-from fedsim.algorithms.toolkit import init_global_models
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
+from fedsim.config.knobs import knob
+from fedsim.method.aggregate import average_by_arch
+from fedsim.method.contract import Env, Phase, RoundInfo, SummedUpdate, register_algorithm
+from fedsim.method.toolkit import init_global_models
+from fedsim.persist.checkpoint import register_state
 
 State = dict[str, torch.Tensor]
 

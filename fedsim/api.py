@@ -6,11 +6,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fedsim.config import RunConfig, apply_overrides, build_with_plugins, check_overrides, config_to_dict, load_config
-from fedsim.configtools import shown
+from fedsim.config.knobs import shown
+from fedsim.config.limits import MAX_WORKERS
+from fedsim.config.schema import RunConfig, apply_overrides, check_overrides, config_to_dict
+from fedsim.configure import build_with_plugins, load_config
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_WORKERS
-from fedsim.storage import Location, location
+from fedsim.persist.storage import Location, location
 
 if TYPE_CHECKING:
     from fedsim.runtime.backend import Backend
@@ -53,14 +54,14 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         backend: str | Backend | None = None, workers: int | None = None, callbacks: Sequence[Callback] = (),
         resume: str | Path | None = None, progress: bool = False) -> Location:
     """Run a simulation and return its run folder (tables, config, meta.json, checkpoints): a Path, or a
-    fedsim.storage.StorePath when results.root (or `resume`) is a URI such as s3://bucket/prefix.
+    fedsim.persist.storage.StorePath when results.root (or `resume`) is a URI such as s3://bucket/prefix.
 
     config: a YAML path, a RunConfig or a dict shaped like the YAML; overrides: "key=value" strings as `-o` takes.
     backend: "local" or "ray" (overrides runtime.backend), or a Backend you built; Ray is imported only for "ray".
     workers: client workers (default: as many as fit). callbacks: yours (fedsim.runtime.callbacks.Callback), called
     after the trackers of `tracking:` ran; `on_round_end(round, rows)` gets every global model's row in
     `rows.rounds` (the files hold the round before: a round's are written while the next one trains; a table of a
-    long run keeps its latest rows in a tail file until the end, which fedsim.results.load joins to it).
+    long run keeps its latest rows in a tail file until the end, which fedsim.results.tables.load joins to it).
     resume: a run folder to continue instead (it keeps its saved config, so `config` and `overrides` must be left
     out). progress: a progress bar on stderr.
     Bad input raises a fedsim.FedsimError with a one-line message.
@@ -81,11 +82,23 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         if backend not in ("local", "ray"):
             raise ConfigError(f"fedsim.run: backend must be 'local', 'ray' or a Backend, got {backend!r}")
         cfg.runtime.backend = backend  # type: ignore[assignment]  # checked just above
-    if backend is None or isinstance(backend, str):
-        from jobs.cli import make_backend  # builds a Ray backend lazily; fedsim itself never imports Ray
-
-        engine: Backend = make_backend(cfg, workers)
-    else:
-        engine = backend
+    engine: Backend = backend if backend is not None and not isinstance(backend, str) else make_backend(cfg, workers)
     hooks = [*callbacks, *([ProgressBar()] if progress else [])]
     return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks)
+
+
+def make_backend(cfg: RunConfig, workers: int | None = None) -> Backend:
+    """The backend `runtime.backend` names: fedsim's local one, or one registered under the `fedsim.backends` entry
+    point group (the Ray backend of this project's `actors` package registers as `ray`), so the library never
+    imports Ray itself."""
+    from importlib.metadata import entry_points
+
+    if cfg.runtime.backend == "local":
+        from fedsim.runtime.local import LocalBackend
+
+        return LocalBackend(num_workers=workers)
+    found = [ep for ep in entry_points(group="fedsim.backends") if ep.name == cfg.runtime.backend]
+    if not found:
+        raise ConfigError(f"runtime.backend: no backend {cfg.runtime.backend!r} is installed (the fedsim.backends "
+                          "entry points; reinstall with `pip install -e .`)")
+    return found[0].load()(cfg, workers)

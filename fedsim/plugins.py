@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from fedsim import registry
 from fedsim.errors import ConfigError
 
 
@@ -98,9 +99,8 @@ def load_plugins(entries: object) -> list[ModuleType]:
     plugins = parse(entries)
     if not plugins:
         return []
-    import fedsim.algorithms  # noqa: F401  (built-ins first, so a plugin cannot silently replace them)
-    import fedsim.data.datasets  # noqa: F401
-    import fedsim.models  # noqa: F401
+    for kind in registry.KINDS:  # built-ins first, so a plugin cannot silently replace them
+        registry.load_builtins(kind)
 
     return [_load(p) for p in plugins]
 
@@ -114,19 +114,19 @@ def _load(plugin: Plugin) -> ModuleType:
                               f"{where}; rename the plugin")
         _check_registers(plugin)
         return loaded
-    before = _registries()
+    before = registry.snapshot()
     try:
         module = _import(plugin)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the user's code: any failure (SystemExit too) is one line naming the plugin
-        _restore(before)
+        registry.restore(before)
         raise ConfigError(f"plugins: {plugin.entry!r} failed to import: {_where(exc, plugin)}"
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
     replaced = [f"{kind} {name!r}" for kind, table in before.items() for name, old in table.items()
-                if _registries()[kind].get(name) is not old]
+                if registry.snapshot()[kind].get(name) is not old]
     if replaced:
-        _restore(before)
+        registry.restore(before)
         sys.modules.pop(plugin.module, None)
         raise ConfigError(f"plugins: {plugin.entry!r} registers {', '.join(replaced)}, which fedsim already has; "
                           "give it another name")
@@ -189,43 +189,8 @@ def shipped_paths(entries: object) -> list[str]:
     return [str(p.path) for p in parse_resolved(entries) if p.path is not None]
 
 
-def _registries() -> dict[str, dict[str, object]]:
-    """Copies of every registry a plugin may add to, by kind."""
-    from fedsim.algorithms.base import _ALGORITHMS
-    from fedsim.checkpoint import _STATES
-    from fedsim.data.registry import _LOADERS
-    from fedsim.models.registry import _BUILDERS
-
-    return {"algorithm": dict(_ALGORITHMS), "model": dict(_BUILDERS), "dataset": dict(_LOADERS),
-            "state class": dict(_STATES)}
-
-
-def _restore(before: dict[str, dict[str, object]]) -> None:
-    """Put every registry back as it was before a plugin that failed."""
-    from fedsim.algorithms.base import _ALGORITHMS
-    from fedsim.checkpoint import _STATES
-    from fedsim.data.registry import _LOADERS
-    from fedsim.models.registry import _BUILDERS
-
-    for table, kind in ((_ALGORITHMS, "algorithm"), (_BUILDERS, "model"), (_LOADERS, "dataset"),
-                        (_STATES, "state class")):
-        table.clear()
-        table.update(before[kind])  # type: ignore[arg-type]
-
-
-def registered_by(module: str) -> list[str]:
-    """What module `module` (or a submodule of it) registered, as 'kind name' strings."""
-    out = []
-    for kind, table in _registries().items():
-        for name, obj in table.items():
-            owner = getattr(obj, "__module__", "") or ""
-            if owner == module or owner.startswith(module + "."):
-                out.append(f"{kind} {name}")
-    return out
-
-
 def _check_registers(plugin: Plugin) -> None:
-    if not registered_by(plugin.module):
+    if not registry.registered_by(plugin.module):
         raise ConfigError(f"plugins: {plugin.entry!r} registers nothing; decorate its method with "
                           "fedsim.algorithms.register_algorithm (or a model with register_model, a dataset with "
                           "register_dataset)")

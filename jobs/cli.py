@@ -11,63 +11,23 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
+from actors.backend import make_backend
+from fedsim.config.limits import MAX_WORKERS
 from fedsim.errors import ConfigError, FedsimError
-from fedsim.limits import MAX_WORKERS
+from fedsim.persist.storage import Location, location
 from fedsim.runtime.allocator import keep_freed_blocks
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
-from fedsim.storage import Location, location
+from jobs.args import OneLineParser, count
 
 BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, as a command killed by the closed pipe reports it
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _count(minimum: int, maximum: int | None = None):
-    """argparse type: an integer >= minimum (and <= maximum, when given)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
-def make_backend(cfg, workers: int | None = None, boot=None):
-    """The backend the config asks for; a Ray one starts Ray at once, in the background (or takes over `boot`,
-    an actors.boot.RayBoot already under way)."""
-    if cfg.runtime.backend == "local":
-        from fedsim.runtime.local import LocalBackend
-
-        return LocalBackend(num_workers=workers)
-    from actors.boot import RayBoot
-    from actors.plugins import job_runtime_env
-
-    # Ray starts while torch and the rest of the backend import; the job ships the run's plugins to its workers
-    boot = boot or RayBoot(cfg.runtime.ray_address, job_runtime_env(cfg))
-    try:
-        from actors.pool import RayBackend
-    except BaseException:
-        boot.stop(cfg.runtime.startup_timeout_s)
-        raise
-    return RayBackend(num_workers=workers, boot=boot)
-
-
 def print_summary(run_dir: Location) -> None:
     """The run's evaluated rounds as a table, then the best accuracy per model."""
-    from fedsim.results import load, summary
+    from fedsim.results.tables import load, summary
 
     rounds = load(run_dir)["rounds"]
     ev = rounds.dropna(subset=["accuracy"]) if "accuracy" in rounds else rounds.iloc[0:0]
@@ -96,7 +56,7 @@ def _resume_conflicts(args: argparse.Namespace) -> None:
 def _after_last_round(rounds_table: Location) -> str:
     """' after round R' for the last round the stopped run's table kept (the signal may land between writing
     the table and the progress callback), or '' if the table cannot be read."""
-    from fedsim.results import read_table
+    from fedsim.results.tables import read_table
 
     try:
         kept = read_table(rounds_table)["round"]
@@ -115,7 +75,7 @@ class _Started(Callback):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
     from fedsim.runtime.rundir import resume_config
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -157,7 +117,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from fedsim.errors import CheckpointError
-    from fedsim.results import load, run_folder, summary, unfinished
+    from fedsim.results.tables import load, run_folder, summary, unfinished
 
     res = load(args.run)
     reason = unfinished(res)
@@ -183,8 +143,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     import warnings
 
-    from fedsim.plots import plot_runs
-    from fedsim.results import SkippedRuns
+    from fedsim.results.plots import plot_runs
+    from fedsim.results.tables import SkippedRuns
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -209,7 +169,7 @@ def cmd_stress(args: argparse.Namespace) -> int:
 
 
 def cmd_mechanism_reference(args: argparse.Namespace) -> int:
-    from fedsim.algorithms import algorithm_names, get_algorithm
+    from fedsim.method.contract import algorithm_names, get_algorithm
 
     for name in algorithm_names():
         cols = get_algorithm(name).mechanism_columns
@@ -221,9 +181,9 @@ def cmd_mechanism_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
-    from fedsim.algorithms import algorithm_names, get_algorithm
-    from fedsim.config import RunConfig
-    from fedsim.configtools import describe
+    from fedsim.config.knobs import describe
+    from fedsim.config.schema import RunConfig
+    from fedsim.method.contract import algorithm_names, get_algorithm
 
     def table(rows):
         out = ["| key | type | default | meaning |", "|---|---|---|---|"]
@@ -239,23 +199,23 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fedsim", description="Federated-learning simulations on Ray.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="fedsim", description="Federated-learning simulations on Ray.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     r = sub.add_parser("run", help="run a config (or resume a run)")
     r.add_argument("config", nargs="?", help="YAML config")
     r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. -o rounds=5 -o train.lr=0.01")
     r.add_argument("--resume", metavar="RUN", help="continue a killed run from its last checkpoint")
     r.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
-    r.add_argument("--workers", type=_count(1, MAX_WORKERS), help="number of client workers")
+    r.add_argument("--workers", type=count(1, MAX_WORKERS), help="number of client workers")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
     res = sub.add_parser("results", help="inspect runs")
-    rsub = res.add_subparsers(dest="what", required=True, parser_class=_Parser)
+    rsub = res.add_subparsers(dest="what", required=True, parser_class=OneLineParser)
     show = rsub.add_parser("show", help="print a run's table")
     show.add_argument("run")
     show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
-    show.add_argument("--rows", type=_count(1), default=60, help="at most this many rows (the first and the last)")
+    show.add_argument("--rows", type=count(1), default=60, help="at most this many rows (the first and the last)")
     show.set_defaults(fn=cmd_show)
     pl = sub.add_parser("plot", help="a metric of one or many runs as PNG, mean ± std over seeds")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders, folders of runs, or glob patterns")
@@ -271,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--output-dir", metavar="DIR", help="the sweep's folder: its runs, Tune's state, table.md and "
                                                         "table.parquet (default results/sweeps/<title>)")
     sw.add_argument("--resume", action="store_true", help="continue the sweep in DIR after its driver stopped")
-    sw.add_argument("--parallel", type=_count(1), metavar="N", help="at most N trials at once (default: all that fit)")
+    sw.add_argument("--parallel", type=count(1), metavar="N", help="at most N trials at once (default: all that fit)")
     sw.add_argument("--out", help="markdown output path (default DIR/table.md)")
     sw.add_argument("--dry-run", action="store_true", help="list the runs and their shares without running them")
     sw.add_argument("--fresh", action="store_true", help="rerun runs that already finished")

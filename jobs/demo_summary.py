@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from fedsim.errors import ConfigError, FedsimError
-from jobs.cli import _Parser
+from jobs.args import OneLineParser
 from jobs.readme_blocks import paste_blocks, read_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def rounds_to(accuracy: pd.Series, target: float) -> int | None:
 
 def summarise(run_dir: Path) -> dict[str, Any]:
     """The figures the README quotes, from one run folder's tables and config."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     tables = load(run_dir)  # one line naming the file for anything unreadable
     cfg, meta = tables["config"], tables["meta"]
@@ -107,7 +107,7 @@ def stale() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="python -m jobs.demo_summary", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m jobs.demo_summary", description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="run_dir", help="summarise this run folder instead of running the demo")
     ap.add_argument("--out", default="results", help="where the measured run's folder goes (default: results)")
     ap.add_argument("--check", action="store_true", help="only check the README block against the saved file")

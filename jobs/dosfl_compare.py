@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedsim.limits import MAX_ROUNDS
-from jobs.cli import _count, _Parser
+from fedsim.config.limits import MAX_ROUNDS
+from jobs.args import OneLineParser, count
 
 COMMAND = "python -m jobs.dosfl_compare"
 
@@ -34,8 +34,9 @@ COMMAND = "python -m jobs.dosfl_compare"
 def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False,
           jobs: int = 1) -> list[tuple[Path, pd.DataFrame]]:
     """Run (or reuse) `raw` once per seed; returns each run's folder and rounds (best-accuracy model per round)."""
-    from fedsim.config import apply_overrides, build_config
-    from fedsim.results import load
+    from fedsim.config.schema import apply_overrides
+    from fedsim.configure import build_config
+    from fedsim.results.tables import load
     from jobs.sweep import run_all
 
     configs = [build_config(apply_overrides(raw, [*overrides, f"seed={seed}"])) for seed in seeds]
@@ -55,7 +56,8 @@ def _best_rows(rounds: pd.DataFrame) -> pd.DataFrame:
 def compare(path: str, seeds: list[int], stat: str, fedavg_rounds: int | None, fedavg_over: list[str],
             overrides: list[str], fresh: bool = False, jobs: int = 1) -> dict:
     """One row of the comparison table for one DOSFL config; `per_seed` holds each seed's runs and scores."""
-    from fedsim.config import apply_overrides, build_config, read_yaml
+    from fedsim.config.schema import apply_overrides, read_yaml
+    from fedsim.configure import build_config
     from fedsim.errors import ConfigError
 
     raw = apply_overrides(read_yaml(path), overrides)
@@ -139,13 +141,13 @@ def _earlier_output(md: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from fedsim.errors import FedsimError
-    from fedsim.io import atomic_write, atomic_write_text
+    from fedsim.persist.io import atomic_write, atomic_write_text
 
-    p = _Parser(prog="python -m jobs.dosfl_compare", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m jobs.dosfl_compare", description=__doc__.splitlines()[0])
     p.add_argument("configs", nargs="+")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--stat", choices=["best", "mean"], default="best", help="DOSFL accuracy to match")
-    p.add_argument("--fedavg-rounds", type=_count(1), default=None, help="default: the config's rounds")
+    p.add_argument("--fedavg-rounds", type=count(1), default=None, help="default: the config's rounds")
     p.add_argument("--fedavg", action="append", default=[], metavar="KEY=VALUE", help="FedAvg-only override")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="override for both")
     p.add_argument("--out", default=None)

@@ -22,7 +22,7 @@ def read_blocks(text: str, kind: str) -> dict[str, str]:
 def paste_blocks(readme: Path, kind: str, contents: dict[str, str]) -> None:
     """Replace the body of each `kind` block named in `contents` (bodies end with a newline); a block missing from
     the file is a ConfigError naming it, and then the file is left as it was."""
-    from fedsim.io import atomic_write_text
+    from fedsim.persist.io import atomic_write_text
 
     text = readme.read_text(encoding="utf-8")
     missing = [i for i in contents if i not in read_blocks(text, kind)]

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import numpy as np
 import pandas as pd
 
-from fedsim.configtools import from_dict, knob
+from fedsim.config.knobs import from_dict, knob
 from fedsim.errors import ConfigError, FedsimError
 from jobs.readme_blocks import paste_blocks, read_blocks
 
@@ -97,7 +97,7 @@ def load_manifest(path: str | Path = MANIFEST) -> Manifest:
 def read_manifest(path: str | Path = MANIFEST) -> Manifest:
     """The manifest's shape and its tables' ids, what `--only` and `--readme` need: no algorithm is loaded (torch),
     so a mistyped table id is refused at once."""
-    from fedsim.config import read_yaml
+    from fedsim.config.schema import read_yaml
 
     data = read_yaml(path)  # its errors name the file already
     try:
@@ -120,7 +120,7 @@ def read_manifest(path: str | Path = MANIFEST) -> Manifest:
 def check_manifest(m: Manifest, path: str | Path) -> None:
     """The rest of load_manifest's checks: quick overrides name algorithms, and every table's rows, references and
     grid points fit its sweep or configs."""
-    from fedsim.algorithms import get_algorithm
+    from fedsim.method.contract import get_algorithm
 
     for name in m.quick.overrides:
         if name != "*":
@@ -140,7 +140,7 @@ def _check_table(t: TableSpec, where: str) -> None:
     scores = SWEEP_SCORES if t.sweep is not None else DOSFL_SCORES
     if t.compare not in scores:
         raise ConfigError(f"{where}.compare: {t.compare!r} is not one of {list(scores)}")
-    from fedsim.algorithms import algorithm_names, get_algorithm
+    from fedsim.method.contract import algorithm_names, get_algorithm
 
     documented = {c for n in algorithm_names() for c in get_algorithm(n).mechanism_columns}
     for j, m in enumerate(t.mechanism):
@@ -234,7 +234,7 @@ def paper_cells(t: TableSpec, arm: str, point: dict[str, Any], ours: dict[tuple,
 
 def quick_overrides(quick: QuickSpec, config: str, overrides: list[str]) -> list[str]:
     """The --quick overrides for one run: the round cap, then '*' and those of the run's algorithm."""
-    from fedsim.config import apply_overrides, read_yaml
+    from fedsim.config.schema import apply_overrides, read_yaml
 
     name = (apply_overrides(read_yaml(config), overrides).get("algorithm") or {}).get("name", "fedavg")
     return [f"rounds={quick.rounds}", *quick.overrides.get("*", []), *quick.overrides.get(name, [])]
@@ -254,7 +254,7 @@ class Result:
 def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
                     jobs: int = 1) -> Result:
     """Run (or reuse) the sweep's runs and build its rows, with the paper columns."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
     from jobs.sweep import execute, load_sweep, plan, summary
 
     assert t.sweep is not None  # only tables with a sweep come here
@@ -280,7 +280,7 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
 def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
                     jobs: int = 1) -> Result:
     """Run (or reuse) DOSFL and FedAvg for each config and build its rows, with the paper columns."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
     from jobs.dosfl_compare import compare, summary
 
     over = [f"results.root={root / 'runs'}"]
@@ -306,7 +306,7 @@ def run_mechanism(run_dir: str | Path, columns: list[str]) -> dict[str, float]:
     """Each column's mean over a run's rounds (NaN where the run does not record it)."""
     import math
 
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     rounds = load(run_dir)["rounds"].drop_duplicates("round")
     return {c: float(rounds[c].mean()) if c in rounds else math.nan for c in columns}
@@ -380,7 +380,7 @@ def render(t: TableSpec, res: Result, seeds: list[int], command: str) -> str:
 def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool, command: str,
               jobs: int = 1) -> Path:
     """Run one table and write <root>/<id>.md and <root>/<id>.parquet; returns the markdown path."""
-    from fedsim.io import atomic_write, atomic_write_text
+    from fedsim.persist.io import atomic_write, atomic_write_text
 
     run = run_sweep_table if t.sweep is not None else run_dosfl_table
     res = run(t, seeds, root, quick, fresh, jobs)

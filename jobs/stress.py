@@ -40,8 +40,8 @@ import threading  # noqa: E402
 from datetime import datetime  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from fedsim.config.limits import MAX_CLIENTS, MAX_ROUNDS, MAX_SECONDS, MAX_WORKERS  # noqa: E402
 from fedsim.errors import ConfigError, FedsimError  # noqa: E402
-from fedsim.limits import MAX_CLIENTS, MAX_ROUNDS, MAX_SECONDS, MAX_WORKERS  # noqa: E402
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus  # noqa: E402
 
 RESULT = "STRESS_JSON "
@@ -206,9 +206,9 @@ def measure(cfg, workers: int | None = None, t_start: float | None = None) -> di
     """Run `cfg` once and return its stress row (everything but the plot)."""
     import numpy as np
 
-    from fedsim.config import clients_per_round
+    from actors.backend import make_backend
+    from fedsim.config.schema import clients_per_round
     from fedsim.runtime.loop import run
-    from jobs.cli import make_backend
 
     t_start = T_START if t_start is None else t_start
     sampler = MemorySampler()
@@ -278,7 +278,7 @@ def point_overrides(n: int, k: int | None, skip: bool | None, rounds: int, root:
 
 def configured_participants(config: str, overrides: list[str]) -> int | None:
     """participation.clients_per_round of the config as given (before a point sets the client count)."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
 
     return load_config(config, [o for o in overrides if not o.startswith("data.num_clients=")]) \
         .participation.clients_per_round
@@ -286,7 +286,7 @@ def configured_participants(config: str, overrides: list[str]) -> int | None:
 
 def load_point(config: str, overrides: list[str], n: int):
     """The config of one point; participants above the count are capped to it."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
 
     k = configured_participants(config, overrides)
     return load_config(config, overrides + ([f"participation.clients_per_round={n}"] if k and k > n else []))
@@ -382,7 +382,7 @@ def plot(df, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fedsim.io import atomic_write
+    from fedsim.persist.io import atomic_write
 
     ok = df[df["status"] == "ok"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -408,9 +408,9 @@ def plot(df, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jobs.cli import _Parser
+    from jobs.args import OneLineParser
 
-    p = _Parser(prog="fedsim stress", description="Run a config at several client counts; time and memory.")
+    p = OneLineParser(prog="fedsim stress", description="Run a config at several client counts; time and memory.")
     p.add_argument("config", help="run config (YAML)")
     p.add_argument("--clients", required=True, help="registered client counts, e.g. 100,1000,10000,100000")
     p.add_argument("--participants", help="clients per round to try (default: the config's), e.g. 10,100,1000")
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from fedsim.io import atomic_write, atomic_write_text
+    from fedsim.persist.io import atomic_write, atomic_write_text
 
     counts = parse_counts(args.clients, "--clients")
     if not 1 <= args.rounds <= MAX_ROUNDS:  # before the output folder and the first point's process

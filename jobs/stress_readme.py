@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from fedsim.errors import ConfigError, FedsimError
-from jobs.cli import _Parser
+from jobs.args import OneLineParser
 from jobs.readme_blocks import paste_blocks, read_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def paste(readme: Path = README, bench: Path = BENCH) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m jobs.stress_readme", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m jobs.stress_readme", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only list the blocks that differ from their files")
     args = p.parse_args(argv)
     try:

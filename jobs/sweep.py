@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import itertools
 import json
 import math
 import os
-import platform
-import shutil
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,10 +30,10 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from fedsim.configtools import from_dict, knob, shown
+from fedsim.config.knobs import from_dict, knob, shown
+from fedsim.config.limits import MAX_ROUNDS, MAX_SEED, MAX_SWEEP_RUNS
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_ROUNDS, MAX_SEED, MAX_SWEEP_RUNS
-from fedsim.storage import Location
+from jobs.cached_runs import FINISHED, run_cached, run_folder
 
 
 @dataclass
@@ -78,7 +74,7 @@ class Sweep:
 
 
 def load_sweep(path: str | Path) -> Sweep:
-    from fedsim.config import read_yaml
+    from fedsim.config.schema import read_yaml
 
     sw = from_dict(Sweep, read_yaml(path))
     if not sw.base and (not sw.arms or any(a.config is None for a in sw.arms)):
@@ -289,118 +285,6 @@ def table(df: pd.DataFrame, sw: Sweep) -> str:
     return markdown(head, [cells for _, cells in rows])
 
 
-# where a run goes and how long it waits to start: they change no number, so a sweep run locally and resumed on a
-# cluster (runtime.ray_address) reuses what finished
-WHERE_KEYS = {"results": ("root", "run_id"), "data": ("root",),
-              "runtime": ("ray_address", "spill_dir", "startup_timeout_s", "autoscale_timeout_s")}
-
-
-def run_key(cfg: Any) -> str:
-    """Hash of the resolved config, without where it runs and where its results go: equal keys mean the same
-    experiment."""
-    from fedsim.config import config_to_dict
-
-    return hashlib.sha1(_experiment(config_to_dict(cfg)).encode()).hexdigest()
-
-
-def _experiment(config: dict) -> str:
-    """A config's keys and values as canonical JSON, without WHERE_KEYS."""
-    d = dict(config)
-    for section, keys in WHERE_KEYS.items():
-        d[section] = {k: v for k, v in d.get(section, {}).items() if k not in keys}
-    return json.dumps(d, sort_keys=True, default=str)
-
-
-FINISHED = "finished.json"  # written into a run folder once its run returned: {wall_s, hardware, code}
-
-
-def code_version() -> str:
-    """Hash of the fedsim package's source: a finished run is reused only by the code that made it."""
-    import fedsim
-
-    root = Path(fedsim.__file__).parent
-    h = hashlib.sha1()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
-def hardware(cfg: Any) -> str:
-    """CPU count, the torch threads `cfg`'s clients train with (on either backend) and the platform."""
-    from fedsim.runtime.threads import client_threads
-
-    return f"{os.cpu_count()} CPUs, torch threads {client_threads(cfg)}, {platform.platform()}"
-
-
-def run_folder(cfg: Any) -> Path:
-    """Where run_cached runs `cfg`: results.root/<name>-<algorithm>-s<seed>-<hash of the config>."""
-    return Path(cfg.results.root) / f"{cfg.name}-{cfg.algorithm.name}-s{cfg.seed}-{run_key(cfg)[:10]}"
-
-
-def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), resume: bool = False) -> Location:
-    """Run `cfg` in run_folder(cfg), or return that folder if a run finished there.
-
-    A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
-    changed since) is out of date: either is removed and run again. With `resume` (a sweep's --resume), an
-    interrupted run of this config continues from its checkpoint instead (fedsim's own resume, which loads
-    weights only), and one stopped early is kept as it stopped. `callbacks` go to the run (not to a reused one).
-    """
-    from fedsim.runtime.loop import run
-    from jobs.cli import make_backend
-
-    folder = run_folder(cfg)
-    cfg.results.run_id = folder.name
-    code = code_version()
-    if (folder / FINISHED).is_file() and (folder / "rounds.parquet").is_file() and not fresh:
-        if _finished_code(folder) == code:
-            print(f"  reusing {folder}", file=sys.stderr, flush=True)
-            return folder
-        print(f"  {folder} was made by other fedsim code: running it again", file=sys.stderr, flush=True)
-    elif resume and not fresh:
-        ended = interrupted(folder, cfg)
-        if ended == "stopped":  # stopped early (ASHA): an uninterrupted sweep leaves it so too
-            print(f"  keeping {folder} (stopped early)", file=sys.stderr, flush=True)
-            return folder
-        if ended is not None:
-            print(f"  resuming {folder} ({ended})", file=sys.stderr, flush=True)
-            return _timed(cfg, code, lambda: run(resume=folder, backend=make_backend(cfg), callbacks=callbacks))
-    if folder.exists():
-        shutil.rmtree(folder)
-    return _timed(cfg, code, lambda: run(cfg, backend=make_backend(cfg), callbacks=callbacks))
-
-
-def _timed(cfg: Any, code: str, start: Callable[[], Location]) -> Location:
-    """Run `start` and write the finished marker into the folder it returns."""
-    from fedsim.io import atomic_write_text
-
-    t0 = time.perf_counter()
-    run_dir = start()
-    info = {"wall_s": round(time.perf_counter() - t0, 3), "hardware": hardware(cfg), "code": code}
-    atomic_write_text(run_dir / FINISHED, json.dumps(info) + "\n")
-    return run_dir
-
-
-def interrupted(folder: Path, cfg: Any) -> str | None:
-    """How the unfinished run in `folder` ended (meta.json's status, 'killed' without one) if it can continue: it
-    has its tables and checkpoint, and both its saved configs are `cfg`'s experiment; else None. Reads YAML and
-    JSON only."""
-    from fedsim.config import config_to_dict, read_yaml
-    from fedsim.errors import FedsimError
-    from fedsim.runtime.rundir import STARTED_CONFIG
-
-    if not ((folder / "rounds.parquet").is_file() and (folder / "checkpoints" / "last.pt").is_file()):
-        return None
-    try:
-        saved = [_experiment(read_yaml(folder / name)) for name in ("config.yaml", STARTED_CONFIG)]
-        meta = json.loads((folder / "meta.json").read_text())
-    except (FedsimError, OSError, ValueError, TypeError, AttributeError, RecursionError):
-        return None
-    if any(s != _experiment(config_to_dict(cfg)) for s in saved):
-        return None
-    status = meta.get("status") if isinstance(meta, dict) else None
-    return status if isinstance(status, str) else "killed"
-
-
 def _run_one(job: tuple[Any, bool, str]) -> str:
     cfg, fresh, label = job
     print(label, file=sys.stderr, flush=True)
@@ -426,19 +310,6 @@ def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1
     finally:
         pool.join()
     return [Path(d) for d in done]
-
-
-def _finished_code(folder: Path) -> str | None:
-    try:
-        info = json.loads((folder / FINISHED).read_text())
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's stack
-        return None
-    return info.get("code") if isinstance(info, dict) else None
-
-
-def finished_info(run_dir: str | Path) -> dict:
-    """The finished marker of a run folder written by run_cached."""
-    return json.loads((Path(run_dir) / FINISHED).read_text())
 
 
 @contextlib.contextmanager
@@ -468,7 +339,7 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
 def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:
     """Run (or reuse) every planned run in this process or `jobs` processes, without Tune (jobs.reproduce); one row
     per run with its setting, arm, seed, folder and scores."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     labels = [f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}" for i, r in enumerate(runs)]
     rows = []
@@ -482,7 +353,7 @@ def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, job
 def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str]) -> pd.DataFrame:
     """One row per planned run: its setting, arm, seed, folder, how it ended and its scores (NaN if it made no
     round): finished, failed (with the error), stopped (early, by ASHA or by hand) or not run."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     rows = []
     for i, (r, cfg) in enumerate(zip(runs, configs)):
@@ -514,8 +385,8 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
               overrides: Sequence[str] = (), backend: str | None = None, out_dir: str | None = None,
               resume: bool = False, parallel: int | None = None) -> str:
     """Plan, run as Tune trials (or resume) and tabulate a sweep; returns the markdown it printed and wrote."""
-    from fedsim.config import load_config
-    from fedsim.io import atomic_write, atomic_write_text
+    from fedsim.configure import load_config
+    from fedsim.persist.io import atomic_write, atomic_write_text
     from jobs.sweep_tune import check_replaceable, check_resume, make_output_dir, run_trials, trial_bundles
 
     sweep_file = Path(sweep_file)
@@ -592,8 +463,8 @@ def check_scoring(sw: Sweep, configs: list) -> None:
     (`<phase>/<name>`, undeclared) other than mechanism columns: a run's table is checked for them at the end."""
     import re
 
-    from fedsim.algorithms import get_algorithm
-    from fedsim.results import ROUND_COLUMNS, ROUND_LEVEL
+    from fedsim.method.contract import get_algorithm
+    from fedsim.results.tables import ROUND_COLUMNS, ROUND_LEVEL
 
     metrics = {"metric": sw.metric, **({"early_stop.metric": sw.early_stop.metric} if sw.early_stop else {})}
     models: dict[str, None] = {}
@@ -619,7 +490,7 @@ def check_scoring(sw: Sweep, configs: list) -> None:
 def _local_only(out_dir: str | None, configs: list) -> None:
     """A sweep reads its runs' tables back to tabulate them and keeps Tune's state beside them, on a file system:
     a URI (s3://, gs://, ...) for the sweep's folder or its runs is refused before anything starts."""
-    from fedsim.storage import is_uri
+    from fedsim.persist.storage import is_uri
 
     if out_dir and is_uri(out_dir):
         raise ConfigError(f"--output-dir {out_dir}: a sweep's folder must be a local or shared file-system path, "
@@ -639,14 +510,3 @@ def from_args(args: argparse.Namespace) -> int:
     print(run_sweep(args.sweep, args.out, args.dry_run, args.fresh, args.override, args.backend, args.output_dir,
                     args.resume, args.parallel))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m jobs.sweep ...` is `fedsim sweep ...`."""
-    from jobs.cli import main as cli_main
-
-    return cli_main(["sweep", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

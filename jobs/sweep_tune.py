@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsim.errors import ConfigError
-from fedsim.io import atomic_write_text
+from fedsim.persist.io import atomic_write_text
 from fedsim.runtime.callbacks import Callback, RoundRows
 
 EXPERIMENT = "tune"  # the Tune experiment's folder inside the sweep's output folder
@@ -94,9 +94,9 @@ def trial(config: dict[str, Any]) -> None:
     spec = config["run"]
     if os.path.isdir(spec["cwd"]):  # Tune starts a trial in its own folder; the sweep's paths are the driver's
         os.chdir(spec["cwd"])
-    from fedsim.config import load_config
-    from fedsim.results import load
-    from jobs.sweep import FINISHED, run_cached
+    from fedsim.configure import load_config
+    from fedsim.results.tables import load
+    from jobs.cached_runs import FINISHED, run_cached
 
     cfg = load_config(spec["config"], spec["overrides"])
     reporter = TuneReport(spec["metrics"])

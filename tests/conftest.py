@@ -62,7 +62,7 @@ def ray_local():
 
 def small_config(tmp_path, *overrides: str, rounds: int = 3):
     """A fast digits config writing into tmp_path."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
 
     base = [f"rounds={rounds}", "name=t", "data.name=digits", "data.num_clients=10",
             "data.partition.alpha=0.5", "data.partition.min_samples=5", "model.name=cnn",
@@ -91,7 +91,7 @@ def one_thread():
 def together(monkeypatch) -> list[int]:
     """How many clients each successful call of the batched trainer trained (so a test knows batching really ran)."""
     import fedsim.runtime.batching as batching
-    from fedsim.train_batched import train_together
+    from fedsim.training.batched import train_together
 
     calls: list[int] = []
 

@@ -1,4 +1,4 @@
-"""Shared check for a method's mechanism columns (fedsim.mechanism): run a tiny config with the columns on and
+"""Shared check for a method's mechanism columns (fedsim.method.mechanism): run a tiny config with the columns on and
 off, require every documented column (and no undocumented one), and the same training numbers either way."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import math
 
 import pandas as pd
 
-from fedsim.algorithms import get_algorithm
-from fedsim.mechanism import PREFIX
-from fedsim.results import load
+from fedsim.method.contract import get_algorithm
+from fedsim.method.mechanism import PREFIX
+from fedsim.results.tables import load
 from fedsim.runtime.loop import run
 from tests.conftest import small_config
 

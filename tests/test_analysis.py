@@ -14,7 +14,7 @@ import pytest
 
 import fedsim
 from fedsim.errors import ConfigError
-from fedsim.plots import curves, figure
+from fedsim.results.plots import curves, figure
 from fedsim.runtime.callbacks import Callback, RoundRows
 from tests.conftest import ROOT, small_config
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import fedsim
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError, FedsimError
-from fedsim.plots import plot_runs
+from fedsim.results.plots import plot_runs
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_a_path_of_another_library_is_a_path(tmp_path):
 
     with pytest.raises(FedsimError, match=f"{tmp_path / 'nothing'}: not a fedsim run folder"):
         fedsim.load(Elsewhere())
-    assert isinstance(fedsim.storage.location(Elsewhere()), Path)
+    assert isinstance(fedsim.persist.storage.location(Elsewhere()), Path)
 
 
 def test_a_file_given_as_a_run_folder_is_named_a_file(tmp_path):

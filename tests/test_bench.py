@@ -20,7 +20,7 @@ from bench.prepare import MODEL_OPTIONS, prepare
 from bench.workload import make_config, prepared_inputs
 from fedsim.data.partition import partition
 from fedsim.data.synthetic import make_synthetic
-from fedsim.results import load
+from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.setup import client_seed
@@ -92,7 +92,7 @@ def test_bench_models_are_fedsims(arch):
 def fedsim_run(folder, w: Workload, root):
     """fedsim's one driver on the prepared folder: local backend, two workers, one thread each; the final global
     model as its last checkpoint holds it, and the run's tables."""
-    from fedsim.checkpoint import load_run_checkpoint
+    from fedsim.persist.checkpoint import load_run_checkpoint
 
     cfg = make_config(w, [f"results.root={root}", "runtime.backend=local", "runtime.threads=1"])
     run_dir = run(cfg, LocalBackend(num_workers=2), inputs=prepared_inputs(cfg, folder))
@@ -541,7 +541,7 @@ def test_batch_host_cost_times_the_batched_phase_and_its_trainer(capsys):
     got = json.loads(line.removeprefix("RESULT_JSON "))
     assert got["model"] == "cnn" and 0 < got["train_together_ms"] < got["phase_ms"] and got["trained_together"] == 3 * 2
     import fedsim.runtime.batching as batching
-    from fedsim.train_batched import train_together
+    from fedsim.training.batched import train_together
 
     assert batching.train_together is train_together  # put back
     assert batch_host_cost.main(["--clients", "0"]) == 2

@@ -253,7 +253,7 @@ def test_programs_say_their_module_name_when_run_with_python_m(argv, tool):
 
 
 def test_the_ray_floor_reads_fedsims_worker_limit():
-    from fedsim.limits import MAX_WORKERS
+    from fedsim.config.limits import MAX_WORKERS
 
     assert ray_floor.max_workers() == MAX_WORKERS
 

@@ -15,7 +15,7 @@ import fedsim
 mods = [m.name for m in pkgutil.walk_packages(fedsim.__path__, "fedsim.")]
 for name in mods:
     importlib.import_module(name)
-from fedsim.algorithms.base import import_failures
+from fedsim.method.contract import import_failures
 assert not import_failures, import_failures
 print(len(mods))
 """
@@ -37,7 +37,7 @@ def test_public_api():
 WORKER_IMPORTS = """
 import sys
 import actors.client_worker
-from fedsim.algorithms.base import get_algorithm
+from fedsim.method.contract import get_algorithm
 for name in ("fedavg", "fedprox", "feddf", "single_image", "dafkd", "fedgdkd", "dosfl"):
     get_algorithm(name)
 print(" ".join(m for m in ("pandas", "pyarrow", "torchvision", "sklearn", "faiss", "matplotlib") if m in sys.modules))

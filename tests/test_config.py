@@ -8,7 +8,8 @@ import sys
 import pytest
 import yaml
 
-from fedsim.config import RunConfig, load_config
+from fedsim.config.schema import RunConfig
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError
 from tests.conftest import ROOT
 
@@ -103,7 +104,8 @@ def test_a_typo_in_a_common_section_is_reported_before_torch_is_imported(overrid
 
 
 def test_resolved_config_round_trips(tmp_path, make_config):
-    from fedsim.config import config_to_dict, save_config
+    from fedsim.config.schema import config_to_dict
+    from fedsim.configure import save_config
 
     cfg = make_config("algorithm.name=fedprox", "algorithm.mu=0.3")
     save_config(cfg, tmp_path / "config.yaml")

@@ -1,4 +1,4 @@
-"""fedsim.distill on hand-computable problems: losses, teachers, clipping and the distillation loop."""
+"""fedsim.method.distill on hand-computable problems: losses, teachers, clipping and the distillation loop."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.configtools import from_dict
-from fedsim.distill import (
+from fedsim.config.knobs import from_dict
+from fedsim.errors import ConfigError
+from fedsim.method.distill import (
     DistillConfig,
     _batches,
-    clip_logits,
     distill,
     domain_weights,
     ensemble_teacher,
@@ -20,7 +20,7 @@ from fedsim.distill import (
     leave_one_out,
     soften,
 )
-from fedsim.errors import ConfigError
+from fedsim.training.train import clip_logits
 
 
 def test_soften_and_temperature():

@@ -24,8 +24,8 @@ WITHOUT_EXTRAS = """
 import sys
 sys.modules["faiss"] = None      # as if faiss-cpu were not installed: `import faiss` fails, find_spec says None
 sys.modules["medmnist"] = None
-import fedsim, fedsim.algorithms, fedsim.data.datasets, fedsim.selection
-from fedsim.config import load_config
+import fedsim, fedsim.algorithms, fedsim.data.datasets, fedsim.algorithms._selection
+from fedsim.config.schema import load_config
 from fedsim.data.registry import dataset_names
 cfg = load_config(None, ["rounds=1"])
 print(cfg.algorithm.name, "pathmnist" in dataset_names(), "faiss" in sys.modules and sys.modules["faiss"] is not None)
@@ -47,7 +47,7 @@ def test_fedsim_imports_without_faiss_and_medmnist_and_names_the_extra():
 
 
 def test_kmeans_without_faiss_names_the_extra(monkeypatch):
-    from fedsim.selection import kmeans_distances
+    from fedsim.algorithms._selection import kmeans_distances
 
     monkeypatch.setitem(sys.modules, "faiss", None)
     with pytest.raises(MissingExtraError, match=r'algorithm.selection.kmeans\) needs faiss, which is not installed: '

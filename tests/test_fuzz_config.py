@@ -133,7 +133,8 @@ def as_override(key: str, value) -> str:
 
 def fuzz_cases() -> list[list[str]]:
     """Override lists: every leaf of the fedavg config, fedprox's own parameters, and an unknown key per section."""
-    from fedsim.config import build_config, config_to_dict
+    from fedsim.config.schema import config_to_dict
+    from fedsim.configure import build_config
 
     out: list[list[str]] = []
     for algorithm in ("fedavg", "fedprox"):

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import yaml
 
-from fedsim.algorithms import algorithm_names, get_algorithm
-from fedsim.config import RunConfig, load_config, parse_override, read_yaml
+from fedsim.config.schema import RunConfig, parse_override, read_yaml
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError, DataError
+from fedsim.method.contract import algorithm_names, get_algorithm
 from tests.forked import run_module
 
 TINY = """\
@@ -126,7 +127,7 @@ def test_yaml11_quirks_do_not_change_what_a_value_means(tmp_path, text, value):
 def test_a_saved_config_reads_back_the_same_under_either_yaml_rules(tmp_path, text):
     """A run's config.yaml is read again on --resume (YAML 1.2 rules) and by other tools (PyYAML's 1.1): text that
     either would take for a number, a boolean or null is written quoted."""
-    from fedsim.config import save_config
+    from fedsim.configure import save_config
 
     cfg = load_config(None, [f"name={json.dumps(text)}", f"results.run_id={json.dumps(text)}"])
     save_config(cfg, tmp_path / "config.yaml")
@@ -205,8 +206,8 @@ def _is(tp: typing.Any, base: type) -> bool:
 
 
 def test_every_int_knob_has_an_upper_bound_in_its_doc():
-    from fedsim.algorithms import get_algorithm
-    from fedsim.configtools import describe
+    from fedsim.config.knobs import describe
+    from fedsim.method.contract import get_algorithm
 
     unbounded = [(a, k) for a, k, tp, m in _all_knobs()
                  if _is(tp, int) and m.get("le") is None and m.get("lt") is None]

@@ -80,7 +80,7 @@ def run_copy(finished, tmp_path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("workers", ["-3", "0", "two", "99999999"])  # above fedsim.limits.MAX_WORKERS
+@pytest.mark.parametrize("workers", ["-3", "0", "two", "99999999"])  # above fedsim.config.limits.MAX_WORKERS
 def test_workers_must_be_a_positive_integer(tmp_path, workers):
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
     proc = fedsim_process("run", str(cfg), "--workers", workers)
@@ -220,7 +220,7 @@ def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkey
 
     import numpy as np
 
-    from fedsim.results import read_table
+    from fedsim.results.tables import read_table
 
     table = tmp_path / "rounds.parquet"
     expected = pd.DataFrame({"round": np.arange(5000), "loss": np.linspace(0, 1, 5000), "model": "global"})
@@ -375,7 +375,7 @@ def test_results_show_says_on_stderr_when_a_run_did_not_finish(run_copy, capsys)
 
 def test_collect_and_plot_refuse_an_empty_list_of_runs(tmp_path):
     import fedsim
-    from fedsim.plots import plot_runs
+    from fedsim.results.plots import plot_runs
 
     for call in (fedsim.collect, plot_runs):
         with pytest.raises(fedsim.FedsimError, match=r"^run folders: none given \(an empty list\)$"):
@@ -562,7 +562,7 @@ def test_a_checkpoint_whose_model_has_a_weight_more_is_refused_before_any_round(
 
 
 def test_a_write_under_a_file_names_the_file_in_the_way_and_a_resume_of_a_file_says_so(tmp_path, capsys):
-    from fedsim.io import atomic_write_text
+    from fedsim.persist.io import atomic_write_text
     from jobs.cli import main
 
     afile = tmp_path / "afile"
@@ -602,7 +602,7 @@ def test_results_show_prints_exactly_the_rows_asked_for(finished, capsys):
 
 def test_a_runs_checkpoints_folder_is_part_of_the_run_not_an_incomplete_one(finished):
     """checkpoints/ holds a config.yaml too; a glob that reaches it must not report it as a run that never ended."""
-    from fedsim.results import find_runs
+    from fedsim.results.tables import find_runs
 
     runs, skipped = find_runs([str(finished.parent / "*"), str(finished / "*")])
     assert runs == [finished] and skipped == []

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedsim.local_training import load_weights
 from fedsim.models import build_model
+from fedsim.training.local import load_weights
 
 
 def _models(name: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]:
@@ -53,8 +53,8 @@ def test_load_weights_leaves_anything_but_a_plain_copy_to_load_state_dict() -> N
 def test_a_gpu_clients_loss_total_and_finite_check_wait_once_with_the_same_answers() -> None:
     """On a GPU, train_classifier keeps its loss total on the device and check_finite sums all weights before
     reading one number; run here on CPU tensors, both give what the per-step and per-tensor reads give."""
-    from fedsim.local_training import all_finite_at_once
-    from fedsim.train import LossTotal
+    from fedsim.training.local import all_finite_at_once
+    from fedsim.training.train import LossTotal
 
     g = torch.Generator().manual_seed(5)
     losses = [torch.rand((), generator=g) * 10 ** float(torch.randint(-3, 3, (1,), generator=g)) for _ in range(40)]
@@ -76,7 +76,7 @@ def test_a_gpu_clients_loss_total_and_finite_check_wait_once_with_the_same_answe
 
 
 def test_zero_epochs_draw_no_batch_and_each_epoch_a_full_pass() -> None:
-    from fedsim.train import batch_indices
+    from fedsim.training.train import batch_indices
 
     g = torch.Generator().manual_seed(0)
     assert list(batch_indices(10, 3, g, epochs=0)) == []
@@ -87,7 +87,7 @@ def test_zero_epochs_draw_no_batch_and_each_epoch_a_full_pass() -> None:
 
 def test_a_run_with_zero_local_epochs_trains_nothing(make_config) -> None:
     """train.epochs: 0 (allowed) means no local step: every client reports 0 steps and FedAvg's model stays put."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.local import LocalBackend
     from fedsim.runtime.loop import run
 

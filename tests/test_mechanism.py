@@ -1,4 +1,4 @@
-"""fedsim.mechanism's measures against hand-computed values, and the generated docs/mechanism.md."""
+"""fedsim.method.mechanism's measures against hand-computed values, and the generated docs/mechanism.md."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim import mechanism
-from fedsim.algorithms import algorithm_names, get_algorithm
+from fedsim.method import mechanism
+from fedsim.method.contract import algorithm_names, get_algorithm
 from tests.conftest import ROOT
 from tests.forked import run_module
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedsim.algorithms.dafkd import DaFKD
-from fedsim.results import load
+from fedsim.results.tables import load
 from fedsim.runtime.loop import run
 from tests.conftest import small_config
 from tests.mechanism_check import check_mechanism

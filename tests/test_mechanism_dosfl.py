@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedsim.algorithms._meta_distill import sgd_replay, trainable
 from fedsim.algorithms.dosfl import DOSFL
-from fedsim.meta_distill import sgd_replay, trainable
 from fedsim.runtime.loop import run
 from tests.conftest import small_config
 from tests.mechanism_check import check_mechanism
@@ -31,7 +31,7 @@ def test_columns_documented_measured_and_training_untouched(tmp_path):
 
 
 def test_ceiling_off_drops_only_its_column(tmp_path):
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     cfg = small_config(tmp_path, "algorithm.name=dosfl", *TINY, "algorithm.ceiling=false", rounds=1)
     rounds = load(run(cfg))["rounds"]
@@ -40,7 +40,7 @@ def test_ceiling_off_drops_only_its_column(tmp_path):
 
 
 def test_serial_mode_reports_no_columns(tmp_path):
-    from fedsim.results import load
+    from fedsim.results.tables import load
 
     cfg = small_config(tmp_path, "algorithm.name=dosfl", *TINY, "algorithm.mode=serial", rounds=1)
     rounds = load(run(cfg))["rounds"]
@@ -49,7 +49,7 @@ def test_serial_mode_reports_no_columns(tmp_path):
 
 def _server(tmp_path, *overrides: str):
     """A DOSFL instance on the tiny digits setup, with its environment's server data and partition."""
-    from fedsim.algorithms import get_algorithm
+    from fedsim.method.contract import get_algorithm
     from fedsim.runtime.setup import build_env, load_data, make_partition
 
     cfg = small_config(tmp_path, "algorithm.name=dosfl", *TINY, *overrides, rounds=1)
@@ -106,7 +106,7 @@ def test_mechanism_by_hand_on_crafted_steps(tmp_path):
 
 
 def algo_model(algo, arch, weights):
-    from fedsim.algorithms.toolkit import new_model
+    from fedsim.method.toolkit import new_model
 
     model = new_model(algo.env, arch)
     model.load_state_dict(weights)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from fedsim.algorithms._selection import select
 from fedsim.algorithms.feddf import FedDF
 from fedsim.algorithms.single_image import SingleImage
-from fedsim.config import load_config
-from fedsim.results import load
+from fedsim.configure import load_config
+from fedsim.results.tables import load
 from fedsim.runtime.loop import run
-from fedsim.selection import select
 from jobs.sweep import load_sweep, plan
 from tests.conftest import small_config
 from tests.mechanism_check import check_mechanism

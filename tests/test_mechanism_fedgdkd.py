@@ -10,7 +10,7 @@ import torch
 
 from fedsim.algorithms.fedgdkd import FedGDKD
 from fedsim.algorithms.fedmd import FedMD
-from fedsim.results import load
+from fedsim.results.tables import load
 from fedsim.runtime.loop import run
 from tests.conftest import small_config
 from tests.mechanism_check import check_mechanism
@@ -112,8 +112,8 @@ def test_fedmd_rejects_an_unknown_digest_loss(tmp_path):
 def test_fedgdkd_loo_teacher_on_real_test_data_by_hand(make_config):
     """Two participants: each one's leave-one-out teacher is the other's logits, so the column is the mean of
     their own test-subset accuracies; the logits ride beside the upload (probe), not in it."""
-    from fedsim.algorithms.base import ClientResult
-    from fedsim.mechanism import probe_set
+    from fedsim.method.contract import ClientResult
+    from fedsim.method.mechanism import probe_set
     from fedsim.runtime.setup import build_env, load_data, make_partition
 
     cfg = make_config("algorithm.name=fedgdkd", *GDKD)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.meta_distill import (
+from fedsim.algorithms._meta_distill import (
     Distiller,
     DistillSettings,
     class_balanced_labels,

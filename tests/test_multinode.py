@@ -17,9 +17,9 @@ import torch
 from actors.pool import RayBackend
 from actors.traffic import StoreTraffic
 from bench.multinode_traffic import unpublished
-from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import ResourceError
-from fedsim.results import load
+from fedsim.persist.checkpoint import load_run_checkpoint
+from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run

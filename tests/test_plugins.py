@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from fedsim import plugins
-from fedsim.checkpoint import load_run_checkpoint
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError
-from fedsim.results import load
+from fedsim.persist.checkpoint import load_run_checkpoint
+from fedsim.results.tables import load
 from jobs.cli import main
 from tests.conftest import ROOT, free_port
 from tests.runtime.test_loop import deterministic
@@ -53,7 +53,7 @@ def test_example_plugin_runs_on_the_local_backend(isolated, tmp_path, capsys):
 PROBE = """
 import sys
 from pathlib import Path
-from fedsim.checkpoint import load_run_checkpoint
+from fedsim.persist.checkpoint import load_run_checkpoint
 try:
     load_run_checkpoint(Path(sys.argv[1]))
 except Exception as exc:
@@ -137,7 +137,7 @@ def test_bad_plugins_are_one_line_naming_the_entry(isolated, tmp_path, capsys, e
     assert main(["run", str(config), "--backend", "local"]) == 2
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert len(err_lines) == 1 and err_lines[0].startswith("fedsim: error: plugins:")
-    from fedsim.algorithms import get_algorithm
+    from fedsim.method.contract import get_algorithm
 
     assert get_algorithm("fedavg").__module__ == "fedsim.algorithms.fedavg"  # a failed plugin leaves no trace
 

@@ -18,9 +18,9 @@ import yaml
 import actors.pool as pool_module
 from actors.node_loss import node_gone
 from actors.pool import RayBackend, RemoteServer, size_pool
-from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import ResourceError
-from fedsim.results import load
+from fedsim.persist.checkpoint import load_run_checkpoint
+from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from tests.conftest import ROOT

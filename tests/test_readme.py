@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.algorithms import algorithm_names
-from fedsim.config import RunConfig, load_config
-from fedsim.configtools import describe
+from fedsim.config.knobs import describe
+from fedsim.config.schema import RunConfig
+from fedsim.configure import load_config
 from fedsim.errors import FedsimError
+from fedsim.method.contract import algorithm_names
 from jobs.cli import build_parser
 from tests.conftest import ROOT
 
@@ -37,7 +38,7 @@ def _config_spans() -> list[tuple[str, str | None]]:
 
 def _known_keys() -> set[str]:
     keys = {row[0] for row in describe(RunConfig)}
-    from fedsim.algorithms import get_algorithm
+    from fedsim.method.contract import get_algorithm
 
     for name in algorithm_names():
         keys |= {f"algorithm.{row[0]}" for row in describe(get_algorithm(name).Params)}

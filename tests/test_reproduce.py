@@ -117,7 +117,7 @@ def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_p
 
 
 def test_runs_in_two_processes_give_the_numbers_of_runs_one_by_one(tmp_path) -> None:
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from jobs.sweep import run_all
     from tests.conftest import small_config
 

@@ -76,7 +76,7 @@ def test_the_largest_stream_seed_is_a_valid_faiss_and_sklearn_seed() -> None:
     import numpy as np
     from sklearn.utils import check_random_state
 
-    from fedsim.selection import kmeans_distances
+    from fedsim.algorithms._selection import kmeans_distances
 
     x = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)
     ids, _, _ = kmeans_distances(x, 4, 5, 2**31 - 1, device="cpu")  # 2**31 itself overflows FAISS's C int

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.configtools import from_dict
+from fedsim.algorithms._selection import SelectionConfig, entropy_prune, kmeans_balance, kmeans_distances, select
+from fedsim.config.knobs import from_dict
 from fedsim.errors import ConfigError
-from fedsim.selection import SelectionConfig, entropy_prune, kmeans_balance, kmeans_distances, select
 
 
 def _reference_balance(pred, dist, n, balancing, easy_pct, hard_pct):

@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 import fedsim
-from fedsim.config import save_config
+from fedsim.configure import save_config
 from fedsim.errors import CallbackError
+from fedsim.persist.storage import StorePath, location
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.loop import run
-from fedsim.storage import StorePath, location
 from jobs.cli import main
 from tests.conftest import free_port, small_config
 

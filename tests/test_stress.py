@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from fedsim.checkpoint import load_checkpoint
-from fedsim.results import load
+from fedsim.persist.checkpoint import load_checkpoint
+from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run

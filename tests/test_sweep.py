@@ -42,7 +42,7 @@ def write_sweep(folder: Path, **sweep) -> Path:
 # ---- search spaces ----
 
 def test_grid_and_random_spaces_from_yaml(tmp_path) -> None:
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
 
     space = {"train.lr": {"loguniform": [0.01, 0.1]}, "train.epochs": {"randint": [1, 3]},
              "model.name": {"choice": ["cnn", "mlp"]}}
@@ -124,7 +124,7 @@ def test_a_bad_sweep_file_is_refused_before_any_trial(tmp_path, nothing_runs, sw
 def test_grid_values_reach_the_runs_with_their_type(tmp_path) -> None:
     """A grid value is spelled as JSON in its override, so the run reads back exactly what the sweep file says: a
     quoted "1e-3" stays text, null stays null, and a name with '#' is not cut at a YAML comment."""
-    from fedsim.config import load_config
+    from fedsim.configure import load_config
     from jobs.sweep_space import override
 
     path = write_sweep(tmp_path, seeds=[0], grid={"name": ["exp #1", "exp #2"], "results.run_id": [None],
@@ -231,10 +231,10 @@ def test_a_run_takes_no_more_than_its_config_asks(make_config, monkeypatch) -> N
 def test_two_runs_at_once_share_one_ray(ray_local, tmp_path) -> None:
     """A run with a pool of one holds one CPU of two; a run started beside it with no worker count takes the one
     that is free (not the whole cluster, which would wait on the first run), and both finish."""
-    from fedsim.results import load
+    from actors.backend import make_backend
+    from fedsim.results.tables import load
     from fedsim.runtime.callbacks import Callback
     from fedsim.runtime.loop import run
-    from jobs.cli import make_backend
 
     started = {"a": threading.Event(), "b": threading.Event()}
     done: dict[str, Path | BaseException] = {}
@@ -304,8 +304,8 @@ def _trial_spans(out: Path) -> list[tuple[float, float]]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path) -> None:
-    from fedsim.config import load_config
-    from fedsim.results import load
+    from fedsim.configure import load_config
+    from fedsim.results.tables import load
     from jobs.sweep import run_cached
 
     where, path, _ = swept
@@ -368,7 +368,7 @@ def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
         run_sweep(path, out_dir=str(out), resume=True)
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address, "PYTHONPATH": ROOT,
            "OMP_NUM_THREADS": "1"}
-    driver = subprocess.Popen([sys.executable, "-m", "jobs.sweep", str(path), "--output-dir", str(out),
+    driver = subprocess.Popen([sys.executable, "-m", "jobs.cli", "sweep", str(path), "--output-dir", str(out),
                                "--parallel", "1"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
@@ -432,7 +432,7 @@ def test_a_resumed_sweep_continues_its_runs_from_their_folders(tmp_path, capsys)
     """With resume, a run stopped early stays so, an interrupted one continues from its checkpoint to the tables
     of an uninterrupted run, and one whose saved config is another experiment's is run again from scratch (the
     plugin its config.yaml names is never imported)."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.callbacks import Callback
     from jobs.sweep import FINISHED, run_cached, run_folder
 
@@ -472,8 +472,8 @@ def test_a_trial_that_asha_stops_keeps_its_rounds_and_is_not_marked_finished(tmp
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    from fedsim.config import load_config
-    from fedsim.results import load
+    from fedsim.configure import load_config
+    from fedsim.results.tables import load
     from jobs.sweep import FINISHED, EarlyStop, run_folder
     from jobs.sweep_tune import scheduler, trial
 

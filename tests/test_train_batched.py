@@ -1,4 +1,4 @@
-"""Training a worker's same-architecture clients together (fedsim.train_batched, runtime.batch_clients=on) gives
+"""Training a worker's same-architecture clients together (fedsim.training.batched, runtime.batch_clients=on) gives
 every client the weights, buffers and metrics that training them one after another gives, to float rounding."""
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from torch import nn
 
 import fedsim.runtime.batching as batching
 import fedsim.runtime.worker as worker_module
-from fedsim.algorithms.base import ClientResult, RoundInfo
-from fedsim.config import TrainConfig, load_config
-from fedsim.local_training import LocalTraining, Stage
-from fedsim.runtime.reduce import WeightedSum
+from fedsim.config.schema import TrainConfig
+from fedsim.configure import load_config
+from fedsim.method.contract import ClientResult, RoundInfo
+from fedsim.method.sums import WeightedSum
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientOutcome, ClientWorker
-from fedsim.train_batched import train_together, unbatchable_reason
+from fedsim.training.batched import train_together, unbatchable_reason
+from fedsim.training.local import LocalTraining, Stage
 from tests.conftest import ROOT
 
 DEVICE = os.environ.get("FEDSIM_TEST_DEVICE", "cpu")  # "cuda" runs these comparisons on a GPU (where one is lent)
@@ -267,7 +268,7 @@ def test_stages_restart_momentum_and_report_each_stage_as_one_after_another() ->
 
 
 def test_check_finite_flags_nan_and_inf_but_not_large_finite_weights():
-    from fedsim.local_training import check_finite
+    from fedsim.training.local import check_finite
 
     huge = torch.full((4,), 3e38)  # finite entries whose float32 sum overflows
     check_finite({"train_loss": 1.0}, {"w": huge, "n": torch.tensor(3)})
@@ -281,7 +282,7 @@ def test_check_finite_flags_nan_and_inf_but_not_large_finite_weights():
 def test_the_group_finiteness_check_names_exactly_the_clients_with_a_non_finite_entry() -> None:
     """train_together checks every client's weights at once (one wait on a GPU); a client it clears skips the
     per-tensor scan. Large finite float32 entries do not overflow the float64 sums; integer buffers are skipped."""
-    from fedsim.train_batched import _finite_rows
+    from fedsim.training.batched import _finite_rows
 
     big = torch.full((4, 3, 5), torch.finfo(torch.float32).max)
     weights = torch.zeros(4, 7)

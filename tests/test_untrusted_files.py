@@ -22,11 +22,11 @@ from fedsim.algorithms.feddf import FedDFState
 from fedsim.algorithms.fedgdkd import FedGDKDState, Prev
 from fedsim.algorithms.local_only import PoolState
 from fedsim.algorithms.scaffold import ScaffoldState
-from fedsim.algorithms.toolkit import GlobalModels
-from fedsim.checkpoint import load_checkpoint, pack, register_state, registered_states, save_checkpoint
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import CheckpointError
-from fedsim.io import atomic_write_text
+from fedsim.method.toolkit import GlobalModels
+from fedsim.persist.checkpoint import load_checkpoint, pack, register_state, registered_states, save_checkpoint
+from fedsim.persist.io import atomic_write_text
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.store import ClientStateStore
@@ -106,7 +106,7 @@ def _crafted(path: Path, server_state) -> Path:
 
 
 @pytest.mark.parametrize("server_state, message", [
-    ({"__dataclass__": "fedsim.io:os.system", "command": "true"}, "'fedsim.io:os.system', which is not a registered"),
+    ({"__dataclass__": "fedsim.persist.io:os.system", "command": "true"}, "'fedsim.persist.io:os.system', which is not a registered"),
     ({"__dataclass__": "builtins:eval", "source": "1"}, "'builtins:eval', which is not a registered"),
     ({"__dataclass__": "fedsim.runtime.loop:RunState"}, "'fedsim.runtime.loop:RunState', which is not a registered"),
     ({"__dataclass__": 42}, "names 42, which is not a registered"),
@@ -144,7 +144,7 @@ def finished_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tag", ["fedsim.io:os.system", "os:system", "fedsim.runtime.loop:RunState"])
+@pytest.mark.parametrize("tag", ["fedsim.persist.io:os.system", "os:system", "fedsim.runtime.loop:RunState"])
 def test_resume_from_a_crafted_checkpoint_runs_nothing(finished_run, tmp_path, tag):
     folder = tmp_path / "run"
     shutil.copytree(finished_run, folder)

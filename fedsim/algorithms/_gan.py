@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.algorithms._personal import balanced_labels
-from fedsim.configtools import knob
+from fedsim.config.knobs import knob
 from fedsim.models.thesis_nets import GeneratorConfig
-from fedsim.optim import SGD, Adam
-from fedsim.train import batch_indices
+from fedsim.training.optim import SGD, Adam
+from fedsim.training.train import batch_indices
 
 
 @dataclass
@@ -127,8 +127,8 @@ class FeatureFD:
 
     def __init__(self, env: Any, device: torch.device) -> None:
         from fedsim import rng
-        from fedsim.algorithms.toolkit import seeded_model
-        from fedsim.train import train_classifier
+        from fedsim.method.toolkit import seeded_model
+        from fedsim.training.train import train_classifier
 
         data = env.extras["server_data"]
         self.net = seeded_model(env, "cnn_medium", rng.seed(env.config.seed, "fid/init")).to(device)

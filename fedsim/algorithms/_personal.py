@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from fedsim import rng
-from fedsim.algorithms.base import ClientContext, ClientResult, Env
-from fedsim.algorithms.toolkit import clone_state, new_model
-from fedsim.checkpoint import register_state
 from fedsim.errors import ConfigError
-from fedsim.train import evaluate_classifier
+from fedsim.method.contract import ClientContext, ClientResult, Env
+from fedsim.method.toolkit import clone_state, new_model
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.train import evaluate_classifier
 
 
 def require_client_test(env: Env, method: str) -> None:

@@ -5,7 +5,7 @@ kept across rounds in the worker's state store) on CE + BCE(real = own data, fak
 samples), then trains its copy of the generator against that discriminator. The server averages
 classifiers and generators over the arrivals (BN buffers included), draws a distillation set from the
 global generator with a logged seed, weights every client per sample by α̂_{k,i} = f_k(x_i) / Σ_k' f_k'(x_i)
-over the arrivals, and distils the α̂-weighted ensemble into the averaged classifier with fedsim.distill.
+over the arrivals, and distils the α̂-weighted ensemble into the averaged classifier with fedsim.method.distill.
 
 upload="discriminator" (main text): clients upload classifier, generator and domain head; the server
 scores. upload="scores" (App. B): clients regenerate the distillation set from the broadcast generator and
@@ -27,9 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsim import mechanism, rng
-from fedsim.algorithms.aggregate import weighted_average
-from fedsim.algorithms.base import (
+from fedsim import rng
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
+from fedsim.method import mechanism
+from fedsim.method.aggregate import weighted_average
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -40,14 +43,12 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import clone_state, evaluate_models, init_global_models, loaded_model, new_model
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
-from fedsim.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
-from fedsim.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
+from fedsim.method.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
+from fedsim.method.toolkit import clone_state, evaluate_models, init_global_models, loaded_model, new_model
 from fedsim.models.dafkd_nets import DomainHead, ImageGenerator, build_generator, generator_step, gradient_penalty
-from fedsim.optim import Adam
-from fedsim.train import batch_indices, batchnorm_stats_kept, make_optimizer
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.optim import Adam
+from fedsim.training.train import batch_indices, batchnorm_stats_kept, make_optimizer
 
 State = dict[str, torch.Tensor]
 M = TypeVar("M", bound=torch.nn.Module)

@@ -2,7 +2,7 @@
 
 One round. The server sends an init seed; every client rebuilds the same Xavier-initialised θ0 and distils
 its private data into S_d synthetic steps (a batch of B_d inputs, labels, a learned lr each) that train θ0
-by plain SGD (fedsim.meta_distill: true meta-gradients through S_d·E_d unrolled steps, Adam meta-optimiser
+by plain SGD (fedsim.algorithms._meta_distill: true meta-gradients through S_d·E_d unrolled steps, Adam meta-optimiser
 halved every τ epochs). The server interleaves the uploaded steps by step index over the clients that
 arrived and trains θ0 with each step's own lr for E_d passes. Non-IID aids: soft labels, soft reset
 (θ ~ N(θ_server, σ²) each iteration) and random masking. `mode: serial` is the paper's serial DOSFL:
@@ -23,8 +23,20 @@ import torch
 
 import fedsim.data.text  # noqa: F401  (registers text_tsv / text_npz)
 import fedsim.models.text  # noqa: F401  (registers textcnn / bilstm)
-from fedsim import mechanism, rng
-from fedsim.algorithms.base import (
+from fedsim import rng
+from fedsim.algorithms._meta_distill import (
+    Distiller,
+    DistillSettings,
+    class_balanced_labels,
+    sgd_replay,
+    trainable,
+    xavier_init_,
+)
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_SEED
+from fedsim.config.schema import clients_per_round
+from fedsim.method import mechanism
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -35,11 +47,7 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import GlobalModels, evaluate_models, loaded_model, new_model
-from fedsim.config import clients_per_round
-from fedsim.configtools import knob
-from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_SEED
-from fedsim.meta_distill import Distiller, DistillSettings, class_balanced_labels, sgd_replay, trainable, xavier_init_
+from fedsim.method.toolkit import GlobalModels, evaluate_models, loaded_model, new_model
 
 
 @dataclass

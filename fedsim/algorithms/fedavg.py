@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from fedsim.algorithms.aggregate import as_summable, average_by_arch, move_toward
-from fedsim.algorithms.base import (
+from fedsim.config.knobs import knob
+from fedsim.method.aggregate import as_summable, average_by_arch, move_toward
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -29,9 +30,8 @@ from fedsim.algorithms.base import (
     SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import GlobalModels, evaluate_models, init_global_models
-from fedsim.configtools import knob
-from fedsim.local_training import LocalTraining
+from fedsim.method.toolkit import GlobalModels, evaluate_models, init_global_models
+from fedsim.training.local import LocalTraining
 
 
 @dataclass

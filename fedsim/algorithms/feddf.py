@@ -21,9 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim import mechanism, rng
-from fedsim.algorithms.aggregate import average_by_arch, sum_by_arch
-from fedsim.algorithms.base import (
+from fedsim import rng
+from fedsim.algorithms._selection import SelectionConfig, embed_and_predict, select
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_ROUNDS, MAX_SAMPLES, MAX_SEED, MAX_STEPS
+from fedsim.data.proxy import proxy_pool, split_test_halves
+from fedsim.method import mechanism
+from fedsim.method.aggregate import average_by_arch, sum_by_arch
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -34,15 +39,11 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models, loaded_model
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
-from fedsim.data.proxy import proxy_pool, split_test_halves
-from fedsim.distill import DistillConfig, distill, ensemble_teacher
-from fedsim.limits import MAX_ROUNDS, MAX_SAMPLES, MAX_SEED, MAX_STEPS
-from fedsim.local_training import LocalTraining
-from fedsim.selection import SelectionConfig, embed_and_predict, select
-from fedsim.train import evaluate_classifier, predict_logits
+from fedsim.method.distill import DistillConfig, distill, ensemble_teacher
+from fedsim.method.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models, loaded_model
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.local import LocalTraining
+from fedsim.training.train import evaluate_classifier, predict_logits
 
 
 @dataclass

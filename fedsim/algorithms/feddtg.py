@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.algorithms._gan import bce, gen_optimizer, randn, step
-from fedsim.algorithms.base import ClientContext, register_algorithm
 from fedsim.algorithms.fedgdkd import GEN, FedGDKD, FedGDKDParams
-from fedsim.configtools import knob
-from fedsim.limits import MAX_CHANNELS
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_CHANNELS
+from fedsim.method.contract import ClientContext, register_algorithm
 from fedsim.models.thesis_nets import CNNDiscriminator
-from fedsim.optim import SGD
-from fedsim.train import batch_indices, make_optimizer
+from fedsim.training.optim import SGD
+from fedsim.training.train import batch_indices, make_optimizer
 
 DISC = "discriminator"
 

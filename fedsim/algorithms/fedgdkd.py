@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsim import mechanism, rng
+from fedsim import rng
 from fedsim.algorithms._gan import FeatureFD, GanParams, gen_optimizer, randn, same_state, step, synthetic_set
 from fedsim.algorithms._personal import (
     PersonalScores,
@@ -34,8 +34,12 @@ from fedsim.algorithms._personal import (
     test_shard,
     with_model,
 )
-from fedsim.algorithms.aggregate import as_summable, average_by_arch
-from fedsim.algorithms.base import (
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES
+from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
+from fedsim.method import mechanism
+from fedsim.method.aggregate import as_summable, average_by_arch
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -47,14 +51,11 @@ from fedsim.algorithms.base import (
     SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import clone_state
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
-from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
-from fedsim.distill import DistillConfig, distill, leave_one_out, soften
-from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES
+from fedsim.method.distill import DistillConfig, distill, leave_one_out, soften
+from fedsim.method.toolkit import clone_state
 from fedsim.models.thesis_nets import build_generator
-from fedsim.train import batch_indices, make_optimizer, predict_logits
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.train import batch_indices, make_optimizer, predict_logits
 
 GEN = "generator"
 PHASES = (Phase("gan", "sum", broadcast="send_gan", client="gan_client", server="average_gan"),

@@ -20,22 +20,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from fedsim import mechanism
 from fedsim.algorithms._personal import personal_model, score, test_shard, with_model
-from fedsim.algorithms.base import (
-    Broadcast,
-    ClientContext,
-    ClientResult,
-    Message,
-    Phase,
-    RoundInfo,
-    register_algorithm,
-)
 from fedsim.algorithms.local_only import LocalOnly, PoolState, pool_data
-from fedsim.configtools import knob
-from fedsim.distill import DistillConfig, distill, soften
-from fedsim.limits import MAX_BATCH, MAX_EPOCHS
-from fedsim.train import batch_indices, make_optimizer, predict_logits
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS
+from fedsim.method import mechanism
+from fedsim.method.contract import Broadcast, ClientContext, ClientResult, Message, Phase, RoundInfo, register_algorithm
+from fedsim.method.distill import DistillConfig, distill, soften
+from fedsim.training.train import batch_indices, make_optimizer, predict_logits
 
 
 @dataclass

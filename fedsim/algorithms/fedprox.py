@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedsim.algorithms.base import register_algorithm
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
-from fedsim.configtools import knob
+from fedsim.config.knobs import knob
+from fedsim.method.contract import register_algorithm
 
 
 @dataclass

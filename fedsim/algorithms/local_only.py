@@ -24,7 +24,9 @@ from fedsim.algorithms._personal import (
     share_sample,
     with_model,
 )
-from fedsim.algorithms.base import (
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_EPOCHS
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -35,12 +37,10 @@ from fedsim.algorithms.base import (
     RoundInfo,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import seeded_model
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
-from fedsim.limits import MAX_EPOCHS
-from fedsim.local_training import LocalTraining, Stage
-from fedsim.train import train_classifier
+from fedsim.method.toolkit import seeded_model
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.local import LocalTraining, Stage
+from fedsim.training.train import train_classifier
 
 
 @dataclass

@@ -21,8 +21,10 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from fedsim.algorithms.aggregate import as_summable, split_by_arch
-from fedsim.algorithms.base import (
+from fedsim.config.knobs import knob
+from fedsim.errors import ConfigError
+from fedsim.method.aggregate import as_summable, split_by_arch
+from fedsim.method.contract import (
     Algorithm,
     Broadcast,
     ClientContext,
@@ -34,11 +36,9 @@ from fedsim.algorithms.base import (
     SummedUpdate,
     register_algorithm,
 )
-from fedsim.algorithms.toolkit import State, evaluate_models, init_global_models, new_model
-from fedsim.checkpoint import register_state
-from fedsim.configtools import knob
-from fedsim.errors import ConfigError
-from fedsim.train import make_optimizer, train_classifier
+from fedsim.method.toolkit import State, evaluate_models, init_global_models, new_model
+from fedsim.persist.checkpoint import register_state
+from fedsim.training.train import make_optimizer, train_classifier
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 FedDF whose proxy set is a pool of augmented patches of one image (fedsim.data.single_image), regenerated
 by every client and the server from (image, seed), with the best patches re-selected every round by the
-current global model: KMeans class balancing, then entropy pruning (fedsim.selection). Everything else
+current global model: KMeans class balancing, then entropy pruning (fedsim.algorithms._selection). Everything else
 (FedAvg-initialisation schedule, mirrors for heterogeneous clients, the cosine-with-restarts distillation
 schedule, clipping, FedProx) is FedDF's engine in feddf.py.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsim import rng
-from fedsim.algorithms.base import Env, register_algorithm
 from fedsim.algorithms.feddf import DistillFLParams, FedDF
-from fedsim.configtools import knob
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_SAMPLES, MAX_SEED
 from fedsim.data.single_image import PatchPool, PatchSpec, patch_pool
-from fedsim.limits import MAX_SAMPLES, MAX_SEED
+from fedsim.method.contract import Env, register_algorithm
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.config.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
 from fedsim.data._images import (
     as_unit_float,
     channel_stats,
@@ -36,7 +37,6 @@ from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
 from fedsim.extras import require
-from fedsim.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
 
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.config.limits import MAX_SAMPLES
 from fedsim.data.registry import Dataset
 from fedsim.data.synthetic import make_synthetic, prototypes, render
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_SAMPLES
 
 RECENT_BYTES = 64 * 2**20  # a worker keeps the shards it drew last, up to this many bytes
 
@@ -183,7 +183,7 @@ def check_generated(cfg: Any) -> None:
     if d.client_test != "none" and synthetic_options(check_options("synthetic", d.options))["n_test"] < 1:
         raise ConfigError("data.client_test: personal test shards are scaled from the central test set; "
                           "set data.options.n_test >= 1")
-    from fedsim.algorithms import get_algorithm
+    from fedsim.method.contract import get_algorithm
 
     key = get_algorithm(cfg.algorithm.name).pooled_data_key(cfg)
     if key is not None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedsim.config.limits import MAX_CLASSES
 from fedsim.errors import DataError
-from fedsim.limits import MAX_CLASSES
 
 
 def checked_labels(y: np.ndarray, where: str) -> np.ndarray:

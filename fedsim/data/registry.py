@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsim.configtools import check_kwargs
+from fedsim import registry
+from fedsim.config.knobs import check_kwargs
 from fedsim.errors import ConfigError, DataError
 
 
@@ -45,7 +46,7 @@ class Dataset:
 
 Loader = Callable[..., Dataset]
 Limits = dict[str, dict[str, float]]
-_LOADERS: dict[str, Loader] = {}
+_LOADERS: dict[str, Loader] = registry.table("dataset")
 _LIMITS: dict[str, Limits] = {}
 _CHECKS: dict[str, Callable[[dict], None]] = {}
 

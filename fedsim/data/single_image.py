@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsim.config.limits import MAX_ARRAY_BYTES
 from fedsim.errors import ConfigError, DataError
-from fedsim.limits import MAX_ARRAY_BYTES
 
 BUILTIN_IMAGES = ("china", "ihc", "noise")
 NOISE_SHAPE = (512, 512, 3)

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.config.limits import MAX_SEED
 from fedsim.data._images import normalise_, resize
 from fedsim.data.registry import Dataset, check_options, load_dataset, register_dataset
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_SEED
 
 
 def _unit(x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fedsim.config.limits import MAX_ARRAY_BYTES
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_ARRAY_BYTES
 
 MAX_SHIFT = 4
 

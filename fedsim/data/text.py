@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsim.config.limits import MAX_CLASSES
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
 from fedsim.data.safe_npy import npy_array, npz_array
 from fedsim.errors import ConfigError, DataError
-from fedsim.limits import MAX_CLASSES
 
 PAD, UNK = 0, 1
 TOKEN = re.compile(r"[\w']+|[^\w\s]")

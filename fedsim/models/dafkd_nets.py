@@ -29,7 +29,7 @@ from torch import nn
 
 from fedsim.errors import ConfigError
 from fedsim.models.registry import Classifier, check_options, check_shape, positive_int, register_model
-from fedsim.optim import SGD, Adam
+from fedsim.training.optim import SGD, Adam
 
 
 def _conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fedsim.configtools import check_kwargs
+from fedsim import registry
+from fedsim.config.knobs import check_kwargs
 from fedsim.errors import ConfigError
 
 
@@ -30,7 +31,7 @@ class Classifier(nn.Module):
 
 
 Builder = Callable[..., Classifier]
-_BUILDERS: dict[str, Builder] = {}
+_BUILDERS: dict[str, Builder] = registry.table("model")
 
 
 def register_model(name: str) -> Callable[[Builder], Builder]:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedsim.configtools import knob
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_CHANNELS, MAX_WIDTH
 from fedsim.errors import ConfigError
-from fedsim.limits import MAX_CHANNELS, MAX_WIDTH
 from fedsim.models.registry import (
     Classifier,
     check_options,

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
+from fedsim.method.contract import Broadcast, Phase, RoundInfo
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
+    from fedsim.persist.storage import Location
     from fedsim.runtime.setup import AnyPartition
     from fedsim.runtime.worker import WorkerReply
-    from fedsim.storage import Location
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,8 @@ class Backend(Protocol):
     def export_states(self) -> dict[int, Any]: ...
     def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
     def shutdown(self) -> None: ...
+
+
+def owner(client_id: int, num_workers: int) -> int:
+    """The worker that hosts a client, fixed for the whole run so personal state stays put."""
+    return client_id % num_workers

@@ -2,7 +2,7 @@
 
 A phase qualifies when its method describes the client step as plain local training
 (`Algorithm.local_training`) and does not override that client step below the description. Its clients are
-grouped by architecture, in chunks of `runtime.batch_clients_max`, trained together by fedsim.train_batched,
+grouped by architecture, in chunks of `runtime.batch_clients_max`, trained together by fedsim.training.batched,
 and finished one by one. Clients that cannot be trained so run each on its own, as without either; why is logged
 once per worker and reason.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from fedsim.algorithms.base import Algorithm, ClientResult, Phase
-from fedsim.local_training import LocalTraining
-from fedsim.train_batched import train_together
+from fedsim.method.contract import Algorithm, ClientResult, Phase
+from fedsim.training.batched import train_together
+from fedsim.training.local import LocalTraining
 
 log = logging.getLogger("fedsim.batching")
 

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import pandas as pd
     from tqdm import tqdm
 
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
+    from fedsim.persist.storage import Location
     from fedsim.runtime.backend import Backend
-    from fedsim.storage import Location
 
 RunStatus = Literal["completed", "stopped", "interrupted", "failed"]
 """completed: every round ran (or the method finished); stopped: a callback asked to stop; interrupted: Ctrl-C or
@@ -36,7 +36,7 @@ class RunInfo:
     """A run that is about to start its rounds: its config, folder, backend and the first round it runs."""
 
     cfg: RunConfig
-    run_dir: Location  # a local folder, or a folder in a store (fedsim.storage)
+    run_dir: Location  # a local folder, or a folder in a store (fedsim.persist.storage)
     backend: dict[str, Any]  # as in meta.json: backend class, num_workers, startup_s, placement, server
     first_round: int = 0  # > 0 when a resumed run continues
 
@@ -131,14 +131,14 @@ class MetaWriter(Callback):
     the end, how the run ended (`status`), so readers tell a finished run from a running or killed one."""
 
     def on_setup_end(self, run: RunInfo) -> None:
-        from fedsim.results import write_meta
+        from fedsim.results.tables import write_meta
 
         write_meta(run.run_dir, run.backend)
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
         import json
 
-        from fedsim.io import atomic_write_text
+        from fedsim.persist.io import atomic_write_text
 
         path = run.run_dir / "meta.json"
         if path.is_file():
@@ -153,7 +153,7 @@ class MetaWriter(Callback):
 class ResultsWriter(Callback):
     """rounds.parquet and clients.parquet after every round, then the checkpoint every results.checkpoint_every
     rounds and after the last round run (also when a callback stopped the run early). A table past
-    fedsim.results.FRESH_ROWS rows (clients.parquet of a long run) is rewritten whole as it grows by
+    fedsim.results.tables.FRESH_ROWS rows (clients.parquet of a long run) is rewritten whole as it grows by
     REWRITE_GROWTH, its rows since then going to its tail file, and whole at the run's end (TableWriter).
 
     Tables first, then the checkpoint, so a resume never misses rows (it truncates extra ones); Ctrl-C and SIGTERM
@@ -167,8 +167,8 @@ class ResultsWriter(Callback):
         self._handed = [0, 0]  # rows of each table written so far
 
     def on_setup_end(self, run: RunInfo) -> None:
-        from fedsim.algorithms import get_algorithm
-        from fedsim.results import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter, warm_up_tables
+        from fedsim.method.contract import get_algorithm
+        from fedsim.results.tables import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter, warm_up_tables
 
         warm_up_tables()
         self.run = run
@@ -176,7 +176,7 @@ class ResultsWriter(Callback):
         # its clients)
         self.stateless = get_algorithm(run.cfg.algorithm.name).stateless_clients(run.cfg)
         # clients.parquet is written before rounds.parquet, so a round in rounds.parquet has its client rows on
-        # disk: `fedsim.results.load` on a live run reads rounds.parquet first and keeps the clients up to it
+        # disk: `fedsim.results.tables.load` on a live run reads rounds.parquet first and keeps the clients up to it
         self.tables = (TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS),
                        TableWriter(run.run_dir / "rounds.parquet", ROUND_COLUMNS))
 
@@ -207,7 +207,7 @@ class ResultsWriter(Callback):
     def save(self, where: str) -> None:
         """The checkpoint of the last round handed over: server state and every client's personal state (none where
         the method's clients keep none)."""
-        from fedsim.checkpoint import save_checkpoint
+        from fedsim.persist.checkpoint import save_checkpoint
 
         assert self.written is not None
         round, virtual_time = self.written
@@ -218,7 +218,7 @@ class ResultsWriter(Callback):
         self.saved = round
 
     def _flush_tables(self, where: str) -> None:
-        """Rewrite each table whose rows are partly in its tail file (fedsim.results.TableWriter)."""
+        """Rewrite each table whose rows are partly in its tail file (fedsim.results.tables.TableWriter)."""
         for table in getattr(self, "tables", ()):
             self._write(table.flush, where)
 

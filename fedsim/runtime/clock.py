@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsim import rng as streams
-from fedsim.config import DistConfig, RunConfig, clients_per_round
+from fedsim.config.schema import DistConfig, RunConfig, clients_per_round
 from fedsim.errors import DataError
 
 

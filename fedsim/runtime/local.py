@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsim.algorithms.base import Broadcast, Phase
+from fedsim.method.contract import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
@@ -20,9 +20,9 @@ from fedsim.runtime.threads import client_threads, server_threads, torch_threads
 from fedsim.runtime.worker import ClientWorker, WorkerReply
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
+    from fedsim.persist.storage import Location
     from fedsim.runtime.setup import AnyPartition
-    from fedsim.storage import Location
 
 
 class LocalBackend:
@@ -90,7 +90,7 @@ class LocalBackend:
         return out
 
     def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None:
-        from fedsim.runtime.loop import owner
+        from fedsim.runtime.backend import owner
 
         targets = workers if workers is not None else range(self.num_workers)
         for i in targets:

@@ -19,14 +19,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Phase, RoundInfo
-from fedsim.checkpoint import load_run_checkpoint, state_mismatch
-from fedsim.config import RunConfig
+from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
-from fedsim.results import failure_columns, read_table, table_rows
-from fedsim.runtime.backend import Backend, BroadcastReply
+from fedsim.method.contract import Phase, RoundInfo, get_algorithm
+from fedsim.persist.checkpoint import load_run_checkpoint, state_mismatch
+from fedsim.persist.storage import Location, StorePath, location
+from fedsim.results.tables import failure_columns, read_table, table_rows
+from fedsim.runtime.backend import Backend, BroadcastReply, owner
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
 from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
@@ -34,7 +34,6 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
-from fedsim.storage import Location, StorePath, location
 
 log = logging.getLogger("fedsim.loop")
 
@@ -48,11 +47,6 @@ class Inputs:
     partition: Callable[[RunConfig, Dataset], AnyPartition] = make_partition
     draw: Callable[[RunConfig, int, Profiles], np.ndarray] = sample_round  # (cfg, round, profiles) -> client ids
     initial_state: Callable[[Any], Any] | None = None  # the algorithm's fresh server state -> the one to start from
-
-
-def owner(client_id: int, num_workers: int) -> int:
-    """The worker that hosts a client, fixed for the whole run so personal state stays put."""
-    return client_id % num_workers
 
 
 def assign(clients: list[int], num_workers: int, cost: dict[int, int] | None = None) -> dict[int, list[int]]:

@@ -20,9 +20,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedsim.config import RunConfig, config_to_dict, load_config, read_yaml, save_config
+from fedsim.config.schema import RunConfig, config_to_dict, read_yaml
+from fedsim.configure import load_config, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
-from fedsim.storage import Location, check_reachable, location, remove_tree
+from fedsim.persist.storage import Location, check_reachable, location, remove_tree
 
 RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
@@ -31,7 +32,7 @@ STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 def planned_run_dir(cfg: RunConfig) -> Location:
     """results/<run_id>/ (a timestamped id by default), without creating it; refuses a folder holding a run or
     anything else (a run's first write would replace its config.yaml, and an early stop removes what it wrote),
-    and a results.root in a store that cannot be reached (fedsim.storage)."""
+    and a results.root in a store that cannot be reached (fedsim.persist.storage)."""
     run_id = cfg.results.run_id or f"{cfg.name}-{datetime.now().strftime('%Y%m%d-%H%M%S-%f')}"
     root = location(cfg.results.root, "results.root")
     check_reachable(root, "results.root")

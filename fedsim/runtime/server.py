@@ -12,17 +12,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, SummedUpdate, Updates
+from fedsim.method.contract import ClientResult, Phase, RoundInfo, SummedUpdate, Updates, get_algorithm
+from fedsim.method.sums import WeightedSum
 from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
 from fedsim.runtime.precision import set_cuda_math
-from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import WorkerReply, pick_device
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
 
 
 class Server:

@@ -8,12 +8,12 @@ import numpy as np
 import torch
 
 from fedsim import rng
-from fedsim.algorithms.base import ClientData, Env
-from fedsim.client_archs import ClientArchs
-from fedsim.config import RunConfig
+from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset, client_test_shards, load_dataset, partition, split_validation
 from fedsim.data.generated import GeneratedShards, make_shards, test_set
 from fedsim.errors import ConfigError
+from fedsim.method.client_archs import ClientArchs
+from fedsim.method.contract import ClientData, Env
 
 
 @dataclass

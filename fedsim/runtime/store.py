@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsim.checkpoint import load_packed, pack
-from fedsim.io import atomic_torch_save
+from fedsim.persist.checkpoint import load_packed, pack
+from fedsim.persist.io import atomic_torch_save
 
 
 def state_nbytes(obj: Any) -> int:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
 
 
 def client_threads(cfg: RunConfig) -> int:

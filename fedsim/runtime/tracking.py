@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedsim.config import RunConfig, config_to_dict
+from fedsim.config.schema import RunConfig, config_to_dict
 from fedsim.errors import ConfigError
-from fedsim.results import flatten, model_metric
+from fedsim.results.tables import flatten, model_metric
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus
 
 TRACKING_IDS = "tracking.json"
@@ -66,7 +66,7 @@ def _read_ids(run: RunInfo) -> dict[str, str]:
 
 
 def _keep_id(run: RunInfo, key: str, value: str) -> None:
-    from fedsim.io import atomic_write_text
+    from fedsim.persist.io import atomic_write_text
 
     atomic_write_text(run.run_dir / TRACKING_IDS, json.dumps({**_read_ids(run), key: value}, indent=2))
 

@@ -18,18 +18,17 @@ import numpy as np
 import torch
 
 from fedsim import rng
-from fedsim.algorithms import get_algorithm
-from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
 from fedsim.errors import ClientFailedError
-from fedsim.local_training import DROPOUT_STREAM
+from fedsim.method.contract import Algorithm, ClientContext, ClientResult, Env, Message, Phase, get_algorithm
+from fedsim.method.sums import WeightedSum
 from fedsim.runtime.batching import ClientBatcher
 from fedsim.runtime.precision import set_cuda_math
-from fedsim.runtime.reduce import WeightedSum
 from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
+from fedsim.training.local import DROPOUT_STREAM
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
+    from fedsim.config.schema import RunConfig
     from fedsim.models import Classifier
 
 M = TypeVar("M", bound=torch.nn.Module)
@@ -53,7 +52,7 @@ class ModelPool:
         torch's global stream where it was: the client step that happens to build it draws what the others do."""
         if key not in self._models:
             if build is None:
-                from fedsim.algorithms.toolkit import new_model
+                from fedsim.method.toolkit import new_model
 
                 build = lambda: new_model(self.env, key)  # noqa: E731
             with torch.random.fork_rng(devices=[]):

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.algorithms.aggregate import (
+from fedsim.algorithms.fedavg import FedAvg
+from fedsim.configure import load_config
+from fedsim.errors import AggregationError
+from fedsim.method.aggregate import (
     as_summable,
     average_by_arch,
     move_toward,
@@ -14,11 +17,8 @@ from fedsim.algorithms.aggregate import (
     sum_by_arch,
     weighted_average,
 )
-from fedsim.algorithms.base import RoundInfo, register_algorithm
-from fedsim.algorithms.fedavg import FedAvg
-from fedsim.config import load_config
-from fedsim.errors import AggregationError
-from fedsim.runtime.reduce import WeightedSum
+from fedsim.method.contract import RoundInfo, register_algorithm
+from fedsim.method.sums import WeightedSum
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from fedsim.algorithms.base import ClientResult, RoundInfo
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError
+from fedsim.method.contract import ClientResult, RoundInfo
 from fedsim.models.dafkd_nets import DomainHead
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
@@ -209,7 +209,7 @@ def test_bad_choices_name_the_key() -> None:
 
 def test_end_to_end_app_b_run_records_both_phases(tmp_path) -> None:
     """Two rounds through the local runtime: per-phase metrics, the logged seed and the bytes land in the tables."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.loop import run
 
     cfg = load_config(None, TINY + ["rounds=2", "participation.clients_per_round=3", "algorithm.upload=scores",
@@ -226,9 +226,9 @@ def test_end_to_end_app_b_run_records_both_phases(tmp_path) -> None:
 def test_warmup_rounds_only_average_and_the_state_checkpoints(tmp_path) -> None:
     """distill_from_round=1 (code): round 0 is one phase of plain averaging, round 1 has the App. B score
     phase; the server state survives a weights_only checkpoint."""
-    from fedsim.algorithms.aggregate import weighted_average
     from fedsim.algorithms.dafkd import DaFKDState
-    from fedsim.checkpoint import load_checkpoint, save_checkpoint
+    from fedsim.method.aggregate import weighted_average
+    from fedsim.persist.checkpoint import load_checkpoint, save_checkpoint
 
     server, worker = setup("algorithm.upload=scores", "algorithm.distill_from_round=1")
     assert [p.name for p in server.phases(0)] == ["train"] and len(server.phases(1)) == 2

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.algorithms.base import RoundInfo
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError
+from fedsim.method.contract import RoundInfo
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
@@ -194,7 +194,7 @@ def one_shot_config(tmp_path):
 
 def test_one_round_end_to_end_records_the_payload_bytes(tmp_path) -> None:
     """rounds=4 still stops after round 0; bytes_up is the distilled data of the 3 clients."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.loop import run
 
     res = load(run(one_shot_config(tmp_path)))
@@ -210,7 +210,7 @@ def test_a_resumed_one_shot_run_trains_no_further_round(tmp_path) -> None:
     """A finished DOSFL run resumed (say, to add rounds) stays at its one round: the method has finished."""
     import pandas as pd
 
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.loop import run
 
     run_dir = run(one_shot_config(tmp_path))
@@ -224,7 +224,7 @@ def test_a_resumed_one_shot_run_trains_no_further_round(tmp_path) -> None:
 
 def test_text_run_distils_sentences_after_the_embedding(tmp_path) -> None:
     """TextCNN over a generated GloVe file: clients upload continuous L×D sentences and soft label logits."""
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.loop import run
 
     words = ["good", "great", "fine", "bad", "awful", "poor", "the", "movie"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedsim.algorithms.base import Phase, RoundInfo
-from fedsim.config import load_config
+from fedsim.configure import load_config
+from fedsim.method.contract import Phase, RoundInfo
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker

@@ -10,19 +10,18 @@ import pytest
 import torch
 
 import fedsim.algorithms.feddf as feddf_mod
-from fedsim.algorithms import toolkit
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
 from fedsim.algorithms.feddf import scheduled_steps
 from fedsim.algorithms.single_image import SingleImage
 from fedsim.data.proxy import split_test_halves
 from fedsim.errors import ConfigError
-from fedsim.local_training import ClippedLogits
-from fedsim.results import load
+from fedsim.method.contract import ClientResult, Phase, RoundInfo, toolkit
+from fedsim.results.tables import load
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import ClientWorker
+from fedsim.training.local import ClippedLogits
 
 TINY = ["algorithm.name=single_image", "algorithm.pool_size=400", "algorithm.selection.n=40",
         "algorithm.selection.k=8", "algorithm.selection.niter=5", "algorithm.distill.steps=4",

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.algorithms._gan import frechet_distance, synthetic_set
-from fedsim.algorithms.base import ClientResult, RoundInfo
 from fedsim.algorithms.fedgdkd import PHASES, classifier_loss, generator_loss, lse
-from fedsim.config import load_config
+from fedsim.configure import load_config
+from fedsim.method.contract import ClientResult, RoundInfo
 from fedsim.models import state_nbytes
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
@@ -192,7 +192,7 @@ def test_synthetic_set_is_identical_across_workers(tmp_path) -> None:
 
 
 def test_end_to_end_bytes_and_worker_count_invariance(tmp_path) -> None:
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.local import LocalBackend
     from fedsim.runtime.loop import run
 

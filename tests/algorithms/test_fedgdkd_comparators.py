@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo
-from fedsim.config import load_config
+from fedsim.configure import load_config
+from fedsim.method.contract import ClientResult, Phase, RoundInfo
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import load_data, make_partition
 from fedsim.runtime.worker import ClientWorker
@@ -71,7 +71,7 @@ def step(server: Server, worker: ClientWorker, r: int, phase_index: int, name: s
 
 @pytest.mark.parametrize("algorithm", sorted(FAST))
 def test_runs_and_reports_the_sample_weighted_personal_mean(tmp_path, algorithm: str) -> None:
-    from fedsim.results import load
+    from fedsim.results.tables import load
     from fedsim.runtime.loop import run
 
     out = load(run(load_config(None, overrides(tmp_path, algorithm, "rounds=2", "participation.clients_per_round=3"))))

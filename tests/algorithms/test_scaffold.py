@@ -13,10 +13,10 @@ import pandas as pd
 import pytest
 import torch
 
-from fedsim.algorithms.base import RoundInfo
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.errors import ConfigError
-from fedsim.results import load
+from fedsim.method.contract import RoundInfo
+from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fedsim.algorithms.toolkit as toolkit
-from fedsim.algorithms.toolkit import evaluate_models, loaded_model, seeded_model
+import fedsim.method.toolkit as toolkit
+from fedsim.method.toolkit import evaluate_models, loaded_model, seeded_model
 from fedsim.runtime.setup import build_env, load_data, make_partition
-from fedsim.train import evaluate_classifier
+from fedsim.training.train import evaluate_classifier
 
 
 @pytest.mark.parametrize("arch", ["resnet8", "mlp"])

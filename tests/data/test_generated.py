@@ -12,11 +12,11 @@ import pandas as pd
 import pytest
 import torch
 
-from fedsim.client_archs import ClientArchs
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.data.generated import GeneratedShards
 from fedsim.errors import ConfigError
-from fedsim.results import load
+from fedsim.method.client_archs import ClientArchs
+from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback, RoundRows
 from fedsim.runtime.clock import make_profiles, sample_round
 from fedsim.runtime.local import LocalBackend

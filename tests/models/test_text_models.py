@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from fedsim.algorithms._meta_distill import Distiller, DistillSettings, trainable, xavier_init_
 from fedsim.errors import ConfigError
-from fedsim.meta_distill import Distiller, DistillSettings, trainable, xavier_init_
 from fedsim.models import build_model
 from fedsim.models import text as _text  # noqa: F401  (registers textcnn / bilstm)
 

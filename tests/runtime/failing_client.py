@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from actors.client_worker import ClientWorkerActor
 from actors.pool import RayBackend
-from fedsim.algorithms.base import register_algorithm
 from fedsim.algorithms.fedavg import FedAvg
+from fedsim.method.contract import register_algorithm
 
 FAILING_CLIENT, FAILING_ROUND = 2, 1
 

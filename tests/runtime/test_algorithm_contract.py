@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from fedsim.algorithms.base import Algorithm, Phase, register_algorithm
 from fedsim.algorithms.fedavg import FedAvg
 from fedsim.algorithms.fedprox import FedProx
 from fedsim.errors import AlgorithmError
-from fedsim.results import load
+from fedsim.method.contract import Algorithm, Phase, register_algorithm
+from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from tests.runtime.test_loop import deterministic

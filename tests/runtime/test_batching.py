@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import fedsim.runtime.batching as batching
-from fedsim.algorithms.base import Phase
 from fedsim.algorithms.fedavg import FedAvg
 from fedsim.algorithms.fedmd import FedMD
 from fedsim.algorithms.local_only import LocalOnly
 from fedsim.algorithms.scaffold import Scaffold
 from fedsim.algorithms.single_image import SingleImage
 from fedsim.errors import ConfigError
-from fedsim.results import load
+from fedsim.method.contract import Phase
+from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 

@@ -8,8 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-from fedsim.checkpoint import load_run_checkpoint
 from fedsim.errors import CallbackError, FedsimError
+from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
@@ -107,7 +107,7 @@ def test_an_interrupt_inside_a_callback_is_not_wrapped_and_ends_the_run_as_inter
 def test_tables_written_round_by_round_equal_the_whole_table_written_at_once(tmp_path):
     """The results writer converts each round's rows once: its file after every round must read back as the
     DataFrame of all rows so far, with a column a later round adds (a failure) and one it widens (int to float)."""
-    from fedsim.results import CLIENT_COLUMNS, TableWriter
+    from fedsim.results.tables import CLIENT_COLUMNS, TableWriter
 
     def rows_of(r: int) -> list[dict]:
         out = [{"round": r, "client": c, "status": "ok", "samples": 10 + c, "train_loss": 0.5 * c, "steps": 3}

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from fedsim.errors import ClientFailedError, FedsimError
-from fedsim.results import load
+from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run

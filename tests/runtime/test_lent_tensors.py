@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import fedsim.runtime.batching as batching_module
-from fedsim.algorithms.base import ClientResult, Phase, RoundInfo, register_algorithm
 from fedsim.algorithms.fedavg import FedAvg
-from fedsim.config import load_config
+from fedsim.configure import load_config
+from fedsim.method.contract import ClientResult, Phase, RoundInfo, register_algorithm
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker, own_copy

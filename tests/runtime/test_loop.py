@@ -14,10 +14,12 @@ import pytest
 from torch import nn
 
 from fedsim.models import Classifier, register_model
-from fedsim.results import collect, load, plot, read_table
+from fedsim.results.plots import plot
+from fedsim.results.tables import collect, load, read_table
+from fedsim.runtime.backend import owner
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
-from fedsim.runtime.loop import assign, owner, run
+from fedsim.runtime.loop import assign, run
 from tests.conftest import ROOT
 from tests.forked import run_module
 

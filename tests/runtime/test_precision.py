@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.config import load_config
+from fedsim.configure import load_config
 from fedsim.runtime import server as server_module
 from fedsim.runtime import worker as worker_module
 from fedsim.runtime.precision import set_cuda_math

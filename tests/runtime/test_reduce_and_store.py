@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedsim.errors import AggregationError
-from fedsim.runtime.reduce import WeightedSum
+from fedsim.method.sums import WeightedSum
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 
 
@@ -220,7 +220,7 @@ def test_a_sum_kept_on_a_device_is_handed_over_on_the_cpu_with_the_same_bits():
 def test_an_add_that_cannot_allocate_leaves_the_sum_untouched(monkeypatch, fails_at):
     """A payload of another layout is added key by key with the torch operations (as on a GPU). Running out of
     memory there fails that client only (the worker catches it), so it must come before any key is written."""
-    from fedsim.runtime import twosum
+    from fedsim.method import twosum
 
     monkeypatch.setattr(twosum, "_scratch", {})
     s = WeightedSum(device="cpu")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from fedsim.results import load
+from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback, RoundRows
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run

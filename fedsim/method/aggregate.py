@@ -3,7 +3,7 @@
 The `reduce="sum"` conventions live here. A summable payload is a flat dict of tensors whose keys are
 prefixed with the client's architecture (`<arch>/<key>`) and which carries `<arch>/__weight__` = 1, so one
 weighted sum over all clients serves every architecture and tells each one its own total weight. Sums
-are order-independent (fedsim.runtime.reduce), so results do not depend on how clients meet in workers.
+are order-independent (fedsim.method.sums), so results do not depend on how clients meet in workers.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fedsim.algorithms.base import SummedUpdate
 from fedsim.errors import AggregationError
-from fedsim.runtime.reduce import WeightedSum
+from fedsim.method.contract import SummedUpdate
+from fedsim.method.sums import WeightedSum
 
 State = dict[str, torch.Tensor]
 WEIGHT_KEY = "__weight__"

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from fedsim import rng
-from fedsim.algorithms.base import Env
-from fedsim.checkpoint import register_state, register_state_alias
+from fedsim.method.contract import Env
 from fedsim.models import Classifier, build_model
-from fedsim.train import evaluate_classifier
+from fedsim.persist.checkpoint import register_state, register_state_alias
+from fedsim.training.train import evaluate_classifier
 
 State = dict[str, torch.Tensor]
 

@@ -1,7 +1,7 @@
 """Atomic file writes: a killed run never leaves a half-written table, config or checkpoint.
 
 Files get the mode a plain open() would give them (0o666 less the umask), so a team can share a results folder.
-A file in a store (fedsim.storage.StorePath) is written to a local temporary file, then uploaded in one put.
+A file in a store (fedsim.persist.storage.StorePath) is written to a local temporary file, then uploaded in one put.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedsim.storage import Location, StorePath
+from fedsim.persist.storage import Location, StorePath
 
 
 def atomic_write(path: Location, write: Callable[[str], Any]) -> None:

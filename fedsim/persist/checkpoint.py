@@ -13,12 +13,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from fedsim import registry
 from fedsim.errors import CheckpointError
-from fedsim.io import atomic_torch_save
-from fedsim.storage import Location, StorePath
+from fedsim.persist.io import atomic_torch_save
+from fedsim.persist.storage import Location, StorePath
 
 _CLS, _ND = "__dataclass__", "__ndarray__"
-_STATES: dict[str, type] = {}
+_STATES: dict[str, type] = registry.table("state class")
 T = TypeVar("T", bound=type)
 
 
@@ -53,7 +54,7 @@ def registered_states() -> dict[str, type]:
 
 
 def _register_builtin_states() -> None:
-    import fedsim.algorithms  # noqa: F401  (its modules register the built-in state classes)
+    registry.load_builtins("state class")  # the built-in methods' modules register their state classes
 
 
 def pack(obj: Any) -> Any:
@@ -62,7 +63,7 @@ def pack(obj: Any) -> Any:
         cls = type(obj)
         tag = state_tag(cls)
         if _STATES.get(tag) is not cls:
-            raise TypeError(f"{tag} is not a registered state class; decorate it with fedsim.checkpoint.register_state")
+            raise TypeError(f"{tag} is not a registered state class; decorate it with fedsim.method.register_state")
         return {_CLS: tag, **{f.name: pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, np.ndarray):
         return {_ND: torch.from_numpy(np.ascontiguousarray(obj))}

@@ -3,7 +3,7 @@
 `location(text)` turns results.root, a `--resume` argument or a run named to `fedsim.load` into a `Path` (plain
 paths, shared file systems and file:// URIs) or a `StorePath` (any other URI). Both offer the part of pathlib that
 fedsim's tables, configs and checkpoints use, so the code that writes and reads a run does not care where it is.
-Writes stay atomic (fedsim.io): a local file is written under a temporary name and renamed; a store's file is
+Writes stay atomic (fedsim.persist.io): a local file is written under a temporary name and renamed; a store's file is
 written locally, then uploaded in one put, which an object store shows whole or not at all.
 """
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.runtime import twosum
+from fedsim.method import twosum
 
 
 def _values(rng: np.random.Generator, n: int) -> np.ndarray:

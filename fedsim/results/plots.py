@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from fedsim.errors import CheckpointError, FedsimError
-from fedsim.results import model_metric
+from fedsim.results.tables import model_metric
 from fedsim.runtime.rundir import RESUME_SAFE
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
     Folders without a readable table are skipped with a warning (fedsim.collect); none left is a one-line error."""
     import warnings
 
-    from fedsim.results import SkippedRuns, collect, find_runs, path_items
+    from fedsim.results.tables import SkippedRuns, collect, find_runs, path_items
 
     items = path_items(paths)
     if out is not None:
@@ -127,7 +127,7 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", y: str
         raise CheckpointError(f"{', '.join(sorted(df['run'].unique()))}: no rounds with both {x} and {y} to plot")
     import matplotlib.pyplot as plt
 
-    from fedsim.io import atomic_write
+    from fedsim.persist.io import atomic_write
 
     runs = find_runs(items)[0]
     target = Path(out) if out else default_out(runs, x, y)  # a folder, or a run's (a Path or a store's path)
@@ -184,3 +184,9 @@ def figure(data: pd.DataFrame, x: str, y: str, title: str) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
+
+
+def plot(path: str | Path, out: str | Path | None = None) -> Path:
+    """Accuracy vs round of one run, one line per global model, as PNG next to the tables by default
+    (fedsim.results.plots.plot_runs draws many runs, any metric)."""
+    return plot_runs([path], out=out)

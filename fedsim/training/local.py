@@ -2,7 +2,7 @@
 
 A method whose client step is "train the classifier from given weights on the client's data, then report"
 returns a LocalTraining from `Algorithm.local_training`. `run()` is that client step for one client
-(train_classifier, stage by stage); fedsim.train_batched trains many clients of one architecture together
+(train_classifier, stage by stage); fedsim.training.batched trains many clients of one architecture together
 (`runtime.batch_clients`). Both end in the same `finish`, so the client's result means the same either way.
 """
 
@@ -18,17 +18,16 @@ import torch
 from torch import nn
 
 from fedsim import rng
-from fedsim.config import TrainConfig
-from fedsim.distill import clip_logits
-from fedsim.train import LossTerm, make_optimizer, train_classifier
+from fedsim.config.schema import TrainConfig
+from fedsim.training.train import LossTerm, clip_logits, make_optimizer, train_classifier
 
 if TYPE_CHECKING:
-    from fedsim.algorithms.base import ClientContext, ClientResult
+    from fedsim.method.contract import ClientContext, ClientResult
 
 Finish = Callable[[nn.Module, "dict[str, float]", "dict[str, Any] | None"], "ClientResult"]
 """(model holding the trained weights, training metrics, optimizer state or None) -> the client's result."""
 
-DROPOUT_STREAM = "local/dropout"  # each client's dropout masks when trained together (fedsim.train_batched)
+DROPOUT_STREAM = "local/dropout"  # each client's dropout masks when trained together (fedsim.training.batched)
 
 
 def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,7 +86,7 @@ class LocalTraining:
     clip: float | None = None
     optimizer_state: dict[str, Any] | None = None  # loaded into the first stage's optimizer
     keep_optimizer: bool = False  # hand the last stage's optimizer state to `finish`
-    dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.train_batched)
+    dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.training.batched)
 
     @classmethod
     def of(cls, ctx: ClientContext, start: Mapping[str, torch.Tensor], finish: Finish,
@@ -134,7 +133,7 @@ class LocalTraining:
 
     def complete(self, state: Mapping[str, torch.Tensor], metrics: dict[str, float],
                  momentum: Mapping[str, torch.Tensor] | None, finite: bool = False) -> ClientResult:
-        """The end of the client step after training elsewhere (fedsim.train_batched): the model takes the trained
+        """The end of the client step after training elsewhere (fedsim.training.batched): the model takes the trained
         `state`, then it is checked and finished as in `run`; `momentum` holds the last stage's SGD buffers.
         `finite`: the trainer already found every entry of `state` finite, so only the metrics are checked (unless
         loading changed a dtype)."""

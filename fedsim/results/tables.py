@@ -1,6 +1,6 @@
 """Run folders and their tables: writing them atomically, and loading them back as DataFrames.
 
-<results.root>/<run_id>/ (a local folder, or one in a store: fedsim.storage) holds config.yaml (resolved),
+<results.root>/<run_id>/ (a local folder, or one in a store: fedsim.persist.storage) holds config.yaml (resolved),
 meta.json (versions, git sha, hardware), rounds.parquet (one row per round and global model), clients.parquet
 (one row per client, phase and round), while a long run is on their tail files (TableWriter), and checkpoints/.
 Timing columns measured on the wall clock end in `_s`; `virtual_*` columns are the deterministic virtual clock
@@ -20,8 +20,8 @@ from typing import Any, Literal, TypedDict
 import pandas as pd
 
 from fedsim.errors import CheckpointError, ConfigError
-from fedsim.io import atomic_write, atomic_write_text
-from fedsim.storage import Location, StorePath, glob_folders, location
+from fedsim.persist.io import atomic_write, atomic_write_text
+from fedsim.persist.storage import Location, StorePath, glob_folders, location
 
 ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers", "failures",
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
@@ -503,11 +503,3 @@ def summary(rounds: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers",
                         "failures", "bytes_up", "bytes_down", "virtual_time", "wall_round_s"] if c in rounds]
     return rounds[cols]
-
-
-def plot(path: str | Path, out: str | Path | None = None) -> Path:
-    """Accuracy vs round of one run, one line per global model, as PNG next to the tables by default
-    (fedsim.plots.plot_runs draws many runs, any metric)."""
-    from fedsim.plots import plot_runs
-
-    return plot_runs([path], out=out)

@@ -1,7 +1,7 @@
 """Order-independent weighted sums: double-double (float64 pair) accumulation.
 
 Each term w·x (integer-ish weight, float32 value) is exact in float64; accumulating with Knuth's TwoSum
-(fedsim.runtime.twosum) keeps the error near 2^-106 relative, so the float32 result
+(fedsim.method.twosum) keeps the error near 2^-106 relative, so the float32 result
 does not depend on how clients were grouped into workers or in which order partial sums arrive.
 
 While every payload has the same keys and shapes in the same order (one architecture: the usual case), the
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fedsim.errors import AggregationError
-from fedsim.runtime import twosum
+from fedsim.method import twosum
 
 Layout = tuple[tuple[str, torch.Size, torch.dtype], ...]
 

@@ -10,10 +10,8 @@ from typing import Any, Literal
 
 import yaml
 
-from fedsim import strict_yaml
-from fedsim.configtools import from_dict, knob, shown, to_dict
-from fedsim.errors import ConfigError
-from fedsim.limits import (
+from fedsim.config.knobs import knob, shown, to_dict
+from fedsim.config.limits import (
     MAX_BATCH,
     MAX_BYTES,
     MAX_CLIENTS,
@@ -28,7 +26,9 @@ from fedsim.limits import (
     MAX_THREADS,
     MAX_WORKERS,
 )
-from fedsim.storage import StorePath, location
+from fedsim.config.schema import yaml_dialect as strict_yaml
+from fedsim.errors import ConfigError
+from fedsim.persist.storage import StorePath, location
 
 
 @dataclass
@@ -298,79 +298,6 @@ def read_yaml(path: str | Path | StorePath) -> dict:
     return data
 
 
-def build_config(raw: dict) -> RunConfig:
-    """Validate a raw dict into a RunConfig, including the algorithm's own params. The common sections come first:
-    they need no registry, so a typo there is reported before the methods (and torch) are imported."""
-    from fedsim.plugins import load_plugins
-
-    raw = copy.deepcopy(raw)
-    load_plugins(raw.get("plugins"))  # before anything looks a name up in a registry
-    algo_raw = raw.pop("algorithm", {}) or {}
-    if not isinstance(algo_raw, dict):
-        raise ConfigError("algorithm: expected a mapping with a name and the method's parameters")
-    name = algo_raw.pop("name", "fedavg")
-    if not isinstance(name, str):
-        raise ConfigError(f"algorithm.name: expected a string, got {name!r}"[:200])
-    cfg = from_dict(RunConfig, raw)
-    from fedsim.algorithms import get_algorithm  # registers the built-in algorithms
-
-    algo_cls = get_algorithm(name)
-    params = from_dict(algo_cls.Params, algo_raw, prefix="algorithm")
-    cfg.algorithm = AlgorithmConfig(name=name, params=params)
-    validate(cfg)
-    return cfg
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML config (or the defaults), apply overrides, validate."""
-    check_overrides(overrides or [])
-    raw = apply_overrides(read_yaml(path) if path is not None else {}, overrides or [])
-    return build_with_plugins(raw, _config_folder(path))
-
-
-def build_with_plugins(raw: dict[str, Any], base: Path) -> RunConfig:
-    """build_config after the `plugins` entries are resolved against `base` (where relative paths start), so the
-    config names each plugin by its absolute path and a Ray job or a resume elsewhere finds it."""
-    if raw.get("plugins") is not None:
-        from fedsim.plugins import resolve
-
-        raw["plugins"] = resolve(raw["plugins"], base)
-    return build_config(raw)
-
-
-def _config_folder(path: str | Path | None) -> Path:
-    """The folder a config's relative plugin paths start from: the file's own, else the working directory."""
-    if path is None or "://" in str(path):
-        return Path.cwd()
-    return Path(path).resolve().parent
-
-
-def validate(cfg: RunConfig) -> None:
-    """Cross-section checks that a single dataclass cannot see; converts data and model options in place."""
-    n = cfg.data.num_clients
-    k = cfg.participation.clients_per_round
-    if k is not None and k > n:
-        raise ConfigError(f"participation.clients_per_round: {k} exceeds data.num_clients={n}")
-    if cfg.model.mix and sum(cfg.model.mix.values()) != n:
-        raise ConfigError(f"model.mix: counts sum to {sum(cfg.model.mix.values())}, "
-                          f"but data.num_clients is {n}")
-    s = cfg.stragglers
-    if s.deadline == "quantile" and not 0 < s.deadline_value <= 1:
-        raise ConfigError(f"stragglers.deadline_value: with deadline: quantile it is a quantile in (0, 1], "
-                          f"got {s.deadline_value}")
-    check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
-    if cfg.results.run_id is not None:
-        check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
-    from fedsim.data.generated import check_generated
-    from fedsim.data.registry import check_options
-    from fedsim.models.registry import check_model_options
-
-    check_generated(cfg)  # first: with generated shards the options are the synthetic set's
-    cfg.data.options = check_options(cfg.data.name, cfg.data.options)
-    for arch, key in ([(a, "model.mix") for a in cfg.model.mix] or [(cfg.model.name, "model.name")]):
-        cfg.model.options = check_model_options(arch, cfg.model.options, key=key)
-
-
 def check_folder_name(key: str, value: str, max_len: int) -> None:
     """A name that becomes one folder inside results.root: no separators, no '.'/'..', nothing absolute."""
     bad = None
@@ -392,13 +319,6 @@ def config_to_dict(cfg: RunConfig) -> dict:
     algo = {"name": cfg.algorithm.name, **(to_dict(cfg.algorithm.params) or {})}
     out["algorithm"] = algo
     return out
-
-
-def save_config(cfg: RunConfig, path: str | Path | StorePath) -> None:
-    """Write the resolved config as YAML, atomically (in a run folder, local or in a store)."""
-    from fedsim.io import atomic_write_text
-
-    atomic_write_text(location(path), strict_yaml.dump(config_to_dict(cfg)))
 
 
 def clients_per_round(cfg: RunConfig) -> int:

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsim.configtools import knob
-from fedsim.limits import MAX_BATCH, MAX_EPOCHS, MAX_STEPS
-from fedsim.optim import SGD, Adam, CosineAnnealing
-from fedsim.train import batch_indices
+from fedsim.config.knobs import knob
+from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_STEPS
+from fedsim.training.optim import SGD, Adam, CosineAnnealing
+from fedsim.training.train import batch_indices
 
 Mix = Literal["logits", "probs"]
 

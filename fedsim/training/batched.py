@@ -3,7 +3,7 @@
 On a GPU one small client's step leaves the device mostly idle; stacking the clients' weights, computing their
 losses with torch.func.vmap over functional_call and their gradients by one backward pass of the losses' sum
 gives it one large step instead.
-The update is the sequential one (fedsim.local_training.LocalTraining.run) to float rounding: every client
+The update is the sequential one (fedsim.training.local.LocalTraining.run) to float rounding: every client
 keeps its own batch order (drawn from its own generator by batch_indices), momentum, weight decay, proximal
 term and BatchNorm statistics. Every batch is padded to the batch size (not to the group's longest batch, so a
 client's shapes are its own) and the padding masked out of its loss and batch statistics. Clients are sorted by
@@ -26,9 +26,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from fedsim.distill import clip_logits
-from fedsim.local_training import LocalTraining
-from fedsim.train import batch_indices
+from fedsim.training.local import LocalTraining
+from fedsim.training.train import batch_indices, clip_logits
 
 _CHANNEL_DROPOUT = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
@@ -377,7 +376,7 @@ def _noise(gens: list[torch.Generator], shapes: list[tuple[int, ...]], lengths: 
 @torch.no_grad()
 def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], mom: dict[str, torch.Tensor],
               fresh: torch.Tensor, a: int, lr: float, momentum: float, decay: float) -> None:
-    """fedsim.optim.SGD's update on the first `a` clients' stacks; `fresh` clients start their momentum anew."""
+    """fedsim.training.optim.SGD's update on the first `a` clients' stacks; `fresh` clients start their momentum anew."""
     for name, g in grads.items():
         p = params[name][:a]
         d = g if decay == 0 else g.add(p, alpha=decay)

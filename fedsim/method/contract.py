@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from fedsim import rng
-from fedsim.client_archs import ClientArchs
+from fedsim import registry, rng
+from fedsim.errors import AlgorithmError, ConfigError
+from fedsim.method.client_archs import ClientArchs
 
 if TYPE_CHECKING:
-    from fedsim.config import RunConfig
-    from fedsim.local_training import LocalTraining
+    from fedsim.config.schema import RunConfig
     from fedsim.models import Classifier
     from fedsim.runtime.worker import ModelPool
+    from fedsim.training.local import LocalTraining
 
 Reduce = Literal["each", "sum"]
 
@@ -77,7 +78,7 @@ class ClientResult:
     metrics: scalars for this client's row in clients.parquet (loss, personal accuracy, ...).
     state: the client's new personal state to persist, or None to keep the old one. Algorithms never
       mutate the state they were given: a straggler's dropped round must leave it untouched.
-    probe: evaluation-only data for the server's mechanism columns (fedsim.mechanism), e.g. the client model's
+    probe: evaluation-only data for the server's mechanism columns (fedsim.method.mechanism), e.g. the client model's
       logits on the test subset; never counted as traffic nor on the virtual clock, None when
       `eval.mechanism` is off. Reaches the server in `reduce="each"` phases only.
     """
@@ -125,7 +126,7 @@ class ClientData:
 class Env:
     """Everything both sides know before the first round: problem shape, the run's config, the device.
 
-    `config` is the whole resolved RunConfig (fedsim.config); algorithms read `config.train`,
+    `config` is the whole resolved RunConfig (fedsim.config.schema); algorithms read `config.train`,
     `config.model` and their own `params`.
     """
 
@@ -135,12 +136,12 @@ class Env:
     input_shape: tuple[int, ...]
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    client_archs: Sequence[str]  # architecture of each client id (fedsim.client_archs.ClientArchs in a run)
+    client_archs: Sequence[str]  # architecture of each client id (fedsim.method.client_archs.ClientArchs in a run)
     num_samples: np.ndarray  # train samples per client id
     device: torch.device = torch.device("cpu")
     extras: dict[str, Any] = field(default_factory=dict)  # dataset extras (embedding tables, ...)
     evaluation_models: dict[tuple[str, str], Classifier] = field(
-        default_factory=dict, init=False, repr=False, compare=False)  # fedsim.algorithms.toolkit.evaluation_model's
+        default_factory=dict, init=False, repr=False, compare=False)  # fedsim.method.toolkit.evaluation_model's
 
     @property
     def archs(self) -> list[str]:
@@ -209,7 +210,7 @@ class Algorithm:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type] = type(None)
-    # The evaluation-only columns (fedsim.mechanism) this method's server step reports, as
+    # The evaluation-only columns (fedsim.method.mechanism) this method's server step reports, as
     # "<phase>/mech_<name>" -> what it measures; docs/mechanism.md is generated from it.
     mechanism_columns: ClassVar[dict[str, str]] = {}
 
@@ -233,7 +234,7 @@ class Algorithm:
 
     def local_training(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                        ctx: ClientContext) -> LocalTraining | None:
-        """This phase's client step as plain local training of a classifier (fedsim.local_training), so that a worker
+        """This phase's client step as plain local training of a classifier (fedsim.training.local), so that a worker
         may train many clients of one architecture together (`runtime.batch_clients`); None when it is anything
         else. A method that returns one makes that client step `self.local_training(...).run()`."""
         return None
@@ -260,8 +261,6 @@ class Algorithm:
     def check_phase(cls, phase: Phase) -> None:
         """An AlgorithmError for a phase whose handlers this class lacks, raised on the driver before the phase is
         sent, rather than every client failing on it in the workers."""
-        from fedsim.errors import AlgorithmError
-
         for side, hook in (("client", "client_step"), ("server", "server_step"), ("broadcast", "broadcast")):
             name = getattr(phase, side)
             if name is None:
@@ -294,24 +293,21 @@ class Algorithm:
         return None
 
 
-_ALGORITHMS: dict[str, type[Algorithm]] = {}
-import_failures: dict[str, str] = {}  # module -> error, for modules of fedsim.algorithms that failed to import
-
-
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator: make an algorithm available under `cls.name` in configs."""
-    _ALGORITHMS[cls.name] = cls
+    registry.register("algorithm", cls.name, cls)
     return cls
 
 
 def algorithm_names() -> list[str]:
-    return sorted(_ALGORITHMS)
+    """Every algorithm name, built-ins and plugins', sorted."""
+    return registry.names("algorithm")
 
 
 def get_algorithm(name: str) -> type[Algorithm]:
-    from fedsim.errors import ConfigError
-
-    if name not in _ALGORITHMS:
-        broken = "".join(f"; module {m} failed to import ({e})" for m, e in sorted(import_failures.items()))
+    """The algorithm class registered under `name`; a ConfigError naming the choices when there is none."""
+    cls = registry.lookup("algorithm", name)
+    if cls is None:
+        broken = "".join(f"; module {m} failed to import ({e})" for m, e in sorted(registry.import_failures.items()))
         raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of {algorithm_names()}{broken}")
-    return _ALGORITHMS[name]
+    return cls

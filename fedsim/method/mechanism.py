@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fedsim import rng
-from fedsim.train import predict_logits
+from fedsim.training.train import predict_logits
 
 PREFIX = "mech_"
 

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsim.config import TrainConfig
-from fedsim.optim import SGD, Adam
+from fedsim.config.schema import TrainConfig
+from fedsim.training.optim import SGD, Adam
 
 LossTerm = Callable[[nn.Module], torch.Tensor | float]
 """A term added to the training loss, given the model (a plain 0 when nothing contributes)."""
 
 
 def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> SGD | Adam:
-    """The optimizer the config names, over `params` (fedsim's equals of torch.optim's: see fedsim.optim)."""
+    """The optimizer the config names, over `params` (fedsim's equals of torch.optim's: see fedsim.training.optim)."""
     lr = train.lr if lr is None else lr
     params = list(params)
     if train.optimizer == "adam":
