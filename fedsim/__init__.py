@@ -7,10 +7,9 @@ put it on a cluster. The public entry points are below.
 __version__ = "0.1.0"
 
 from fedsim.config.schema import RunConfig
-from fedsim.configure import load_config  # noqa: E402
 from fedsim.errors import ConfigError, DataError, FedsimError  # noqa: E402
 
-_LAZY = {"collect": "results", "load": "results", "run": "api"}  # they need pandas, which client workers never import
+_LAZY = {"collect": "results", "load": "results", "run": "api", "load_config": "configure"}  # they need pandas, which client workers never import
 
 
 def __getattr__(name: str):

@@ -55,13 +55,10 @@ class FedAvg(Algorithm):
         return GlobalModels(models=init_global_models(env))
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "sum")]
+        return [Phase("train", "sum", local_training=True)]
 
     def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
         return Broadcast(common=state.models)
-
-    def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
-        return self.local_training(phase, state, msg, ctx).run()
 
     def local_training(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
         """Local SGD from the broadcast weights, then upload the model (workers may train many clients together)."""
@@ -92,7 +89,7 @@ class FedAvg(Algorithm):
     def stateless_clients(cls, cfg: Any) -> bool:
         """Stateless unless the optimizer state is kept; a variant with its own client step may return a state, so
         it is taken as stateful unless it overrides this too."""
-        own_step = cls.client_step is FedAvg.client_step and cls.local_training is FedAvg.local_training
+        own_step = cls.client_step is Algorithm.client_step and cls.local_training is FedAvg.local_training
         return own_step and not cfg.train.keep_optimizer_state
 
     # ---- what variants change ------------------------------------------------------------------------

@@ -165,7 +165,7 @@ class FedDF(Algorithm):
         return state
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "each")]
+        return [Phase("train", "each", local_training=True)]
 
     def broadcast(self, phase: Phase, state: FedDFState, info: RoundInfo) -> Broadcast:
         common = FedDFRound(indices=torch.from_numpy(state.indices.astype(np.int32)),
@@ -387,5 +387,3 @@ class FedDF(Algorithm):
         return LocalTraining.of(ctx, models[ctx.arch], finish, mu=p.mu,
                                 clip=p.distill.clip_logits if p.client_clip else None)
 
-    def client_step(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
-        return self.local_training(phase, state, msg, ctx).run()

@@ -87,7 +87,7 @@ class LocalOnly(Algorithm):
 
     def phases(self, round: int) -> list[Phase]:
         share = Phase("share", "each", client="share_client", server="share_server")
-        work = Phase("train", "each", broadcast="send_pool", client="train_client", server="train_server")
+        work = Phase("train", "each", broadcast="send_pool", server="train_server", local_training=True)
         return ([share] if round == 0 and self.share_fraction > 0 else []) + [work]
 
     def pool_messages(self, state: PoolState, info: RoundInfo) -> dict[int, Any] | None:
@@ -159,9 +159,6 @@ class LocalOnly(Algorithm):
 
         return LocalTraining.of(ctx, start, finish, x=x, y=y, stages=tuple(s for s in stages if s.epochs > 0))
 
-    def train_client(self, state: dict | None, msg: Message, ctx: ClientContext) -> ClientResult:
-        return self.training(state, msg, ctx).run()
-
     def local_training(self, phase: Phase, state: dict | None, msg: Message,
                        ctx: ClientContext) -> LocalTraining | None:
-        return self.training(state, msg, ctx) if phase.client == "train_client" else None
+        return self.training(state, msg, ctx) if phase.local_training else None

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import yaml
 
+from fedsim.config import yaml_dialect
 from fedsim.config.knobs import knob, shown, to_dict
 from fedsim.config.limits import (
     MAX_BATCH,
@@ -26,7 +27,6 @@ from fedsim.config.limits import (
     MAX_THREADS,
     MAX_WORKERS,
 )
-from fedsim.config.schema import yaml_dialect as strict_yaml
 from fedsim.errors import ConfigError
 from fedsim.persist.storage import StorePath, location
 
@@ -245,8 +245,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key.strip():
         raise ConfigError(f"override {shown(text)}: empty key")
     try:
-        value = strict_yaml.parse(raw) if raw.strip() else ""
-    except strict_yaml.YAMLShapeError as exc:
+        value = yaml_dialect.parse(raw) if raw.strip() else ""
+    except yaml_dialect.YAMLShapeError as exc:
         raise ConfigError(f"override {shown(text)}: {exc.problem}") from None
     except yaml.YAMLError:
         value = raw
@@ -284,11 +284,11 @@ def read_yaml(path: str | Path | StorePath) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot be read as text ({type(exc).__name__})") from None
     try:
-        data = strict_yaml.parse(text)
+        data = yaml_dialect.parse(text)
     except yaml.YAMLError as exc:
-        line, reason = strict_yaml.describe_error(exc)
+        line, reason = yaml_dialect.describe_error(exc)
         where = f" line {line}" if line else ""
-        if isinstance(exc, strict_yaml.YAMLShapeError):
+        if isinstance(exc, yaml_dialect.YAMLShapeError):
             raise ConfigError(f"{p}{where}: {reason}") from None
         raise ConfigError(f"{p}{where}: not valid YAML ({reason})") from None
     if data is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from fedsim.method.client_archs import ClientArchs
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
     from fedsim.models import Classifier
-    from fedsim.runtime.worker import ModelPool
     from fedsim.training.local import LocalTraining
 
 Reduce = Literal["each", "sum"]
@@ -39,6 +38,11 @@ class Phase:
     `broadcast`, `client` and `server` name the algorithm's methods for this phase (names, not functions,
     because phases travel to workers that hold their own Algorithm instance). A method with one phase may
     leave them unset and override the hooks `broadcast`, `client_step` and `server_step` directly.
+
+    `local_training=True` opts the phase in to batching: its client step is the method's `local_training(...)`
+    plan, run by the worker, which may train many clients of one architecture together
+    (`runtime.batch_clients`). Such a phase names no client handler, and the class keeps Algorithm's
+    `client_step`.
     """
 
     name: str
@@ -46,6 +50,7 @@ class Phase:
     broadcast: str | None = None  # (state, info) -> Broadcast; unset: an empty broadcast
     client: str | None = None  # (state, msg, ctx) -> ClientResult
     server: str | None = None  # (state, updates, info) -> (state, metrics)
+    local_training: bool = False  # the client step is `Algorithm.local_training(...)`, batchable
 
 
 @dataclass
@@ -162,6 +167,12 @@ class RoundInfo:
     num_samples: dict[int, int]  # train samples of each participant
 
 
+class Models(Protocol):
+    """The worker's model instances, one per architecture, reused by its clients."""
+
+    def get(self, arch: str) -> Classifier: ...
+
+
 @dataclass
 class ClientContext:
     """What a client step may use besides its state and message."""
@@ -173,7 +184,7 @@ class ClientContext:
     data: ClientData
     device: torch.device
     seed: int  # stream "client" at (round, client id, phase index): the seed of `generator()`
-    models: ModelPool  # `models.get(arch)` returns this worker's reused instance
+    models: Models  # `models.get(arch)` returns this worker's reused instance
     env: Env
     phase_index: int = 0
 
@@ -230,13 +241,19 @@ class Algorithm:
         return self.handler(phase, "broadcast")(state, info)
 
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        if phase.local_training:
+            plan = self.local_training(phase, state, msg, ctx)
+            if plan is None:
+                raise AlgorithmError(f"{type(self).__name__}.local_training returned None for phase {phase.name!r}, "
+                                     "which declares local_training=True")
+            return plan.run()
         return self.handler(phase, "client")(state, msg, ctx)
 
     def local_training(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                        ctx: ClientContext) -> LocalTraining | None:
-        """This phase's client step as plain local training of a classifier (fedsim.training.local), so that a worker
-        may train many clients of one architecture together (`runtime.batch_clients`); None when it is anything
-        else. A method that returns one makes that client step `self.local_training(...).run()`."""
+        """The client step of a phase that declares `local_training=True`, as plain local training of a classifier
+        (fedsim.training.local): the worker runs it, or trains many clients of one architecture together
+        (`runtime.batch_clients`)."""
         return None
 
     def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict[str, Any]]:
@@ -261,8 +278,14 @@ class Algorithm:
     def check_phase(cls, phase: Phase) -> None:
         """An AlgorithmError for a phase whose handlers this class lacks, raised on the driver before the phase is
         sent, rather than every client failing on it in the workers."""
+        if phase.local_training and (phase.client is not None or cls.client_step is not Algorithm.client_step):
+            raise AlgorithmError(f"{cls.__name__}: phase {phase.name!r} declares local_training=True, so its client "
+                                 "step is local_training(...); it names a client handler or the class overrides "
+                                 "client_step (override local_training instead, or leave local_training unset)")
         for side, hook in (("client", "client_step"), ("server", "server_step"), ("broadcast", "broadcast")):
             name = getattr(phase, side)
+            if side == "client" and phase.local_training:
+                continue
             if name is None:
                 if side != "broadcast" and getattr(cls, hook) is getattr(Algorithm, hook):
                     raise AlgorithmError(f"{cls.__name__}: phase {phase.name!r} names no {side} handler and the "

@@ -21,7 +21,7 @@ from torch import nn
 from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_STEPS
 from fedsim.training.optim import SGD, Adam, CosineAnnealing
-from fedsim.training.train import batch_indices
+from fedsim.training.train import batch_indices, clip_logits
 
 Mix = Literal["logits", "probs"]
 
@@ -88,12 +88,6 @@ def domain_weights(scores: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if scores.dim() != 2:
         raise ValueError(f"domain_weights: expected scores [K, N], got shape {tuple(scores.shape)}")
     return scores / (scores.sum(0, keepdim=True) + eps)
-
-
-def clip_logits(logits: torch.Tensor, c: float) -> torch.Tensor:
-    """Single-image FL's logit clipping: rows with L2 norm >= 1/c are rescaled to norm c (reference code)."""
-    norms = logits.norm(p=2, dim=-1, keepdim=True)
-    return torch.where(norms >= 1.0 / c, logits / norms.clamp_min(1e-12) * c, logits)
 
 
 @dataclass

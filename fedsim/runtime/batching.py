@@ -1,7 +1,7 @@
 """Training a phase's clients as a group (`runtime.batch_clients`): which phases qualify, the groups, the fallback.
 
-A phase qualifies when its method describes the client step as plain local training
-(`Algorithm.local_training`) and does not override that client step below the description. Its clients are
+A phase qualifies when it declares `Phase(..., local_training=True)`: its client step is then the method's
+`local_training(...)` plan. Its clients are
 grouped by architecture, in chunks of `runtime.batch_clients_max`, trained together by fedsim.training.batched,
 and finished one by one. Clients that cannot be trained so run each on its own, as without either; why is logged
 once per worker and reason.
@@ -34,21 +34,11 @@ def batching_on(mode: Any, device: torch.device) -> bool:
     return mode is True or mode == "on"
 
 
-def _defined_in(cls: type, name: str) -> type | None:
-    return next((k for k in cls.__mro__ if name in vars(k)), None)
-
-
 def phase_reason(algorithm: Algorithm, phase: Phase) -> str | None:
-    """Why the clients of `phase` cannot be trained together, or None when they may be."""
-    cls = type(algorithm)
-    owner = _defined_in(cls, "local_training")
-    if owner is None or owner is Algorithm:
-        return f"method {cls.name!r} does not describe its client step as plain local training"
-    handler = phase.client or "client_step"
-    step_owner = _defined_in(cls, handler)
-    if step_owner is None or not issubclass(owner, step_owner):
-        return (f"{cls.__name__}.{handler} (phase {phase.name!r}) is not the client step that "
-                f"{owner.__name__}.local_training describes")
+    """Why the clients of `phase` cannot be trained together, or None when they may be: a phase opts in with
+    `Phase(..., local_training=True)`."""
+    if not phase.local_training:
+        return f"phase {phase.name!r} of {type(algorithm).name!r} does not declare local_training=True"
     return None
 
 

@@ -123,3 +123,9 @@ def evaluate_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     loss = F.cross_entropy(logits, y).item()
     acc = (logits.argmax(1) == y).float().mean().item()
     return {"accuracy": acc, "loss": loss}
+
+
+def clip_logits(logits: torch.Tensor, c: float) -> torch.Tensor:
+    """Single-image FL's logit clipping: rows with L2 norm >= 1/c are rescaled to norm c (reference code)."""
+    norms = logits.norm(p=2, dim=-1, keepdim=True)
+    return torch.where(norms >= 1.0 / c, logits / norms.clamp_min(1e-12) * c, logits)

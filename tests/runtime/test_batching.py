@@ -15,7 +15,7 @@ from fedsim.algorithms.fedmd import FedMD
 from fedsim.algorithms.local_only import LocalOnly
 from fedsim.algorithms.scaffold import Scaffold
 from fedsim.algorithms.single_image import SingleImage
-from fedsim.errors import ConfigError
+from fedsim.errors import AlgorithmError, ConfigError
 from fedsim.method.contract import Phase
 from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
@@ -60,20 +60,25 @@ def test_a_run_gives_the_same_numbers_with_batching_on_and_off(method: str, make
             np.testing.assert_allclose(b[c].to_numpy(), a[c].to_numpy(), rtol=rtol, atol=atol, err_msg=f"{table} {c}")
 
 
-def test_which_phases_are_trained_together() -> None:
+def test_a_phase_is_trained_together_only_where_it_opts_in() -> None:
+    """Batching is an explicit opt-in of the phase (`local_training=True`), and a class that overrides client_step
+    under such a phase is refused before the phase runs, so the two paths never run different client steps."""
     class Overridden(FedAvg):
         def client_step(self, phase, state, msg, ctx):
             return super().client_step(phase, state, msg, ctx)
 
-    train = Phase("train", "sum")
-    assert batching.phase_reason(FedAvg(None, None), train) is None
-    assert batching.phase_reason(SingleImage(None, None), Phase("train", "each")) is None
-    assert "Overridden.client_step" in (batching.phase_reason(Overridden(None, None), train) or "")
-    assert "'scaffold'" in (batching.phase_reason(Scaffold.__new__(Scaffold), train) or "")
-    personal = Phase("train", "each", client="train_client")
-    assert batching.phase_reason(LocalOnly.__new__(LocalOnly), personal) is None
-    fedmd = Phase("digest", "each", client="digest_client")
-    assert "FedMD.digest_client" in (batching.phase_reason(FedMD.__new__(FedMD), fedmd) or "")
+    for algo, phases in ((FedAvg(None, None), FedAvg.phases(None, 0)), (SingleImage(None, None), [
+            Phase("train", "each", local_training=True)]), (LocalOnly.__new__(LocalOnly), LocalOnly.phases(
+                LocalOnly.__new__(LocalOnly), 1))):
+        assert [batching.phase_reason(algo, p) for p in phases if p.local_training] == [None]
+    assert "'scaffold' does not declare" in (batching.phase_reason(Scaffold.__new__(Scaffold), Phase("train", "sum"))
+                                             or "")
+    digest = Phase("digest", "each", client="digest_client")
+    assert "does not declare local_training=True" in (batching.phase_reason(FedMD.__new__(FedMD), digest) or "")
+    with pytest.raises(AlgorithmError, match="Overridden: phase 'train' declares local_training=True"):
+        Overridden.check_phase(FedAvg.phases(None, 0)[0])
+    with pytest.raises(AlgorithmError, match="names a client handler"):
+        FedAvg.check_phase(Phase("train", "sum", client="x", local_training=True))
 
 
 def test_a_method_that_cannot_be_batched_runs_as_before_and_says_so_once(make_config, together, caplog) -> None:
@@ -84,8 +89,8 @@ def test_a_method_that_cannot_be_batched_runs_as_before_and_says_so_once(make_co
         tables[mode] = load(run(cfg, LocalBackend(num_workers=1)))["rounds"]
     assert together == []
     said = [r.getMessage() for r in caplog.records if r.name == "fedsim.batching"]
-    assert said == ["worker 0: clients run one after another: method 'scaffold' does not describe its client step "
-                    "as plain local training"]
+    assert said == ["worker 0: clients run one after another: phase 'train' of 'scaffold' does not declare "
+                    "local_training=True"]
     for c in ("accuracy", "loss"):
         assert tables["on"][c].tolist() == tables["off"][c].tolist()  # the very same path
 
