@@ -11,7 +11,7 @@ import torch
 
 from fedsim.plugins import import_in_worker
 from fedsim.runtime.allocator import keep_freed_blocks
-from fedsim.runtime.threads import client_threads
+from fedsim.threads import client_threads
 from fedsim.runtime.worker import ClientWorker
 
 if TYPE_CHECKING:

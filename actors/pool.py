@@ -33,7 +33,7 @@ from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
-from fedsim.runtime.threads import server_threads
+from fedsim.threads import server_threads
 from fedsim.runtime.worker import WorkerReply
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ import numpy as np
 from actors.client_worker import assigned_device
 from fedsim.plugins import import_in_worker
 from fedsim.runtime.server import Server
-from fedsim.runtime.threads import server_threads
+from fedsim.threads import server_threads
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig

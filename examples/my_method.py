@@ -17,11 +17,17 @@ from typing import Literal
 import torch
 
 from fedsim.algorithms.fedavg import FedAvg
-from fedsim.config.knobs import knob
-from fedsim.method.aggregate import average_by_arch
-from fedsim.method.contract import Env, Phase, RoundInfo, SummedUpdate, register_algorithm
-from fedsim.method.toolkit import init_global_models
-from fedsim.persist.checkpoint import register_state
+from fedsim.method import (
+    Env,
+    Phase,
+    RoundInfo,
+    SummedUpdate,
+    average_by_arch,
+    init_global_models,
+    knob,
+    register_algorithm,
+    register_state,
+)
 
 State = dict[str, torch.Tensor]
 

@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 from fedsim.config.schema import RunConfig
 from fedsim.errors import ConfigError, DataError, FedsimError  # noqa: E402
 
-_LAZY = {"collect": "results", "load": "results", "run": "api", "load_config": "configure"}  # they need pandas, which client workers never import
+# imported on first use: they need pandas (or the registries), which client workers never import
+_LAZY = {"collect": "results", "load": "results", "run": "api", "load_config": "configure"}
 
 
 def __getattr__(name: str):

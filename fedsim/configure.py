@@ -94,6 +94,14 @@ def validate(cfg: RunConfig) -> None:
     from fedsim.models.registry import check_model_options
 
     check_generated(cfg)  # first: with generated shards the options are the synthetic set's
+    if cfg.data.partition.kind == "generated":
+        from fedsim.method.contract import get_algorithm
+
+        key = get_algorithm(cfg.algorithm.name).pooled_data_key(cfg)
+        if key is not None:
+            raise ConfigError(f"{key}: with it {cfg.algorithm.name}'s server reads the clients' pooled training data, "
+                              "which generated shards (data.partition.kind: generated) do not hold; change it or use "
+                              "a fixed dataset")
     cfg.data.options = check_options(cfg.data.name, cfg.data.options)
     for arch, key in ([(a, "model.mix") for a in cfg.model.mix] or [(cfg.model.name, "model.name")]):
         cfg.model.options = check_model_options(arch, cfg.model.options, key=key)

@@ -62,5 +62,12 @@ class ClientFailedError(FedsimError):
                              self.traceback))
 
 
+class RunFailedError(FedsimError):
+    """Every client of a round failed, so the run cannot go on: the message names the round and the first client's
+    error. Exit code 1: the run was well-formed, its method or data failed."""
+
+    exit_code = 1
+
+
 class CallbackError(FedsimError):
     """A run callback raised; the message names the callback, the hook, the round and the original error."""

@@ -32,7 +32,7 @@ def code_version() -> str:
 
 def hardware(cfg: Any) -> str:
     """CPU count, the torch threads `cfg`'s clients train with (on either backend) and the platform."""
-    from fedsim.runtime.threads import client_threads
+    from fedsim.threads import client_threads
 
     return f"{os.cpu_count()} CPUs, torch threads {client_threads(cfg)}, {platform.platform()}"
 

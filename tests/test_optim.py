@@ -177,7 +177,8 @@ def test_cosine_annealing_gives_torchs_learning_rates_bit_for_bit(t_max, steps):
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_training_with_either_optimizer_never_imports_the_compiler(optimizer):
-    code = ("import sys, torch\nfrom fedsim.config.schema import TrainConfig\nfrom fedsim.training.train import make_optimizer\n"
+    code = ("import sys, torch\nfrom fedsim.config.schema import TrainConfig\n"
+            "from fedsim.training.train import make_optimizer\n"
             "from fedsim.training.optim import CosineAnnealing\n"
             f"m = torch.nn.Linear(3, 2)\nopt = make_optimizer(m.parameters(), TrainConfig(optimizer={optimizer!r}, "
             "momentum=0.9))\nsched = CosineAnnealing(opt, T_max=3)\n"

@@ -92,7 +92,7 @@ def test_the_table_leaves_those_cells_empty() -> None:
 
 def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_path, monkeypatch) -> None:
     import fedsim.runtime.loop
-    from jobs.sweep import FINISHED, finished_info, run_cached, run_key
+    from jobs.cached_runs import FINISHED, finished_info, run_cached, run_key
     from tests.conftest import small_config
 
     cfg = small_config(tmp_path, rounds=2)

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from fedsim.errors import ConfigError, ResourceError
-from jobs.sweep import load_sweep, plan, run_key
+from jobs.cached_runs import run_key
+from jobs.sweep import load_sweep, plan
 from jobs.sweep_tune import trial_bundles
 from tests.conftest import ROOT, small_config
 from tests.runtime.test_loop import deterministic
@@ -306,7 +307,7 @@ def _trial_spans(out: Path) -> list[tuple[float, float]]:
 def test_trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path) -> None:
     from fedsim.configure import load_config
     from fedsim.results.tables import load
-    from jobs.sweep import run_cached
+    from jobs.cached_runs import run_cached
 
     where, path, _ = swept
     runs = pd.read_parquet(where / "out" / "runs.parquet")
@@ -358,7 +359,8 @@ def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
-    from jobs.sweep import FINISHED, run_sweep
+    from jobs.cached_runs import FINISHED
+    from jobs.sweep import run_sweep
 
     # the second run trains 15x longer (seconds, against the loop's 0.05 s poll): two one-epoch runs finished 0.1 s
     # apart (the trial's process is reused), inside one poll of the loop below, so the kill could find both done
@@ -434,7 +436,7 @@ def test_a_resumed_sweep_continues_its_runs_from_their_folders(tmp_path, capsys)
     plugin its config.yaml names is never imported)."""
     from fedsim.results.tables import load
     from fedsim.runtime.callbacks import Callback
-    from jobs.sweep import FINISHED, run_cached, run_folder
+    from jobs.cached_runs import FINISHED, run_cached, run_folder
 
     class StopAfterFirstRound(Callback):
         def on_round_end(self, round, rows) -> bool:
@@ -474,7 +476,8 @@ def test_a_trial_that_asha_stops_keeps_its_rounds_and_is_not_marked_finished(tmp
 
     from fedsim.configure import load_config
     from fedsim.results.tables import load
-    from jobs.sweep import FINISHED, EarlyStop, run_folder
+    from jobs.cached_runs import FINISHED, run_folder
+    from jobs.sweep import EarlyStop
     from jobs.sweep_tune import scheduler, trial
 
     reports: list[dict] = []

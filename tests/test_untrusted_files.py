@@ -106,7 +106,8 @@ def _crafted(path: Path, server_state) -> Path:
 
 
 @pytest.mark.parametrize("server_state, message", [
-    ({"__dataclass__": "fedsim.persist.io:os.system", "command": "true"}, "'fedsim.persist.io:os.system', which is not a registered"),
+    ({"__dataclass__": "fedsim.persist.io:os.system", "command": "true"},
+     "'fedsim.persist.io:os.system', which is not a registered"),
     ({"__dataclass__": "builtins:eval", "source": "1"}, "'builtins:eval', which is not a registered"),
     ({"__dataclass__": "fedsim.runtime.loop:RunState"}, "'fedsim.runtime.loop:RunState', which is not a registered"),
     ({"__dataclass__": 42}, "names 42, which is not a registered"),

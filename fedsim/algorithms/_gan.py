@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from fedsim.algorithms._personal import balanced_labels
-from fedsim.config.knobs import knob
+from fedsim.method import SGD, Adam, batch_indices, knob
 from fedsim.models.thesis_nets import GeneratorConfig
-from fedsim.training.optim import SGD, Adam
-from fedsim.training.train import batch_indices
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fedsim.training.optim import Adam
+from fedsim.method import Adam
 
 Params = dict[str, torch.Tensor]
 

@@ -14,11 +14,16 @@ from typing import Any
 import torch
 
 from fedsim import rng
-from fedsim.errors import ConfigError
-from fedsim.method.contract import ClientContext, ClientResult, Env
-from fedsim.method.toolkit import clone_state, new_model
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.train import evaluate_classifier
+from fedsim.method import (
+    ClientContext,
+    ClientResult,
+    ConfigError,
+    Env,
+    clone_state,
+    evaluate_classifier,
+    new_model,
+    register_state,
+)
 
 
 def require_client_test(env: Env, method: str) -> None:

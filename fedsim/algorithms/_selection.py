@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_SAMPLES
 from fedsim.extras import require
+from fedsim.method import knob
 
 if TYPE_CHECKING:
     from fedsim.models import Classifier

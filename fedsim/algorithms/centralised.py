@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from fedsim.algorithms.local_only import LocalOnly, LocalOnlyParams, pool_data
-from fedsim.method.contract import ClientContext, register_algorithm
+from fedsim.method import ClientContext, register_algorithm
 
 
 @register_algorithm

@@ -28,27 +28,37 @@ import torch
 import torch.nn.functional as F
 
 from fedsim import rng
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_CHANNELS, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES, MAX_STEPS, MAX_WIDTH
-from fedsim.method import mechanism
-from fedsim.method.aggregate import weighted_average
-from fedsim.method.contract import (
+from fedsim.method import (
+    Adam,
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
+    DistillConfig,
     Env,
     Message,
     Phase,
     RoundInfo,
+    batch_indices,
+    batchnorm_stats_kept,
+    clone_state,
+    distill,
+    domain_weights,
+    ensemble_teacher,
+    evaluate_models,
+    init_global_models,
+    knob,
+    loaded_model,
+    make_optimizer,
+    mechanism,
+    new_model,
     register_algorithm,
+    register_state,
+    soften,
+    weighted_average,
 )
-from fedsim.method.distill import DistillConfig, distill, domain_weights, ensemble_teacher, soften
-from fedsim.method.toolkit import clone_state, evaluate_models, init_global_models, loaded_model, new_model
 from fedsim.models.dafkd_nets import DomainHead, ImageGenerator, build_generator, generator_step, gradient_penalty
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.optim import Adam
-from fedsim.training.train import batch_indices, batchnorm_stats_kept, make_optimizer
 
 State = dict[str, torch.Tensor]
 M = TypeVar("M", bound=torch.nn.Module)

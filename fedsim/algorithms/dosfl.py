@@ -32,22 +32,25 @@ from fedsim.algorithms._meta_distill import (
     trainable,
     xavier_init_,
 )
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_SEED
 from fedsim.config.schema import clients_per_round
-from fedsim.method import mechanism
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    GlobalModels,
     Message,
     Phase,
     RoundInfo,
+    evaluate_models,
+    knob,
+    loaded_model,
+    mechanism,
+    new_model,
     register_algorithm,
 )
-from fedsim.method.toolkit import GlobalModels, evaluate_models, loaded_model, new_model
 
 
 @dataclass

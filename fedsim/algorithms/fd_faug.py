@@ -23,13 +23,23 @@ from fedsim import rng
 from fedsim.algorithms._gan import GanParams, synthetic_set, train_acgan
 from fedsim.algorithms._personal import personal_model, score, with_model
 from fedsim.algorithms.local_only import LocalOnly, PoolState
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_BATCH, MAX_CHANNELS, MAX_EPOCHS, MAX_SAMPLES
-from fedsim.method.contract import Broadcast, ClientContext, ClientResult, Message, Phase, RoundInfo, register_algorithm
-from fedsim.method.distill import DistillConfig, distill, soften
-from fedsim.method.toolkit import clone_state
+from fedsim.method import (
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    DistillConfig,
+    Message,
+    Phase,
+    RoundInfo,
+    clone_state,
+    distill,
+    knob,
+    predict_logits,
+    register_algorithm,
+    soften,
+)
 from fedsim.models.thesis_nets import CNNDiscriminator, build_generator
-from fedsim.training.train import predict_logits
 
 
 @dataclass

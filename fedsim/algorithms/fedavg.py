@@ -16,22 +16,26 @@ from typing import Any
 
 import torch
 
-from fedsim.config.knobs import knob
-from fedsim.method.aggregate import as_summable, average_by_arch, move_toward
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    GlobalModels,
+    LocalTraining,
     Message,
     Phase,
     RoundInfo,
     SummedUpdate,
+    as_summable,
+    average_by_arch,
+    evaluate_models,
+    init_global_models,
+    knob,
+    move_toward,
     register_algorithm,
 )
-from fedsim.method.toolkit import GlobalModels, evaluate_models, init_global_models
-from fedsim.training.local import LocalTraining
 
 
 @dataclass

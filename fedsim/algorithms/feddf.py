@@ -23,27 +23,35 @@ from torch import nn
 
 from fedsim import rng
 from fedsim.algorithms._selection import SelectionConfig, embed_and_predict, select
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_ROUNDS, MAX_SAMPLES, MAX_SEED, MAX_STEPS
 from fedsim.data.proxy import proxy_pool, split_test_halves
-from fedsim.method import mechanism
-from fedsim.method.aggregate import average_by_arch, sum_by_arch
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
+    DistillConfig,
     Env,
+    GlobalModels,
+    LocalTraining,
     Message,
     Phase,
     RoundInfo,
+    average_by_arch,
+    clone_state,
+    distill,
+    ensemble_teacher,
+    evaluate_classifier,
+    evaluate_models,
+    init_global_models,
+    knob,
+    loaded_model,
+    mechanism,
+    predict_logits,
     register_algorithm,
+    register_state,
+    sum_by_arch,
 )
-from fedsim.method.distill import DistillConfig, distill, ensemble_teacher
-from fedsim.method.toolkit import GlobalModels, clone_state, evaluate_models, init_global_models, loaded_model
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.local import LocalTraining
-from fedsim.training.train import evaluate_classifier, predict_logits
 
 
 @dataclass

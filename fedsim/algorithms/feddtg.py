@@ -20,12 +20,9 @@ import torch.nn.functional as F
 
 from fedsim.algorithms._gan import bce, gen_optimizer, randn, step
 from fedsim.algorithms.fedgdkd import GEN, FedGDKD, FedGDKDParams
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_CHANNELS
-from fedsim.method.contract import ClientContext, register_algorithm
+from fedsim.method import SGD, ClientContext, batch_indices, knob, make_optimizer, register_algorithm
 from fedsim.models.thesis_nets import CNNDiscriminator
-from fedsim.training.optim import SGD
-from fedsim.training.train import batch_indices, make_optimizer
 
 DISC = "discriminator"
 

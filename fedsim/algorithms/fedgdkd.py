@@ -34,28 +34,34 @@ from fedsim.algorithms._personal import (
     test_shard,
     with_model,
 )
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS, MAX_ROUNDS, MAX_SAMPLES
 from fedsim.data import subsample as _subsample  # noqa: F401  (registers the thesis data view)
-from fedsim.method import mechanism
-from fedsim.method.aggregate import as_summable, average_by_arch
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
+    DistillConfig,
     Env,
     Message,
     Phase,
     RoundInfo,
     SummedUpdate,
+    as_summable,
+    average_by_arch,
+    batch_indices,
+    clone_state,
+    distill,
+    knob,
+    leave_one_out,
+    make_optimizer,
+    mechanism,
+    predict_logits,
     register_algorithm,
+    register_state,
+    soften,
 )
-from fedsim.method.distill import DistillConfig, distill, leave_one_out, soften
-from fedsim.method.toolkit import clone_state
 from fedsim.models.thesis_nets import build_generator
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.train import batch_indices, make_optimizer, predict_logits
 
 GEN = "generator"
 PHASES = (Phase("gan", "sum", broadcast="send_gan", client="gan_client", server="average_gan"),

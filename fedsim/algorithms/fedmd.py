@@ -22,12 +22,24 @@ import torch.nn.functional as F
 
 from fedsim.algorithms._personal import personal_model, score, test_shard, with_model
 from fedsim.algorithms.local_only import LocalOnly, PoolState, pool_data
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_BATCH, MAX_EPOCHS
-from fedsim.method import mechanism
-from fedsim.method.contract import Broadcast, ClientContext, ClientResult, Message, Phase, RoundInfo, register_algorithm
-from fedsim.method.distill import DistillConfig, distill, soften
-from fedsim.training.train import batch_indices, make_optimizer, predict_logits
+from fedsim.method import (
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    DistillConfig,
+    Message,
+    Phase,
+    RoundInfo,
+    batch_indices,
+    distill,
+    knob,
+    make_optimizer,
+    mechanism,
+    predict_logits,
+    register_algorithm,
+    soften,
+)
 
 
 @dataclass

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
-from fedsim.config.knobs import knob
-from fedsim.method.contract import register_algorithm
+from fedsim.method import knob, register_algorithm
 
 
 @dataclass

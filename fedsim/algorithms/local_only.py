@@ -24,23 +24,24 @@ from fedsim.algorithms._personal import (
     share_sample,
     with_model,
 )
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_EPOCHS
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
     Env,
+    LocalTraining,
     Message,
     Phase,
     RoundInfo,
+    Stage,
+    knob,
     register_algorithm,
+    register_state,
+    seeded_model,
+    train_classifier,
 )
-from fedsim.method.toolkit import seeded_model
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.local import LocalTraining, Stage
-from fedsim.training.train import train_classifier
 
 
 @dataclass

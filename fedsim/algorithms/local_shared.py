@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedsim.algorithms.local_only import LocalOnly, LocalOnlyParams
-from fedsim.config.knobs import knob
-from fedsim.method.contract import register_algorithm
+from fedsim.method import knob, register_algorithm
 
 
 @dataclass

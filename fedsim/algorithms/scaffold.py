@@ -21,24 +21,29 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from fedsim.config.knobs import knob
-from fedsim.errors import ConfigError
-from fedsim.method.aggregate import as_summable, split_by_arch
-from fedsim.method.contract import (
+from fedsim.method import (
     Algorithm,
     Broadcast,
     ClientContext,
     ClientResult,
+    ConfigError,
     Env,
     Message,
     Phase,
     RoundInfo,
+    State,
     SummedUpdate,
+    as_summable,
+    evaluate_models,
+    init_global_models,
+    knob,
+    make_optimizer,
+    new_model,
     register_algorithm,
+    register_state,
+    split_by_arch,
+    train_classifier,
 )
-from fedsim.method.toolkit import State, evaluate_models, init_global_models, new_model
-from fedsim.persist.checkpoint import register_state
-from fedsim.training.train import make_optimizer, train_classifier
 
 
 @dataclass

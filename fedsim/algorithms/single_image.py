@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 from fedsim import rng
 from fedsim.algorithms.feddf import DistillFLParams, FedDF
-from fedsim.config.knobs import knob
 from fedsim.config.limits import MAX_SAMPLES, MAX_SEED
 from fedsim.data.single_image import PatchPool, PatchSpec, patch_pool
-from fedsim.method.contract import Env, register_algorithm
+from fedsim.method import Env, knob, register_algorithm
 
 
 @dataclass

@@ -30,6 +30,10 @@ from fedsim.config.limits import (
 from fedsim.errors import ConfigError
 from fedsim.persist.storage import StorePath, location
 
+# config keys a resume may change: they change no number of the run (more rounds, another backend or worker count,
+# where results go, how it is tracked)
+RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
+
 
 @dataclass
 class PartitionConfig:

@@ -183,10 +183,3 @@ def check_generated(cfg: Any) -> None:
     if d.client_test != "none" and synthetic_options(check_options("synthetic", d.options))["n_test"] < 1:
         raise ConfigError("data.client_test: personal test shards are scaled from the central test set; "
                           "set data.options.n_test >= 1")
-    from fedsim.method.contract import get_algorithm
-
-    key = get_algorithm(cfg.algorithm.name).pooled_data_key(cfg)
-    if key is not None:
-        raise ConfigError(f"{key}: with it {cfg.algorithm.name}'s server reads the clients' pooled training data, "
-                          "which generated shards (data.partition.kind: generated) do not hold; change it or use a "
-                          "fixed dataset")

@@ -251,7 +251,7 @@ def generate_patches(image: np.ndarray, spec: PatchSpec) -> torch.Tensor:
     """
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise DataError(f"single image: expected an H×W×3 uint8 array, got {image.dtype} {image.shape}")
-    from fedsim.runtime.threads import torch_threads
+    from fedsim.threads import torch_threads
 
     with torch_threads(1):
         return _generate(image, spec)

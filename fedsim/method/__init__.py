@@ -7,8 +7,8 @@
 - registration: `register_algorithm`, `register_state` (dataclasses kept in server or client state),
   `register_model`, `register_dataset`, and `knob` for a method's parameters;
 - local training as data (`LocalTraining`, `Stage`), which workers may batch (`Phase(..., local_training=True)`);
-- aggregation (exact, order-independent weighted sums), global-model helpers, knowledge distillation, and the
-  mechanism-column helpers (`mechanism`).
+- aggregation (exact, order-independent weighted sums), global-model helpers, knowledge distillation, the
+  training loop's pieces (optimizers, batches, evaluation) and the mechanism-column helpers (`mechanism`).
 
 Importing this module imports no method (built-ins register when a config first names one).
 """
@@ -16,7 +16,8 @@ Importing this module imports no method (built-ins register when a config first 
 from fedsim import rng
 from fedsim.config.knobs import knob
 from fedsim.data.registry import Dataset, register_dataset
-from fedsim.method import mechanism
+from fedsim.errors import AlgorithmError, ConfigError
+from fedsim.method import mechanism, toolkit
 from fedsim.method.aggregate import (
     WEIGHT_KEY,
     as_summable,
@@ -66,14 +67,25 @@ from fedsim.method.toolkit import (
 from fedsim.models.registry import Classifier, register_model
 from fedsim.persist.checkpoint import register_state
 from fedsim.training.local import LocalTraining, Stage
-from fedsim.training.train import clip_logits
+from fedsim.training.optim import SGD, Adam, CosineAnnealing
+from fedsim.training.train import (
+    batch_indices,
+    batchnorm_stats_kept,
+    clip_logits,
+    evaluate_classifier,
+    make_optimizer,
+    predict_logits,
+    train_classifier,
+)
 
 __all__ = [
+    "SGD", "Adam", "AlgorithmError", "ConfigError", "CosineAnnealing", "batch_indices", "batchnorm_stats_kept",
+    "evaluate_classifier", "make_optimizer", "predict_logits", "train_classifier",
     "WEIGHT_KEY", "Algorithm", "Broadcast", "Classifier", "ClientContext", "ClientData", "ClientResult", "Dataset",
     "DistillConfig", "Env", "GlobalModels", "LocalTraining", "Message", "Models", "Phase", "RoundInfo", "Stage",
     "State", "SummedUpdate", "algorithm_names", "as_summable", "average_by_arch", "clip_logits", "clone_state",
     "distill", "domain_weights", "ensemble_teacher", "evaluate_models", "evaluation_model", "get_algorithm",
-    "init_global_models", "kd_loss", "knob", "leave_one_out", "loaded_model", "mechanism", "move_toward",
+    "init_global_models", "kd_loss", "knob", "leave_one_out", "loaded_model", "mechanism", "move_toward", "toolkit",
     "new_model", "register_algorithm", "register_dataset", "register_model", "register_state", "rng",
     "seeded_model", "soften", "split_by_arch", "sum_by_arch", "weighted_average", "weighted_sum",
 ]

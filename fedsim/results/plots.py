@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from fedsim.config.schema import RESUME_SAFE
 from fedsim.errors import CheckpointError, FedsimError
 from fedsim.results.tables import model_metric
-from fedsim.runtime.rundir import RESUME_SAFE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -16,8 +16,8 @@ from fedsim.method.contract import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
-from fedsim.runtime.threads import client_threads, server_threads, torch_threads
 from fedsim.runtime.worker import ClientWorker, WorkerReply
+from fedsim.threads import client_threads, server_threads, torch_threads
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig

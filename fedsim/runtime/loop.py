@@ -21,7 +21,7 @@ import pandas as pd
 
 from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
-from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
+from fedsim.errors import AlgorithmError, CheckpointError, FedsimError, RunFailedError
 from fedsim.method.contract import Phase, RoundInfo, get_algorithm
 from fedsim.persist.checkpoint import load_run_checkpoint, state_mismatch
 from fedsim.persist.storage import Location, StorePath, location
@@ -109,6 +109,8 @@ class Simulation:
     def __init__(self, cfg: RunConfig, backend: Backend, run_dir: Location, inputs: Inputs | None = None) -> None:
         self.cfg, self.backend, self.run_dir = cfg, backend, run_dir
         self.inputs = inputs or Inputs()
+        self.failed_steps = 0  # client steps that failed, and the rounds they failed in
+        self.failed_rounds: set[int] = set()
         self.ckpt_path = run_dir / "checkpoints" / "last.pt"
 
     def setup(self) -> None:
@@ -298,8 +300,23 @@ class Simulation:
             self.replace_workers(sorted(failed))
         if skip:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
-        rec.client_rows.extend(sorted(rows, key=lambda x: x["client"]))
+        rows.sort(key=lambda x: x["client"])
+        rec.client_rows.extend(rows)
+        self.note_failures(rec.round, phase.name, [r for r in rows if r["client"] in set(clients)])
         return replies
+
+    def note_failures(self, round: int, phase: str, ran: list[dict]) -> None:
+        """Count the failed clients among the rows of those that ran; when every one failed, stop the run naming the
+        first one's error (a method or data fault, not one client's bad luck)."""
+        failed = [r for r in ran if r["status"] == "failed"]
+        self.failed_steps += len(failed)
+        if failed:
+            self.failed_rounds.add(round)
+        if ran and len(failed) == len(ran):
+            first = failed[0]
+            raise RunFailedError(f"round {round}, phase {phase!r}: every client failed ({len(failed)} of "
+                                 f"{len(ran)}); the first, client {first['client']}: "
+                                 f"{first.get('error', 'no result')}")
 
     def replace_workers(self, ws: list[int]) -> None:
         """Restart dead workers, together; their clients get their states back from the last checkpoint, if any
@@ -386,6 +403,10 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     finally:
         with shielded():
             try:
+                if sim.failed_steps and status != "failed":
+                    log.warning("%d client step(s) failed in %d round(s); their errors and tracebacks are in %s "
+                                "(rows with status 'failed')", sim.failed_steps, len(sim.failed_rounds),
+                                run_dir / "clients.parquet")
                 if info is not None:
                     _end(hooks, info, status)
             finally:

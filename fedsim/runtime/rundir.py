@@ -20,12 +20,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from fedsim.config.schema import RunConfig, config_to_dict, read_yaml
+from fedsim.config.schema import RESUME_SAFE, RunConfig, config_to_dict, read_yaml
 from fedsim.configure import load_config, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 from fedsim.persist.storage import Location, check_reachable, location, remove_tree
 
-RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
 

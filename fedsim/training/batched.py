@@ -376,7 +376,8 @@ def _noise(gens: list[torch.Generator], shapes: list[tuple[int, ...]], lengths: 
 @torch.no_grad()
 def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], mom: dict[str, torch.Tensor],
               fresh: torch.Tensor, a: int, lr: float, momentum: float, decay: float) -> None:
-    """fedsim.training.optim.SGD's update on the first `a` clients' stacks; `fresh` clients start their momentum anew."""
+    """fedsim.training.optim.SGD's update on the first `a` clients' stacks; `fresh` clients start their momentum
+    anew."""
     for name, g in grads.items():
         p = params[name][:a]
         d = g if decay == 0 else g.add(p, alpha=decay)

@@ -14,7 +14,7 @@ from fedsim.algorithms.feddf import scheduled_steps
 from fedsim.algorithms.single_image import SingleImage
 from fedsim.data.proxy import split_test_halves
 from fedsim.errors import ConfigError
-from fedsim.method.contract import ClientResult, Phase, RoundInfo, toolkit
+from fedsim.method import ClientResult, Phase, RoundInfo, toolkit
 from fedsim.results.tables import load
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server

@@ -93,7 +93,7 @@ def test_local_clients_and_server_get_the_threads_they_would_get_on_ray(make_con
     import torch
 
     from fedsim.algorithms.fedavg import FedAvg
-    from fedsim.runtime.threads import process_cpus
+    from fedsim.threads import process_cpus
 
     seen: dict[str, set[int]] = {"client": set(), "server": set()}
     step, server_step = FedAvg.client_step, FedAvg.server_step
