@@ -108,14 +108,13 @@ def together(monkeypatch) -> list[int]:
 def isolated():
     """Registries and plugin modules as they were before the test, so a plugin (the example's, which a config
     naming it imports) never leaks into other tests."""
-    import fedsim.algorithms  # noqa: F401
-    import fedsim.data.datasets  # noqa: F401
-    import fedsim.models  # noqa: F401
-    from fedsim import plugins
+    from fedsim import registry
 
-    before, modules = plugins._registries(), set(sys.modules)
+    for kind in registry.KINDS:
+        registry.load_builtins(kind)
+    before, modules = registry.snapshot(), set(sys.modules)
     yield
-    plugins._restore(before)
+    registry.restore(before)
     for name in set(sys.modules) - modules:
         if name == "my_method" or _plugin_file(getattr(sys.modules[name], "__file__", None) or ""):
             del sys.modules[name]

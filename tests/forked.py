@@ -27,7 +27,9 @@ ROOT = str(Path(__file__).resolve().parents[1])
 SERVER = r"""
 import gc, json, os, runpy, signal, sys, time, traceback
 import numpy, pandas, pyarrow.parquet, torch, yaml
-import fedsim.algorithms, fedsim.data.datasets, fedsim.models, fedsim.results.tables, fedsim.runtime.loop
+import fedsim.registry, fedsim.results.tables, fedsim.runtime.loop
+for kind in fedsim.registry.KINDS:
+    fedsim.registry.load_builtins(kind)
 # not the commands' own modules: runpy runs those as __main__, and warns about one already imported
 
 def child(req):

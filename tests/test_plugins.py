@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fedsim import plugins
+from fedsim import plugins, registry
 from fedsim.configure import load_config
 from fedsim.errors import ConfigError
 from fedsim.persist.checkpoint import load_run_checkpoint
@@ -149,7 +149,7 @@ def test_plugins_key_shapes(isolated, tmp_path):
     package.mkdir()
     _write(package, "__init__.py", REGISTERS.format(name="pkg_model"))
     cfg = load_config(_write(tmp_path, "p.yaml", PLAIN + "plugins: [pkg_plugin]\nmodel: {name: cnn}\n"))
-    assert cfg.plugins == [str(package)] and "model pkg_model" in plugins.registered_by("pkg_plugin")
+    assert cfg.plugins == [str(package)] and "model pkg_model" in registry.registered_by("pkg_plugin")
     assert plugins.shipped_paths(cfg.plugins) == [str(package)]
     again = load_config(_write(tmp_path, "q.yaml", PLAIN + f"plugins: [{package}]\n"))  # loaded once, kept
     assert again.plugins == [str(package)]

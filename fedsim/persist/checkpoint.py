@@ -63,7 +63,8 @@ def pack(obj: Any) -> Any:
         cls = type(obj)
         tag = state_tag(cls)
         if _STATES.get(tag) is not cls:
-            raise TypeError(f"{tag} is not a registered state class; decorate it with fedsim.method.register_state")
+            raise TypeError(f"{tag} is not a registered state class; decorate it with @register_state "
+                            "(fedsim.method)")
         return {_CLS: tag, **{f.name: pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
     if isinstance(obj, np.ndarray):
         return {_ND: torch.from_numpy(np.ascontiguousarray(obj))}

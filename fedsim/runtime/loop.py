@@ -23,7 +23,7 @@ from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError, RunFailedError
 from fedsim.method.contract import Phase, RoundInfo, get_algorithm
-from fedsim.persist.checkpoint import load_run_checkpoint, state_mismatch
+from fedsim.persist.checkpoint import load_run_checkpoint, pack, state_mismatch
 from fedsim.persist.storage import Location, StorePath, location
 from fedsim.results.tables import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply, owner
@@ -131,6 +131,11 @@ class Simulation:
         self.startup_s = time.perf_counter() - t0
         if self.inputs.initial_state is not None:
             self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
+        try:  # a state class missing @register_state fails now, not at round 0's checkpoint
+            pack(self.backend.server.get_state())
+        except TypeError as exc:
+            raise AlgorithmError(f"{self.cfg.algorithm.name}: its server state cannot be checkpointed: {exc}") \
+                from None
 
     def describe(self) -> dict:
         """The backend as meta.json records it."""
