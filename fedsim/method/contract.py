@@ -40,9 +40,9 @@ class Phase:
     leave them unset and override the hooks `broadcast`, `client_step` and `server_step` directly.
 
     `local_training=True` opts the phase in to batching: its client step is the method's `local_training(...)`
-    plan, run by the worker, which may train many clients of one architecture together
-    (`runtime.batch_clients`). Such a phase names no client handler, and the class keeps Algorithm's
-    `client_step`.
+    plan, which the worker may train together with other clients of one architecture (`runtime.batch_clients`).
+    Such a phase names no client handler, and the class keeps Algorithm's `client_step`: a variant that wraps the
+    client step declares its phase without `local_training` (check_phase refuses the mix).
     """
 
     name: str
@@ -241,19 +241,18 @@ class Algorithm:
         return self.handler(phase, "broadcast")(state, info)
 
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
-        if phase.local_training:
+        """The phase's client handler; for a phase that names none, the method's `local_training` plan, run."""
+        if phase.client is None:
             plan = self.local_training(phase, state, msg, ctx)
-            if plan is None:
-                raise AlgorithmError(f"{type(self).__name__}.local_training returned None for phase {phase.name!r}, "
-                                     "which declares local_training=True")
-            return plan.run()
+            if plan is not None:
+                return plan.run()
         return self.handler(phase, "client")(state, msg, ctx)
 
     def local_training(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                        ctx: ClientContext) -> LocalTraining | None:
-        """The client step of a phase that declares `local_training=True`, as plain local training of a classifier
-        (fedsim.training.local): the worker runs it, or trains many clients of one architecture together
-        (`runtime.batch_clients`)."""
+        """A phase's client step as plain local training of a classifier (fedsim.training.local), or None. Where the
+        phase names no client handler, `client_step` runs it; where the phase declares `local_training=True`, the
+        worker may instead train many clients of one architecture together (`runtime.batch_clients`)."""
         return None
 
     def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict[str, Any]]:
@@ -284,7 +283,7 @@ class Algorithm:
                                  "client_step (override local_training instead, or leave local_training unset)")
         for side, hook in (("client", "client_step"), ("server", "server_step"), ("broadcast", "broadcast")):
             name = getattr(phase, side)
-            if side == "client" and phase.local_training:
+            if side == "client" and (phase.local_training or cls.local_training is not Algorithm.local_training):
                 continue
             if name is None:
                 if side != "broadcast" and getattr(cls, hook) is getattr(Algorithm, hook):

@@ -17,7 +17,7 @@ from fedsim.method.aggregate import (
     sum_by_arch,
     weighted_average,
 )
-from fedsim.method.contract import RoundInfo, register_algorithm
+from fedsim.method.contract import Phase, RoundInfo, register_algorithm
 from fedsim.method.sums import WeightedSum
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
@@ -106,6 +106,9 @@ class _Misfit(FedAvg):
     """FedAvg whose client 1 uploads a first layer of the wrong shape."""
 
     name = "misfit_test"
+
+    def phases(self, round):  # it wraps the client step: its phase is no batching opt-in
+        return [Phase("train", "sum")]
 
     def client_step(self, phase, state, msg, ctx):
         res = super().client_step(phase, state, msg, ctx)

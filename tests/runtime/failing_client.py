@@ -20,10 +20,10 @@ class FailingClientFedAvg(FedAvg):
 
     name = "fedavg_failing_client"
 
-    def client_step(self, phase, state, msg, ctx):
+    def local_training(self, phase, state, msg, ctx):
         if (ctx.client_id, ctx.round) == (FAILING_CLIENT, FAILING_ROUND):
             raise ZeroDivisionError(f"client {ctx.client_id} divided by zero")
-        return super().client_step(phase, state, msg, ctx)
+        return super().local_training(phase, state, msg, ctx)
 
 
 class FailingClientWorkerActor(ClientWorkerActor):

@@ -27,6 +27,9 @@ class CountingAvg(FedAvg):
 
     name = "test_counting_avg"
 
+    def phases(self, round):  # it wraps the client step: its phase is no batching opt-in
+        return [Phase("train", "sum")]
+
     def client_step(self, phase, state, msg, ctx):
         res = super().client_step(phase, state, msg, ctx)
         visits = (state or {}).get("visits", 0) + 1

@@ -96,9 +96,9 @@ def test_local_clients_and_server_get_the_threads_they_would_get_on_ray(make_con
     from fedsim.threads import process_cpus
 
     seen: dict[str, set[int]] = {"client": set(), "server": set()}
-    step, server_step = FedAvg.client_step, FedAvg.server_step
+    step, server_step = FedAvg.local_training, FedAvg.server_step
 
-    def client_step(self, *args):
+    def local_training(self, *args):
         seen["client"].add(torch.get_num_threads())
         return step(self, *args)
 
@@ -106,7 +106,7 @@ def test_local_clients_and_server_get_the_threads_they_would_get_on_ray(make_con
         seen["server"].add(torch.get_num_threads())
         return server_step(self, *args)
 
-    monkeypatch.setattr(FedAvg, "client_step", client_step)
+    monkeypatch.setattr(FedAvg, "local_training", local_training)
     monkeypatch.setattr(FedAvg, "server_step", on_server)
     before = torch.get_num_threads()
     try:
