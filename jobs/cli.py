@@ -143,14 +143,14 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     import warnings
 
-    from fedsim.results.plots import plot_runs
+    from fedsim.results.plots import DuplicateRuns, plot_runs
     from fedsim.results.tables import SkippedRuns
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = plot_runs(args.runs, x=args.x, y=args.y, out=args.out)
-    for w in caught:  # folders without a readable table, one line; not numpy's or matplotlib's remarks on values
-        if issubclass(w.category, SkippedRuns):
+        out = plot_runs(args.runs, x=args.x, metrics=args.metrics, out=args.out, label=args.label, title=args.title)
+    for w in caught:  # the runs left out (unreadable; another's duplicate), a line each; not numpy's remarks
+        if issubclass(w.category, (SkippedRuns, DuplicateRuns)):
             print(f"fedsim: {w.message}", file=sys.stderr)
     print(out)
     return 0
@@ -217,11 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--clients", action="store_true", help="the per-client table instead of the rounds")
     show.add_argument("--rows", type=count(1), default=60, help="at most this many rows (the first and the last)")
     show.set_defaults(fn=cmd_show)
-    pl = sub.add_parser("plot", help="a metric of one or many runs as PNG, mean ± std over seeds")
+    pl = sub.add_parser("plot", help="metrics of one or many runs as PNG, a curve per setting, mean ± std over seeds")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders, folders of runs, or glob patterns")
-    pl.add_argument("--x", default="round", help="column of rounds.parquet on the x axis (default: round)")
-    pl.add_argument("--y", default="accuracy", help="column of rounds.parquet on the y axis (default: accuracy)")
-    pl.add_argument("--out", help="PNG path (default: RUN/<y>.png, or <y>.png in the runs' common folder)")
+    pl.add_argument("--x", default="round", help="x axis: round, virtual_time, or the bytes sent so far, bytes_up or "
+                                                 "bytes_down (default: round)")
+    pl.add_argument("--metric", "--y", dest="metrics", nargs="+", default=["accuracy"], metavar="METRIC",
+                    help="columns of rounds.parquet, a panel each (default: accuracy)")
+    pl.add_argument("--label", nargs="+", metavar="KEY",
+                    help="config keys whose values label the curves (default: the keys that differ, algorithm.name "
+                         "first)")
+    pl.add_argument("--title", help="the figure's title (default: the run's name, or how many runs)")
+    pl.add_argument("--out", help="PNG path (default: RUN/<metrics>.png, or <metrics>.png in the runs' common "
+                                  "folder)")
     pl.set_defaults(fn=cmd_plot)
     sw = sub.add_parser("sweep", help="run a sweep's runs as Ray Tune trials and write one table of mean ± std")
     sw.add_argument("sweep", help="sweep file (YAML)")
