@@ -34,15 +34,15 @@ test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
 
 bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload
 	$(BIN)/python -m bench.fedavg_bench --repeat 3
-	$(BIN)/python -m bench.report results/bench/fedavg.json --readme
+	$(BIN)/python -m bench.report results/bench/fedavg.json --docs
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
 	$(BIN)/python -m bench.scale_bench --repeat 2
-	$(BIN)/python -m bench.report results/bench/fedavg.json --readme
+	$(BIN)/python -m bench.report results/bench/fedavg.json --docs
 
-reproduce: $(STAMP)  ## rerun every method table of README.md (hours; resumes) and paste them into it
+reproduce: $(STAMP)  ## rerun every method table of the docs' method pages (hours; resumes) and paste them there
 	$(BIN)/python -m jobs.reproduce --jobs 2
-	$(BIN)/python -m jobs.reproduce --readme
+	$(BIN)/python -m jobs.reproduce --docs
 
 lint: $(STAMP)  ## ruff, then mypy over fedsim, actors and jobs (settings in setup.cfg)
 	$(BIN)/ruff check fedsim actors jobs tests bench
