@@ -11,8 +11,8 @@ import torch
 
 from fedsim.plugins import import_in_worker
 from fedsim.runtime.allocator import keep_freed_blocks
-from fedsim.threads import client_threads
 from fedsim.runtime.worker import ClientWorker
+from fedsim.threads import client_threads
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig

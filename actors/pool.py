@@ -33,8 +33,8 @@ from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
-from fedsim.threads import server_threads
 from fedsim.runtime.worker import WorkerReply
+from fedsim.threads import server_threads
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig

@@ -10,7 +10,6 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from fedsim.config import yaml_dialect
 from fedsim.config.knobs import from_dict
 from fedsim.config.schema import (
     AlgorithmConfig,
@@ -20,6 +19,7 @@ from fedsim.config.schema import (
     check_overrides,
     config_to_dict,
     read_yaml,
+    yaml_dialect,
 )
 from fedsim.data.generated import check_generated
 from fedsim.errors import ConfigError

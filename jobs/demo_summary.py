@@ -1,9 +1,10 @@
-"""`python -m jobs.demo_summary`: the README's account of `make run`, measured.
+"""`python -m jobs.demo_summary`: the getting-started guide's account of `make run`, measured.
 
 Runs `fedsim run configs/demo.yaml` in a fresh process, timed from its start to its exit (Ray's start and stop
-included), reads the run's tables, keeps the figures in `results/bench/demo.json` and writes README.md's
-`<!-- demo:headline -->` block from that file. `--check` only says whether the block matches the file (exit 1
-when not), as the test suite does; `--from RUN_DIR` summarises a run already made (its wall time unmeasured).
+included), reads the run's tables, keeps the figures in `results/bench/demo.json` and writes the
+`<!-- demo:headline -->` block of docs/getting-started.md from that file. `--check` only says whether the block
+matches the file (exit 1 when not), as the test suite does; `--from RUN_DIR` summarises a run already made (its
+wall time unmeasured).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jobs.args import OneLineParser
 from jobs.readme_blocks import paste_blocks, read_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "getting-started.md"
 SAVED = ROOT / "results" / "bench" / "demo.json"
 CONFIG = "configs/demo.yaml"
 TARGETS = (0.90, 0.95)
@@ -38,7 +39,7 @@ def rounds_to(accuracy: pd.Series, target: float) -> int | None:
 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
-    """The figures the README quotes, from one run folder's tables and config."""
+    """The figures the page quotes, from one run folder's tables and config."""
     from fedsim.results.tables import load
 
     tables = load(run_dir)  # one line naming the file for anything unreadable
@@ -85,7 +86,7 @@ def measure(out_root: Path) -> tuple[dict[str, Any], Path]:
 
 
 def render(s: dict[str, Any]) -> str:
-    """The README's sentences from the saved figures."""
+    """The page's sentences from the saved figures."""
     to90, to95 = s["rounds_to"]["0.90"], s["rounds_to"]["0.95"]
     reach = ", ".join(f"{int(t * 100)}% after {n} rounds" if n else f"never {int(t * 100)}%"
                       for t, n in ((0.90, to90), (0.95, to95)))
@@ -101,8 +102,8 @@ def render(s: dict[str, Any]) -> str:
 
 
 def stale() -> bool:
-    """Whether README.md's block differs from the saved figures."""
-    block = read_blocks(README.read_text(encoding="utf-8"), "demo").get("headline")
+    """Whether the page's block differs from the saved figures."""
+    block = read_blocks(PAGE.read_text(encoding="utf-8"), "demo").get("headline")
     return block != render(json.loads(SAVED.read_text(encoding="utf-8")))
 
 
@@ -110,20 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="python -m jobs.demo_summary", description=__doc__.splitlines()[0])
     ap.add_argument("--from", dest="run_dir", help="summarise this run folder instead of running the demo")
     ap.add_argument("--out", default="results", help="where the measured run's folder goes (default: results)")
-    ap.add_argument("--check", action="store_true", help="only check the README block against the saved file")
+    ap.add_argument("--check", action="store_true", help="only check the page's block against the saved file")
     args = ap.parse_args(argv)
     try:
         if args.check:
             if stale():
-                print("README.md's demo:headline block differs from results/bench/demo.json: run "
+                print(f"{PAGE.name}'s demo:headline block differs from results/bench/demo.json: run "
                       "`python -m jobs.demo_summary`", file=sys.stderr)
                 return 1
             return 0
         command = "python -m jobs.demo_summary"
         if not args.out:
             raise ConfigError("--out: give a folder, not an empty string")
-        if read_blocks(README.read_text(encoding="utf-8"), "demo").get("headline") is None:
-            raise ConfigError(f"{README}: no <!-- demo:headline --> block to write into")  # before a minute's run
+        if read_blocks(PAGE.read_text(encoding="utf-8"), "demo").get("headline") is None:
+            raise ConfigError(f"{PAGE}: no <!-- demo:headline --> block to write into")  # before a minute's run
         if args.run_dir is not None:
             if not args.run_dir:
                 raise ConfigError("--from: give a run folder, not an empty string")
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                        run=run_dir.name)
         SAVED.parent.mkdir(parents=True, exist_ok=True)
         SAVED.write_text(json.dumps(figures, indent=1) + "\n", encoding="utf-8")
-        paste_blocks(README, "demo", {"headline": render(figures)})
+        paste_blocks(PAGE, "demo", {"headline": render(figures)})
         print(render(figures), end="")
         return 0
     except (FedsimError, OSError, KeyError, ValueError) as exc:

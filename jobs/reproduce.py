@@ -1,15 +1,16 @@
-"""Rebuild every method table embedded in README.md from runs, with the paper's figure beside ours.
+"""Rebuild every method table of the docs' method pages from runs, with the paper's figure beside ours.
 
     python -m jobs.reproduce [--quick] [--only ID,...] [--seeds N] [--root DIR] [--fresh]
-    python -m jobs.reproduce --readme [--only ID,...] [--root DIR]
+    python -m jobs.reproduce --docs [--only ID,...] [--root DIR]
 
 configs/reproduce.yaml lists the tables: a sweep file (jobs.sweep) or DOSFL configs (jobs.dosfl_compare),
 their seeds, and per arm the paper's figure for the closest setting with its source. Each table is written
-as <root>/<id>.md (what README.md shows, stating data, budget, seeds, hardware, date, wall time and this
+as <root>/<id>.md (what its method page shows, stating data, budget, seeds, hardware, date, wall time and this
 command) and <root>/<id>.parquet (one row per arm, grid point and seed: every score and the run folder).
 Runs live in <root>/runs/, named by a hash of their config, so an interrupted reproduce resumes where it
 stopped. --quick (one seed, a few rounds, smaller sizes) writes to results/reproduce-quick/ and only checks
-that the command works. --readme pastes <root>/<id>.md between README.md's `<!-- reproduce:<id> -->` markers.
+that the command works. --docs pastes <root>/<id>.md between the `<!-- reproduce:<id> -->` markers of whichever
+page holds them (README.md or docs/**/*.md; the method pages, docs/methods/).
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ import pandas as pd
 
 from fedsim.config.knobs import from_dict, knob
 from fedsim.errors import ConfigError, FedsimError
-from jobs.readme_blocks import paste_blocks, read_blocks
+from jobs.readme_blocks import doc_pages, paste_blocks, read_page_blocks
 
 MANIFEST = Path("configs") / "reproduce.yaml"
-README = Path("README.md")
 ROOT = Path("results") / "reproduce"
 QUICK_ROOT = Path("results") / "reproduce-quick"
 SWEEP_SCORES = ("best", "final")
@@ -63,7 +63,7 @@ class MechanismCell:
 
 @dataclass
 class TableSpec:
-    id: str = knob("", doc="table name: README block <!-- reproduce:<id> --> and <root>/<id>.md")
+    id: str = knob("", doc="table name: docs block <!-- reproduce:<id> --> and <root>/<id>.md")
     sweep: str | None = knob(None, doc="sweep file (jobs.sweep) whose arms are the rows")
     dosfl: list[str] = knob([], doc="DOSFL configs compared with FedAvg (jobs.dosfl_compare), one row each")
     seeds: list[int] = knob([0, 1, 2], ge=0, doc="run seeds (the sweep file's own seeds are replaced)")
@@ -95,7 +95,7 @@ def load_manifest(path: str | Path = MANIFEST) -> Manifest:
 
 
 def read_manifest(path: str | Path = MANIFEST) -> Manifest:
-    """The manifest's shape and its tables' ids, what `--only` and `--readme` need: no algorithm is loaded (torch),
+    """The manifest's shape and its tables' ids, what `--only` and `--docs` need: no algorithm is loaded (torch),
     so a mistyped table id is refused at once."""
     from fedsim.config.schema import read_yaml
 
@@ -390,21 +390,24 @@ def reproduce(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | Non
     return dest
 
 
-def readme_blocks(text: str) -> dict[str, str]:
-    """The README's reproduce blocks: id -> the text between its markers."""
-    return read_blocks(text, "reproduce")
+def page_blocks(pages: list[Path]) -> dict[str, str]:
+    """The pages' reproduce blocks: id -> the text between its markers."""
+    for page in pages:
+        try:
+            page.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{page}: cannot be read as text "
+                              f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
+    return read_page_blocks(pages, "reproduce")
 
 
-def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
-    """Put <root>/<id>.md between README's markers for each id whose file exists; returns the ids pasted."""
-    try:
-        text = readme.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{readme}: cannot be read as text ({getattr(exc, 'strerror', None) or type(exc).__name__})"
-                          ) from None
-    missing = [i for i in ids if i not in readme_blocks(text)]
+def paste(pages: list[Path], root: Path, ids: list[str]) -> list[str]:
+    """Put <root>/<id>.md between the markers of the page that holds each id whose file exists; returns the ids
+    pasted."""
+    missing = [i for i in ids if i not in page_blocks(pages)]
     if missing:
-        raise ConfigError(f"{readme}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
+        where = str(pages[0]) if len(pages) == 1 else "README.md or docs/"
+        raise ConfigError(f"{where}: no <!-- reproduce:{missing[0]} --> ... <!-- /reproduce:{missing[0]} --> block")
     if not root.is_dir():
         raise ConfigError(f"--root {root}: no such folder of tables")
     pasted = [i for i in ids if (root / f"{i}.md").is_file()]
@@ -415,7 +418,7 @@ def paste(readme: Path, root: Path, ids: list[str]) -> list[str]:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{root / f'{i}.md'}: cannot be read as text "
                               f"({getattr(exc, 'strerror', None) or type(exc).__name__})") from None
-    paste_blocks(readme, "reproduce", tables)
+    paste_blocks(pages, "reproduce", tables)
     return pasted
 
 
@@ -440,12 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="rerun runs that already finished")
     p.add_argument("--jobs", type=_positive, default=1, metavar="N",
                    help="runs at a time, each in its own process (numbers do not depend on it)")
-    p.add_argument("--readme", action="store_true", help="paste <root>/<id>.md into README.md; runs nothing")
+    p.add_argument("--docs", action="store_true", help="paste <root>/<id>.md into the method pages; runs nothing")
     p.add_argument("--manifest", default=str(MANIFEST), help=argparse.SUPPRESS)
-    p.add_argument("--readme-file", default=str(README), help=argparse.SUPPRESS)
+    p.add_argument("--page", action="append", default=None, help=argparse.SUPPRESS)  # pages to paste into
     args = p.parse_args(argv)
-    if args.readme and args.quick:
-        p.error("--readme pastes the full tables; --quick tables never go into README.md")
+    if args.docs and args.quick:
+        p.error("--docs pastes the full tables; --quick tables never go into the docs")
     if args.root == "":
         p.error("argument --root: give a folder, not an empty string")
     root = Path(args.root or (QUICK_ROOT if args.quick else ROOT))
@@ -459,10 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--only: unknown table {unknown[0] if unknown else args.only!r}; "
                                   f"tables: {[t.id for t in tables]}")
             tables = [t for t in tables if t.id in wanted]
-        if args.readme:
-            pasted = paste(Path(args.readme_file), root, [t.id for t in tables])
+        if args.docs:
+            pages = [Path(p) for p in args.page] if args.page else doc_pages(Path("."))
+            pasted = paste(pages, root, [t.id for t in tables])
             skipped = [t.id for t in tables if t.id not in pasted]
-            print(f"pasted into {args.readme_file}: {', '.join(pasted) or 'nothing'}"
+            print(f"pasted into the docs: {', '.join(pasted) or 'nothing'}"
                   + (f"; no {root}/<id>.md yet for: {', '.join(skipped)}" if skipped else ""))
             return 0
         check_manifest(manifest, args.manifest)

@@ -17,7 +17,7 @@ one row of a DataFrame, written as parquet and markdown with a log-log plot of t
 
 `--repeat N` runs the whole sweep N times, interleaved, so a busy machine slows every point alike; `--save NAME`
 also writes the table as `results/bench/stress_NAME.csv` and `.md`, from which `python -m jobs.stress_readme`
-writes the README's scale tables.
+writes the scale tables of docs/scale.md.
 
 Also `python -m jobs.stress ...`, and as a Ray job: `ray job submit --working-dir . -- python -m jobs.stress ...`.
 """
@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1, help="run the sweep this many times, interleaved")
     p.add_argument("--out", help="output folder (default results/stress/<config>-<time>)")
     p.add_argument("--save", metavar="NAME", help="also write results/bench/stress_NAME.csv and .md (the files "
-                   "`python -m jobs.stress_readme` puts into README.md)")
+                   "`python -m jobs.stress_readme` puts into docs/scale.md)")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--workers", type=int, help="client workers")
     p.add_argument("--in-process", action="store_true", help="run every point in this process (tests)")

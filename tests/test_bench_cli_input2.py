@@ -182,7 +182,7 @@ def test_report_refuses_a_summary_that_is_not_a_regular_file_without_waiting(tmp
 
 
 @pytest.mark.parametrize("readme", ["", "missing.md", "folder", "bytes.md", "gpu-bytes"])
-def test_report_readme_refusals_are_one_line_and_touch_nothing(tmp_path, capsys, readme):
+def test_report_docs_refusals_are_one_line_and_touch_nothing(tmp_path, capsys, readme):
     summary = summary_file(tmp_path)
     (tmp_path / "folder").mkdir()
     (tmp_path / "bytes.md").write_bytes(b"\xff\xfe\x00\x9c" * 64)
@@ -192,8 +192,8 @@ def test_report_readme_refusals_are_one_line_and_touch_nothing(tmp_path, capsys,
         (tmp_path / "gpu.md").write_bytes(b"# t\n\xff\xfe\x9c\n")
         readme = "README.md"
     target = str(tmp_path / readme) if readme else ""
-    refused(report.main, "report", [str(summary), "--readme", target], "gpu.md" if readme == "README.md" else
-            "--readme", capsys)
+    refused(report.main, "report", [str(summary), "--docs", target], "gpu.md" if readme == "README.md" else
+            "--docs", capsys)
     assert (tmp_path / "README.md").read_text() == good and not (tmp_path / "missing.md").exists()
     assert (tmp_path / "bytes.md").read_bytes() == b"\xff\xfe\x00\x9c" * 64
 

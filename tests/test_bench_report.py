@@ -1,5 +1,5 @@
-"""The README's speed block: written from results/bench/fedavg.json by `bench.report --readme`, with every target
-ratio marked met or not from the same invocation's medians."""
+"""The speed blocks of docs/performance.md and README.md: written from results/bench/fedavg.json by
+`bench.report --docs`, with every target ratio marked met or not from the same invocation's medians."""
 
 from __future__ import annotations
 
@@ -60,49 +60,67 @@ def test_targets_are_ratios_marked_met_or_not():
     assert row(lines, "fedsim Ray shutdown over Ray's own, 1.40 s") == ["+0.10 s met", "-0.20 s met"]
 
 
-def test_readme_option_rewrites_only_the_bench_block(tmp_path):
+def test_docs_option_rewrites_only_the_bench_blocks(tmp_path):
     import json
 
     summary = tmp_path / "fedavg.json"
     summary.write_text(json.dumps(crafted()))
     readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench:fedavg -->\nold\n<!-- /bench:fedavg -->\n"
+    readme.write_text("intro\n<!-- bench:headline -->\nold\n<!-- /bench:headline -->\n"
                       "<!-- reproduce:x -->\nkeep\n<!-- /reproduce:x -->\n")
-    assert report.main([str(summary), "--readme", str(readme)]) == 0
+    page = tmp_path / "performance.md"
+    page.write_text("<!-- bench:fedavg -->\nold\n<!-- /bench:fedavg -->\n")
+    assert report.main([str(summary), "--docs", str(readme), str(page)]) == 0
     text = readme.read_text()
     assert read_blocks(text, "reproduce") == {"x": "keep\n"}
-    body = read_blocks(text, "bench")["fedavg"]
-    assert body == report.readme_block(report.read_summary(summary), str(summary))
+    data = report.read_summary(summary)
+    body = read_blocks(page.read_text(), "bench")["fedavg"]
+    assert body == report.speed_block(data, str(summary))
     assert "| fedsim local / pfl, s/round (≤ 1x) | 1.10x **not met** | n/a |" in body
-    assert report.main([str(summary), "--readme", str(readme)]) == 0 and readme.read_text() == text  # idempotent
+    headline = read_blocks(text, "bench")["headline"]
+    assert headline == report.headline_block(data, str(summary))
+    assert "| fedsim, one process | 1.10 (9.0) | 0.14 (3.0) |" in headline  # s/round (total s) per config
+    assert "| pfl-research, one process | 1.00 (10.0) | n/a |" in headline  # C has no pfl run
+    assert report.main([str(summary), "--docs", str(readme), str(page)]) == 0 and readme.read_text() == text
 
 
-def test_readme_without_the_block_is_one_line_and_untouched(tmp_path):
+def test_pages_without_the_block_are_one_line_and_untouched(tmp_path):
     import json
 
     summary = tmp_path / "fedavg.json"
     summary.write_text(json.dumps(crafted()))
     readme = tmp_path / "README.md"
     readme.write_text("no block here\n")
-    proc = subprocess.run([sys.executable, "-m", "bench.report", str(summary), "--readme", str(readme)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.report", str(summary), "--docs", str(readme)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and readme.read_text() == "no block here\n"
     assert proc.stderr.strip() == f"bench.report: error: {readme}: no <!-- bench:fedavg --> ... " \
                                   "<!-- /bench:fedavg --> block"
 
 
-def test_readme_speed_block_is_the_committed_summary():
-    blocks = read_blocks((ROOT / "README.md").read_text(encoding="utf-8"), "bench")
-    assert "fedavg" in blocks, "README.md has no <!-- bench:fedavg --> block"
-    expected = report.readme_block(report.read_summary(SUMMARY), "results/bench/fedavg.json")
-    assert blocks["fedavg"] == expected, "README.md's speed table differs from results/bench/fedavg.json: " \
-                                         "run `python -m bench.report results/bench/fedavg.json --readme`"
+PERFORMANCE = ROOT / "docs" / "performance.md"
+AGAIN = "run `python -m bench.report results/bench/fedavg.json --docs`"
 
 
-def test_readme_scale_block_is_the_committed_scale_report():
+def test_the_performance_page_speed_block_is_the_committed_summary():
+    blocks = read_blocks(PERFORMANCE.read_text(encoding="utf-8"), "bench")
+    assert "fedavg" in blocks, "docs/performance.md has no <!-- bench:fedavg --> block"
+    expected = report.speed_block(report.read_summary(SUMMARY), "results/bench/fedavg.json")
+    assert blocks["fedavg"] == expected, f"docs/performance.md's speed table differs from its summary: {AGAIN}"
+
+
+def test_the_readme_headline_is_the_committed_summary():
     blocks = read_blocks((ROOT / "README.md").read_text(encoding="utf-8"), "bench")
-    assert "scale" in blocks, "README.md has no <!-- bench:scale --> block"
-    expected = report.markdown_block(ROOT / "results" / "bench" / "scale.md")
-    assert expected.splitlines()[1].startswith("Command: `python -m bench.scale_bench")  # the title is dropped
-    assert blocks["scale"] == expected, "README.md's scale table differs from results/bench/scale.md: " \
-                                        "run `python -m bench.report results/bench/fedavg.json --readme`"
+    assert "headline" in blocks, "README.md has no <!-- bench:headline --> block"
+    expected = report.headline_block(report.read_summary(SUMMARY), "results/bench/fedavg.json")
+    assert 4 <= expected.count("\n| ") - 1 <= 6  # a headline of 4 to 6 systems, not the full table
+    assert blocks["headline"] == expected, f"README.md's headline differs from results/bench/fedavg.json: {AGAIN}"
+
+
+def test_the_performance_page_scale_and_gpu_blocks_are_the_committed_reports():
+    blocks = read_blocks(PERFORMANCE.read_text(encoding="utf-8"), "bench")
+    for name in ("scale", "gpu"):
+        assert name in blocks, f"docs/performance.md has no <!-- bench:{name} --> block"
+        expected = report.markdown_block(ROOT / "results" / "bench" / f"{name}.md")
+        assert expected.splitlines()[1].startswith("Command: `python -m bench.")  # the title is dropped
+        assert blocks[name] == expected, f"docs/performance.md's {name} table differs from its report: {AGAIN}"

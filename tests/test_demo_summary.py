@@ -1,4 +1,5 @@
-"""README.md's account of `make run` is written by `python -m jobs.demo_summary` from a measured run."""
+"""The getting-started guide's account of `make run` is written by `python -m jobs.demo_summary` from a measured
+run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from jobs import demo_summary
 
 
-def test_the_readme_block_is_the_saved_measurement() -> None:
+def test_the_page_block_is_the_saved_measurement() -> None:
     assert not demo_summary.stale(), "regenerate it with `python -m jobs.demo_summary`"
 
 
@@ -49,10 +50,10 @@ def test_a_target_never_reached_says_so(tmp_path) -> None:
 
 @pytest.fixture
 def readme_copy(tmp_path, monkeypatch):
-    """README.md and the saved figures redirected to copies, so a test never writes the real ones."""
-    readme = tmp_path / "README.md"
-    shutil.copy(demo_summary.README, readme)
-    monkeypatch.setattr(demo_summary, "README", readme)
+    """The page and the saved figures redirected to copies, so a test never writes the real ones."""
+    readme = tmp_path / "getting-started.md"
+    shutil.copy(demo_summary.PAGE, readme)
+    monkeypatch.setattr(demo_summary, "PAGE", readme)
     monkeypatch.setattr(demo_summary, "SAVED", tmp_path / "demo.json")
     return readme
 
@@ -99,10 +100,10 @@ def test_a_run_whose_config_is_not_a_runs_is_one_line_and_exit_2(readme_copy, tm
     (["--from", ""], None, "--from: give a run folder, not an empty string"),
     (["--out", ""], None, "--out: give a folder, not an empty string"),
     (["--from", "RUN"], "nan", "rounds.parquet: not the demo's table (it needs an accuracy for every round"),
-    (["--from", "RUN"], "no block", "README.md: no <!-- demo:headline --> block to write into"),
+    (["--from", "RUN"], "no block", "getting-started.md: no <!-- demo:headline --> block to write into"),
 ])
 def test_what_cannot_be_summarised_writes_nothing(readme_copy, tmp_path, capsys, args, damage, message) -> None:
-    """Neither the README nor the saved figures change, and a bad argument fails before the demo runs."""
+    """Neither the page nor the saved figures change, and a bad argument fails before the demo runs."""
     run = fake_run(tmp_path / "run", [0.5, float("nan") if damage == "nan" else 0.8], late=[0, 0])
     if damage == "no block":
         readme_copy.write_text("# no block here\n")

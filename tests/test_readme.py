@@ -1,5 +1,5 @@
-"""Every config key, file, command and config file that README.md names exists and loads: a renamed key or
-a moved file fails here instead of in front of a user."""
+"""Every config key, file, command and config file that README.md and the docs pages name exists and loads: a
+renamed key or a moved file fails here instead of in front of a user. (tests/test_docs.py runs their code blocks.)"""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from fedsim.configure import load_config
 from fedsim.errors import FedsimError
 from fedsim.method.contract import algorithm_names
 from jobs.cli import build_parser
+from jobs.readme_blocks import doc_pages
 from tests.conftest import ROOT
 
 REPO = Path(ROOT)
-TEXT = (REPO / "README.md").read_text(encoding="utf-8")
+GENERATED = {"config.md", "mechanism.md"}  # written from the code itself: every key there exists
+TEXT = "\n".join(p.read_text(encoding="utf-8") for p in doc_pages(REPO) if p.name not in GENERATED)
 SPANS = re.findall(r"`([^`\n]+)`", TEXT)
 BLOCK_LINES = [line.strip() for block in re.findall(r"```[a-z]*\n(.*?)```", TEXT, re.S) for line in block.splitlines()]
 SECTIONS = {f.name for f in dataclasses.fields(RunConfig)}
@@ -69,9 +71,9 @@ def test_every_config_key_named_exists_and_its_value_loads(key, value) -> None:
     known = _known_keys()
     free = ("data.options.", "model.options.")  # loader/builder options: checked by loading them below
     assert key in known or any(k.startswith(key + ".") for k in known) or key.startswith(free), \
-        f"README names unknown key {key!r}"
+        f"the docs name unknown key {key!r}"
     if value is not None:
-        assert _loads(key, value), f"README's `{key}: {value}` does not load"
+        assert _loads(key, value), f"the docs' `{key}: {value}` does not load"
 
 
 def _commands() -> list[str]:
@@ -123,8 +125,17 @@ def test_every_command_names_a_real_entry_point_and_real_files(command, isolated
                 load_config(REPO / arg, overrides)  # the config and its -o overrides load
 
 
-def test_every_file_the_readme_names_exists() -> None:
-    named = {s for s in SPANS if re.match(r"(configs|bench|jobs|fedsim|docs|tests|actors|examples)/\S*$", s)}
-    assert len(named) > 20  # the README's paths were found: the check below has something to check
+def test_every_file_the_docs_name_exists() -> None:
+    named = {s for s in SPANS if re.match(r"(configs|bench|jobs|fedsim|docs|tests|actors|examples|results)/\S*$", s)
+             and not re.match(r"results/(?!README|bench/|reproduce/)", s)}  # results/<run>: what a run writes
+    assert len(named) > 20  # the pages' paths were found: the check below has something to check
     missing = [p for p in named if "<" not in p and not glob.glob(str(REPO / p))]
-    assert not missing, f"README names missing files: {missing}"
+    assert not missing, f"the docs name missing files: {missing}"
+
+
+def test_every_link_between_pages_finds_its_page() -> None:
+    """The README's links into docs/ (the site's own links are checked by `mkdocs build --strict`)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme)
+    assert len(links) > 10
+    assert not [link for link in links if not (REPO / link).is_file()], links

@@ -1,4 +1,4 @@
-"""jobs.reproduce: the manifest, the paper and direction columns, empty cells past the rounds run, README blocks,
+"""jobs.reproduce: the manifest, the paper and direction columns, empty cells past the rounds run, docs blocks,
 and the whole command end to end in --quick mode."""
 
 from __future__ import annotations
@@ -228,39 +228,39 @@ def test_a_figure_for_one_grid_point_needs_the_references_figure_at_that_point(t
         rp.load_manifest(write_manifest(tmp_path, bad))
 
 
-# ---- README blocks ----
+# ---- method page blocks ----
 
-def test_every_table_has_a_readme_block_equal_to_its_generated_file() -> None:
-    blocks = rp.readme_blocks((REPO / "README.md").read_text(encoding="utf-8"))
+def test_every_table_has_a_method_page_block_equal_to_its_generated_file() -> None:
+    blocks = rp.page_blocks(sorted((REPO / "docs" / "methods").glob("*.md")))
     m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
     for t in m.tables:
-        assert t.id in blocks, f"README.md has no <!-- reproduce:{t.id} --> block"
+        assert t.id in blocks, f"no method page has a <!-- reproduce:{t.id} --> block"
         generated = REPO / "results" / "reproduce" / f"{t.id}.md"
         if generated.is_file():
             assert blocks[t.id] == generated.read_text(encoding="utf-8"), \
-                f"README.md's {t.id} table differs from {generated}: run `python -m jobs.reproduce --readme`"
+                f"the method page's {t.id} table differs from {generated}: run `python -m jobs.reproduce --docs`"
         else:  # a table the command has not made yet says so
-            assert blocks[t.id].startswith("Not yet regenerated"), f"README.md's {t.id} table has no generated file"
+            assert blocks[t.id].startswith("Not yet regenerated"), f"the {t.id} table has no generated file"
 
 
-def test_paste_replaces_only_the_blocks_with_a_generated_file(tmp_path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- reproduce:a -->\nold a\n<!-- /reproduce:a -->\nmiddle\n"
-                      "<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\nend\n")
+def test_paste_replaces_only_the_blocks_with_a_generated_file_on_the_page_that_holds_each(tmp_path) -> None:
+    pages = [tmp_path / "one.md", tmp_path / "two.md"]
+    pages[0].write_text("intro\n<!-- reproduce:a -->\nold a\n<!-- /reproduce:a -->\nend\n")
+    pages[1].write_text("<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\n")
     (tmp_path / "a.md").write_text("| new | a |\n")
-    assert rp.paste(readme, tmp_path, ["a", "b"]) == ["a"]
-    text = readme.read_text()
-    assert text == ("intro\n<!-- reproduce:a -->\n| new | a |\n<!-- /reproduce:a -->\nmiddle\n"
-                    "<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\nend\n")
-    assert rp.paste(readme, tmp_path, ["a"]) == ["a"] and readme.read_text() == text  # idempotent
+    assert rp.paste(pages, tmp_path, ["a", "b"]) == ["a"]
+    text = pages[0].read_text()
+    assert text == "intro\n<!-- reproduce:a -->\n| new | a |\n<!-- /reproduce:a -->\nend\n"
+    assert pages[1].read_text() == "<!-- reproduce:b -->\nold b\n<!-- /reproduce:b -->\n"
+    assert rp.paste(pages, tmp_path, ["a"]) == ["a"] and pages[0].read_text() == text  # idempotent
     with pytest.raises(ConfigError, match="no <!-- reproduce:c -->"):
-        rp.paste(readme, tmp_path, ["c"])
+        rp.paste(pages, tmp_path, ["c"])
     with pytest.raises(ConfigError, match=f"--root {tmp_path / 'none'}: no such folder of tables"):
-        rp.paste(readme, tmp_path / "none", ["a"])  # a mistyped root pastes nothing, and says so
+        rp.paste(pages, tmp_path / "none", ["a"])  # a mistyped root pastes nothing, and says so
     (tmp_path / "a.md").write_bytes(b"\xff\xfe not text")
     with pytest.raises(ConfigError, match=r"a\.md: cannot be read as text \(UnicodeDecodeError\)"):
-        rp.paste(readme, tmp_path, ["a"])
-    assert readme.read_text() == text
+        rp.paste(pages, tmp_path, ["a"])
+    assert pages[0].read_text() == text
 
 
 def test_a_table_that_cannot_be_written_after_its_runs_is_one_line(tmp_path, monkeypatch, capsys) -> None:
@@ -286,11 +286,11 @@ def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("args,message", [(["--only", "nosuch"], "--only: unknown table 'nosuch'"),
                                           (["--only", ""], "--only: unknown table ''"),
-                                          (["--readme", "--quick"], "--quick tables never go into README"),
+                                          (["--docs", "--quick"], "--quick tables never go into the docs"),
                                           (["--seeds", "0"], "expected an integer >= 1"),
-                                          (["--readme", "--readme-file", "/no/such/README.md"],
+                                          (["--docs", "--page", "/no/such/README.md"],
                                            "/no/such/README.md: cannot be read as text"),
-                                          (["--readme", "--readme-file", "/"], "/: cannot be read as text"),
+                                          (["--docs", "--page", "/"], "/: cannot be read as text"),
                                           (["--manifest", "/no/such/m.yaml"], "error: config file not found: "
                                                                               "/no/such/m.yaml")])
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path, args, message) -> None:
@@ -336,9 +336,11 @@ def test_quick_reproduce_end_to_end_then_resume_then_paste(tmp_path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("reusing") == 10 + 6 and sorted(p.name for p in (root / "runs").iterdir()) == folders
 
-    readme = tmp_path / "README.md"
-    readme.write_text((REPO / "README.md").read_text(encoding="utf-8"))
-    pasted = run_cli("--readme", "--root", str(root), "--readme-file", str(readme))
+    pages = []
+    for page in sorted((REPO / "docs" / "methods").glob("*.md")):
+        pages.append(tmp_path / page.name)
+        pages[-1].write_text(page.read_text(encoding="utf-8"))
+    pasted = run_cli("--docs", "--root", str(root), *[a for p in pages for a in ("--page", str(p))])
     assert pasted.returncode == 0, pasted.stderr
-    blocks = rp.readme_blocks(readme.read_text())
+    blocks = rp.page_blocks(pages)
     assert all(blocks[t.id] == (root / f"{t.id}.md").read_text() for t in m.tables)
