@@ -44,8 +44,9 @@ reproduce: $(STAMP)  ## rerun every method table of the docs' method pages (hour
 	$(BIN)/python -m jobs.reproduce --jobs 2
 	$(BIN)/python -m jobs.reproduce --docs
 
-lint: $(STAMP)  ## ruff, then mypy over fedsim, actors and jobs (settings in setup.cfg)
-	$(BIN)/ruff check fedsim actors jobs tests bench
+lint: $(STAMP)  ## ruff, the layer contracts (import-linter, .importlinter), then mypy over fedsim, actors and jobs
+	$(BIN)/ruff check fedsim actors jobs tests bench examples
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/mypy
 
 docs: $(STAMP)  ## regenerate docs/config.md and docs/mechanism.md from the code, then build the site into site/

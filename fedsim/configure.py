@@ -10,6 +10,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from fedsim.config import yaml_dialect
 from fedsim.config.knobs import from_dict
 from fedsim.config.schema import (
     AlgorithmConfig,
@@ -19,7 +20,6 @@ from fedsim.config.schema import (
     check_overrides,
     config_to_dict,
     read_yaml,
-    yaml_dialect,
 )
 from fedsim.data.generated import check_generated
 from fedsim.errors import ConfigError

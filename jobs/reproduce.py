@@ -358,7 +358,8 @@ def run_folders(raw: pd.DataFrame) -> list[str]:
 
 def render(t: TableSpec, res: Result, seeds: list[int], command: str) -> str:
     """The table file: a generated-file note, the table, then what it was measured on and how to remake it."""
-    from jobs.sweep import finished_info, markdown
+    from jobs.cached_runs import finished_info
+    from jobs.sweep import markdown
 
     infos = [finished_info(f) for f in run_folders(res.raw)]
     wall = sum(i["wall_s"] for i in infos)

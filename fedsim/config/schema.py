@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import yaml
 
+from fedsim.config import yaml_dialect
 from fedsim.config.knobs import knob, shown, to_dict
 from fedsim.config.limits import (
     MAX_BATCH,
@@ -26,7 +27,6 @@ from fedsim.config.limits import (
     MAX_THREADS,
     MAX_WORKERS,
 )
-from fedsim.config.schema import yaml_dialect
 from fedsim.errors import ConfigError
 from fedsim.persist.storage import StorePath, location
 

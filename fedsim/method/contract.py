@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar, overload
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from fedsim.training.local import LocalTraining
 
 Reduce = Literal["each", "sum"]
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,13 @@ class RoundInfo:
 
 
 class Models(Protocol):
-    """The worker's model instances, one per architecture, reused by its clients."""
+    """The worker's module instances, reused by its clients: `get(arch)` is the client architecture's classifier,
+    `get(key, build)` any other module, built once by `build`."""
 
-    def get(self, arch: str) -> Classifier: ...
+    @overload
+    def get(self, key: str) -> Classifier: ...
+    @overload
+    def get(self, key: str, build: Callable[[], M]) -> M: ...
 
 
 @dataclass
