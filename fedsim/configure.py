@@ -21,7 +21,6 @@ from fedsim.config.schema import (
     config_to_dict,
     read_yaml,
 )
-from fedsim.data.generated import check_generated
 from fedsim.errors import ConfigError
 from fedsim.persist.io import atomic_write_text
 from fedsim.persist.storage import StorePath, location
@@ -90,6 +89,7 @@ def validate(cfg: RunConfig) -> None:
     check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
     if cfg.results.run_id is not None:
         check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
+    from fedsim.data.generated import check_generated  # imports torch: after the checks that need no registry
     from fedsim.data.registry import check_options
     from fedsim.models.registry import check_model_options
 

@@ -25,7 +25,7 @@ import sys
 sys.modules["faiss"] = None      # as if faiss-cpu were not installed: `import faiss` fails, find_spec says None
 sys.modules["medmnist"] = None
 import fedsim, fedsim.algorithms, fedsim.data.datasets, fedsim.algorithms._selection
-from fedsim.config.schema import load_config
+from fedsim.configure import load_config
 from fedsim.data.registry import dataset_names
 cfg = load_config(None, ["rounds=1"])
 print(cfg.algorithm.name, "pathmnist" in dataset_names(), "faiss" in sys.modules and sys.modules["faiss"] is not None)
@@ -96,7 +96,7 @@ def test_extras_declare_the_optional_dependencies():
     # faiss-gpu and faiss-cpu install the same `faiss` module: [gpu] must not bring faiss-cpu, nor [all] faiss-gpu
     assert not any("faiss-cpu" in r for r in extras["gpu"]) and not any("gpu" in r for r in extras["all"])
     makefile = (Path(ROOT) / "Makefile").read_text()
-    assert '-e ".[all,dev]"' in makefile
+    assert '-e ".[all,dev,docs]"' in makefile
 
 
 def _registry_reachable() -> bool:

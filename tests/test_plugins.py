@@ -120,7 +120,7 @@ REGISTERS = ("from fedsim.models.registry import register_model\n"
      "plugins: '{d}/broken.py' failed to import: broken.py line 2: ZeroDivisionError: division by zero"),
     ("typo.py", {"typo.py": "def f(:\n"}, "plugins: '{d}/typo.py' failed to import: typo.py line 1: SyntaxError"),
     ("quiet", {"quiet.py": "X = 1\n"}, "plugins: '{d}/quiet.py' registers nothing; decorate"),
-    ("clash", {"clash.py": "from fedsim.algorithms import register_algorithm\n"
+    ("clash", {"clash.py": "from fedsim.method import register_algorithm\n"
                            "from fedsim.algorithms.fedavg import FedAvg\n"
                            "@register_algorithm\nclass Mine(FedAvg):\n    name = 'fedavg'\n"},
      "plugins: '{d}/clash.py' registers algorithm 'fedavg', which fedsim already has"),

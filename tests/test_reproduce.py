@@ -108,9 +108,9 @@ def test_runs_are_named_by_their_config_and_an_unfinished_one_is_run_again(tmp_p
     monkeypatch.setattr(fedsim.runtime.loop, "run", lambda *a, **k: pytest.fail("ran a finished run again"))
     assert run_cached(small_config(tmp_path, rounds=2)) == folder
     monkeypatch.undo()
-    import jobs.sweep
+    import jobs.cached_runs
 
-    monkeypatch.setattr(jobs.sweep, "code_version", lambda: "other-code")  # fedsim's source changed
+    monkeypatch.setattr(jobs.cached_runs, "code_version", lambda: "other-code")  # fedsim's source changed
     (folder / "stale").write_text("x")
     assert run_cached(small_config(tmp_path, rounds=2)) == folder and not (folder / "stale").exists()
     assert finished_info(folder)["code"] == "other-code"

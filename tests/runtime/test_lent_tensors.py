@@ -46,7 +46,7 @@ class UploadsViews(FedAvg):
     name = "test_uploads_views"
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "each")]
+        return [Phase("train", "each", local_training=True)]
 
 
 def make(algorithm: str, *overrides: str) -> tuple[Server, ClientWorker]:
