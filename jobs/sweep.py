@@ -446,9 +446,9 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
     """One Ray instance for every Ray-backed config of a job (none if all run locally, unless `always`)."""
     started = False
     if always or any(c.runtime.backend == "ray" for c in configs):
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         import ray
 
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         from actors.boot import check_reachable, init_ray
         from actors.plugins import job_runtime_env
 
@@ -460,9 +460,7 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
         yield
     finally:
         if started:
-            from actors.boot import shutdown_ray
-
-            shutdown_ray()
+            ray.shutdown()
 
 
 def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:
