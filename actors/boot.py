@@ -16,6 +16,7 @@ import os
 import threading
 import warnings
 from collections.abc import Iterator
+from types import ModuleType
 
 from fedsim.errors import ConfigError, FedsimError
 
@@ -27,6 +28,23 @@ PROBE_TIMEOUT_S = 5.0
 START_NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster")
 
 _own_gcs: str | None = None  # the GCS address of the local Ray that init_ray started in this process
+
+
+def import_ray() -> ModuleType:
+    """`import ray` without Ray's native crash handler in this process (RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read
+    when Ray is imported): that handler also takes SIGTERM, printing a six-line stack dump and aborting the driver
+    instead of letting it stop with fedsim's one line and exit 143. The processes Ray starts keep it: the variable
+    is set only while Ray imports, unless the user set it. A Ray imported earlier is taken as it is."""
+    key = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+    mine = key not in os.environ
+    if mine:
+        os.environ[key] = "1"
+    try:
+        import ray
+    finally:
+        if mine:
+            os.environ.pop(key, None)
+    return ray
 
 
 def drop_client_timeout_warning() -> None:
@@ -97,11 +115,10 @@ def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
     children; joining a cluster starts none) is kept for `started_here`."""
     import signal
 
-    import ray
-
     from fedsim.runtime.signals import is_sigterm_handler
 
     global _own_gcs
+    ray = import_ray()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
     ours = in_main and is_sigterm_handler(previous)
@@ -140,7 +157,7 @@ class RayBoot:
         # the thread, it would interleave with the driver's torch import under the GIL and begin `ray.init` about a
         # second later (measured on 2 cores, 8 interleaved pairs: Ray up after 6.26 s against 6.73 s on average)
         try:
-            import ray  # noqa: F401
+            import_ray()
         except ImportError:
             pass  # the thread meets the same error, and `wait` reports it as a failed start
         self.address, self.runtime_env = address, runtime_env

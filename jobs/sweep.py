@@ -447,11 +447,10 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
     started = False
     if always or any(c.runtime.backend == "ray" for c in configs):
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        import ray
-
-        from actors.boot import check_reachable, init_ray
+        from actors.boot import check_reachable, import_ray, init_ray
         from actors.plugins import job_runtime_env
 
+        ray = import_ray()
         if not ray.is_initialized():  # the job carries every run's plugins to the trials and their workers
             check_reachable(configs[0].runtime.ray_address)
             started = True
