@@ -24,9 +24,10 @@ PROGRESS_EVERY_S = 10.0
 
 
 def joined_cluster() -> bool:
-    """Whether this driver joined a Ray it did not start (a cluster an autoscaler may grow)."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    return node is None or not getattr(node, "head", False)
+    """Whether this driver runs on a Ray that fedsim did not start for it (a cluster an autoscaler may grow)."""
+    from actors.boot import started_here
+
+    return not started_here()
 
 
 def fitting_workers(cfg: RunConfig) -> tuple[int, str]:

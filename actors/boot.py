@@ -1,29 +1,50 @@
 """Ray's start in the background: `ray.init` runs in a thread while the driver imports torch and loads the data,
 so a run's start-up costs about what Ray's own does rather than the sum of the two.
 
-This module imports nothing heavy, so that importing it delays nothing; `RayBoot` imports Ray itself in the
-calling thread before the background start (see there).
+Ray starts and stops through `ray.init` and `ray.shutdown` alone. fedsim adds a check that a cluster named by
+address answers (Ray retries an address where nothing listens for minutes), a one-line error for a start that
+fails, and silence for Ray's start-up notices that do not concern a run. This module imports nothing heavy, so
+that importing it delays nothing; `RayBoot` imports Ray itself in the calling thread before the background start
+(see there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from types import ModuleType
 
 from fedsim.errors import ConfigError, FedsimError
 
 PROBE_TIMEOUT_S = 5.0
-NODE_POLL_S = 0.02  # how often a local start asks the GCS whether its raylet has registered
-# how long it asks before Ray's own wait (raylet_start_wait_time_s, 30 s) takes over: a raylet that never registers
-# delays Ray's error by this, not by another 30 s
-NODE_WAIT_S = 5.0
 
-_THREAD_WARNING = "SIGTERM handler is not set"
+# Ray's notices at a start that a run's user has no use for: that a `ray.init` outside the main thread leaves
+# SIGTERM alone (what fedsim wants), and that a Ray started locally turned token authentication on by itself
+# (Ray's default; the README's cluster section says how a shared cluster uses tokens)
+START_NOTICES = ("SIGTERM handler is not set", "Token authentication is enabled for this Ray cluster")
+
+_own_gcs: str | None = None  # the GCS address of the local Ray that init_ray started in this process
+
+
+def import_ray() -> ModuleType:
+    """`import ray` without Ray's native crash handler in this process (RAY_DISABLE_FAILURE_SIGNAL_HANDLER, read
+    when Ray is imported): that handler also takes SIGTERM, printing a six-line stack dump and aborting the driver
+    instead of letting it stop with fedsim's one line and exit 143. The processes Ray starts keep it: the variable
+    is set only while Ray imports, unless the user set it. A Ray imported earlier is taken as it is."""
+    key = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"
+    mine = key not in os.environ
+    if mine:
+        os.environ[key] = "1"
+    try:
+        import ray
+    finally:
+        if mine:
+            os.environ.pop(key, None)
+    return ray
 
 
 def drop_client_timeout_warning() -> None:
@@ -33,17 +54,31 @@ def drop_client_timeout_warning() -> None:
                             module="ray.util.client")
 
 
-class _DropThreadWarning(logging.Filter):
-    """Ray warns that a `ray.init` outside the main thread leaves SIGTERM alone: that is what fedsim wants."""
-
+class _DropStartNotices(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return _THREAD_WARNING not in record.getMessage()
+        return not record.getMessage().startswith(START_NOTICES)
+
+
+@contextlib.contextmanager
+def quiet_start() -> Iterator[None]:
+    """While Ray starts, Python's last-resort handler leaves out START_NOTICES: `ray.init(configure_logging=False)`
+    takes the `ray` logger's own handler away, so that handler prints every warning of Ray's in the driver.
+    Everything else it prints still shows."""
+    handler = logging.lastResort
+    if handler is None:  # the application turned it off: nothing of Ray's is printed anyway
+        yield
+        return
+    quiet = _DropStartNotices()
+    handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        handler.removeFilter(quiet)
 
 
 def check_reachable(address: str | None) -> None:
     """A cluster named as host:port (runtime.ray_address, or RAY_ADDRESS when that is unset) must accept a TCP
     connection: Ray itself retries an address where nothing listens for many minutes before it gives up."""
-    import os
     import socket
 
     knob = "runtime.ray_address"
@@ -67,114 +102,30 @@ def check_reachable(address: str | None) -> None:
         raise ConfigError(f"{knob}={address}: no Ray cluster answers there ({reason})") from None
 
 
-def registered_first(get_node: Callable[..., Any], connect: Callable[[str], Callable[[], list[dict]]]
-                     ) -> Callable[..., Any]:
-    """`get_node(gcs_address, node_id)` that first waits, polling the node table (`connect(gcs_address)()`) every
-    NODE_POLL_S, until it lists the node alive: Ray's own wait for a starting raylet asks the GCS once a second (a
-    fixed sleep in its C++), so `ray.init` returned up to a second after the raylet had registered. Anything
-    unexpected in the polling hands over to Ray's own wait, so the result is always what `get_node` returns."""
+def _children() -> set[int]:
+    import psutil
 
-    def wait_then_get(*args: Any, **kwargs: Any) -> Any:
-        with contextlib.suppress(Exception):
-            node_table, node_id = connect(args[0]), args[1]
-            deadline = time.monotonic() + NODE_WAIT_S
-            while time.monotonic() < deadline and not any(
-                    n.get("NodeID") == node_id and n.get("Alive") for n in node_table()):
-                time.sleep(NODE_POLL_S)
-        return get_node(*args, **kwargs)
-
-    return wait_then_get
-
-
-def _node_table(gcs_address: str) -> Callable[[], list[dict]]:
-    """The GCS's node table, read as `ray._private.services.get_node` reads it (one connection, many reads)."""
-    from ray._private import services, state
-
-    nodes = state.GlobalState()
-    nodes._initialize_global_state(services._get_gcs_client_options(gcs_address))
-    return nodes.node_table
-
-
-@contextlib.contextmanager
-def prompt_local_start() -> Iterator[None]:
-    """While Ray starts a local node, its wait for the raylet polls every NODE_POLL_S instead of every second:
-    `ray.init` on 2 cores took 2.16-2.17 s, and 1.63-1.73 s with this, in runs where the raylet registered within
-    1.1 s (3.16 s against 2.61 s where it took longer). Ray's internals are left as they are where they are not
-    the expected ones."""
-    try:
-        from ray._private import services
-    except ImportError:
-        yield
-        return
-    original = getattr(services, "get_node", None)
-    if not callable(original):
-        yield
-        return
-    services.get_node = registered_first(original, _node_table)
-    try:
-        yield
-    finally:
-        services.get_node = original
-
-
-def _skip(self: Any, *args: Any, **kwargs: Any) -> None:
-    """Stands in for a daemon's start that a run's own Ray does without."""
-
-
-def _usage_stats_on() -> bool:
-    """Whether Ray reports usage stats (where it keeps that answer has moved between releases; unknown: yes)."""
-    import importlib
-
-    for where in ("ray._common.usage.usage_lib", "ray._private.usage.usage_lib"):
-        with contextlib.suppress(Exception):
-            return bool(importlib.import_module(where).usage_stats_enabled())
-    return True
-
-
-@contextlib.contextmanager
-def lean_local_start() -> Iterator[None]:
-    """While Ray starts a node of this run's own, it starts neither the autoscaler's monitor (a local node has a
-    fixed size and nothing to scale) nor, with usage stats off, the headless dashboard process, which then loads
-    only the usage-stats module and which `ray.init` waits on until it has published its address. On 2 cores, two
-    torch actors were ready 6.81 s after process start instead of 8.79 s (medians of 5 interleaved pairs of `python
-    -m bench.ray_floor --start fedsim|ray`). A cluster joined by address is not touched: these start only on a new
-    head. Ray's internals are left as they are where they are not the expected ones."""
-    try:
-        from ray._private.node import Node
-    except ImportError:
-        yield
-        return
-    skipped = ["start_monitor"]
-    if not _usage_stats_on():
-        skipped.append("start_api_server")
-    originals = {name: Node.__dict__[name] for name in skipped if callable(Node.__dict__.get(name))}
-    for name in originals:
-        setattr(Node, name, _skip)
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(Node, name, original)
+    return {p.pid for p in psutil.Process().children()}
 
 
 def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
     """ray.init with the job's `runtime_env` (the run's plugins, actors/plugins.py), keeping the CLI's SIGTERM
     handler: Ray's own exits the driver mid-round with a crash dump, while the CLI's unwinds like Ctrl-C (tables
-    kept, Ray shut down). A local Ray that this call starts is watched by actors/reaper.py, so not even a kill -9
-    of the driver leaves its daemons running."""
+    kept, Ray shut down). Whether the call started a local Ray of its own (its daemons are this process's
+    children; joining a cluster starts none) is kept for `started_here`."""
     import signal
 
-    import ray
-
-    from actors.reaper import watch
     from fedsim.runtime.signals import is_sigterm_handler
 
+    global _own_gcs
+    ray = import_ray()
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
     ours = in_main and is_sigterm_handler(previous)
     drop_client_timeout_warning()  # here, not at import: a caller's warnings.catch_warnings would undo it
+    before = _children()
     try:
-        with prompt_local_start(), lean_local_start():
+        with quiet_start():
             ray.init(address=address, include_dashboard=False, log_to_driver=True, configure_logging=False,
                      runtime_env=runtime_env)
     except SystemExit as exc:  # Ray's handler caught a SIGTERM during start-up
@@ -184,27 +135,15 @@ def init_ray(address: str | None, runtime_env: dict | None = None) -> None:
     finally:
         if ours:
             signal.signal(signal.SIGTERM, previous)
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None and getattr(node, "head", False):  # a local Ray of our own, not a cluster joined
-        watch(node.get_session_dir_path())
+    _own_gcs = ray.get_runtime_context().gcs_address if _children() - before else None
 
 
-def shutdown_ray() -> None:
-    """`ray.shutdown()`, less the second it spent on the autoscaler's monitor of a node this process started: Ray
-    stops the GCS before the monitor, whose SIGTERM handler then reports to the stopped GCS until Ray kills it a
-    second later (1.01 s of a 1.34 s shutdown). On a node that is going away the monitor has nothing to hand over,
-    so it is killed first."""
+def started_here() -> bool:
+    """Whether the Ray this process is connected to is a local one that `init_ray` started (not a cluster it
+    joined, nor a Ray that someone else started)."""
     import ray
 
-    with contextlib.suppress(Exception):  # Ray's internals are not the expected ones: its own shutdown, unchanged
-        from ray._private import ray_constants
-
-        node = ray._private.worker._global_node
-        if node is not None and node.head:
-            for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
-                info.process.kill()
-                info.process.wait(timeout=1.0)
-    ray.shutdown()
+    return _own_gcs is not None and ray.is_initialized() and ray.get_runtime_context().gcs_address == _own_gcs
 
 
 class RayBoot:
@@ -218,7 +157,7 @@ class RayBoot:
         # the thread, it would interleave with the driver's torch import under the GIL and begin `ray.init` about a
         # second later (measured on 2 cores, 8 interleaved pairs: Ray up after 6.26 s against 6.73 s on average)
         try:
-            import ray  # noqa: F401
+            import_ray()
         except ImportError:
             pass  # the thread meets the same error, and `wait` reports it as a failed start
         self.address, self.runtime_env = address, runtime_env
@@ -230,9 +169,6 @@ class RayBoot:
         self._thread.start()
 
     def _boot(self) -> None:
-        worker_log = logging.getLogger("ray._private.worker")
-        quiet = _DropThreadWarning()
-        worker_log.addFilter(quiet)
         try:
             import ray
 
@@ -243,7 +179,6 @@ class RayBoot:
         except BaseException as exc:  # handed to the thread that waits
             self.error = exc
         finally:
-            worker_log.removeFilter(quiet)
             self._up.set()
         self._release.wait()
 
@@ -264,6 +199,8 @@ class RayBoot:
         self._up.wait(limit)
         if self.started_ray:
             self.started_ray = False
-            shutdown_ray()
+            import ray
+
+            ray.shutdown()
         self._release.set()
         self._thread.join(limit)

@@ -185,13 +185,12 @@ class RemoteServer:
 def driver_server_device(client_gpus: float) -> str:
     """Where the server computes when it runs in the driver: the driver's GPU when the run's clients train on GPUs
     and the driver may use one, else the CPU (on one H100 the driver's CPUs took 1.7 s a round to evaluate a small
-    CNN on 10,000 test images, its GPU 0.016 s). A driver inside a Ray task or actor (a sweep's trial) takes a GPU
+    CNN on 10,000 test images, its GPU 0.016 s). A driver inside a Ray actor (a sweep's Tune trial) takes a GPU
     only when Ray gave it one, and a GPU that cannot be used (busy, exclusive) leaves the server on the CPU."""
     if client_gpus <= 0:
         return "cpu"
     try:
-        worker = ray._private.worker.global_worker
-        if worker.mode != ray._private.worker.SCRIPT_MODE and not ray.get_gpu_ids():
+        if ray.get_runtime_context().get_actor_id() is not None and not ray.get_gpu_ids():
             return "cpu"
         import torch
 

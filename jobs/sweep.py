@@ -317,12 +317,11 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
     """One Ray instance for every Ray-backed config of a job (none if all run locally, unless `always`)."""
     started = False
     if always or any(c.runtime.backend == "ray" for c in configs):
-        import ray
-
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        from actors.boot import check_reachable, init_ray
+        from actors.boot import check_reachable, import_ray, init_ray
         from actors.plugins import job_runtime_env
 
+        ray = import_ray()
         if not ray.is_initialized():  # the job carries every run's plugins to the trials and their workers
             check_reachable(configs[0].runtime.ray_address)
             started = True
@@ -331,9 +330,7 @@ def ray_session(configs: list, always: bool = False) -> Iterator[None]:
         yield
     finally:
         if started:
-            from actors.boot import shutdown_ray
-
-            shutdown_ray()
+            ray.shutdown()
 
 
 def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, jobs: int = 1) -> pd.DataFrame:

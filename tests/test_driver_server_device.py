@@ -14,8 +14,9 @@ from actors import pool
 
 @pytest.fixture
 def driver(monkeypatch):
-    """A driver process (Ray's script mode) whose GPU works, whatever this machine has; tests change what they need."""
-    monkeypatch.setattr(ray._private.worker, "global_worker", SimpleNamespace(mode=ray._private.worker.SCRIPT_MODE))
+    """A driver process (not inside a Ray actor) whose GPU works, whatever this machine has; tests change what they
+    need."""
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     real_zeros = torch.zeros
     monkeypatch.setattr(torch, "zeros", lambda *a, **kw: real_zeros(*a, **{**kw, "device": "cpu"}))
@@ -44,7 +45,7 @@ def test_no_gpu_or_an_unusable_one_leaves_it_on_the_cpu_with_one_warning(driver,
 
 
 def test_a_driver_inside_a_ray_trial_takes_a_gpu_only_when_ray_gave_it_one(driver):
-    driver.setattr(ray._private.worker, "global_worker", SimpleNamespace(mode=ray._private.worker.WORKER_MODE))
+    driver.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_actor_id=lambda: "a1" * 16))
     driver.setattr(ray, "get_gpu_ids", lambda: [])
     assert pool.driver_server_device(0.5) == "cpu"  # a trial without a GPU of its own sees them all: not its to use
     driver.setattr(ray, "get_gpu_ids", lambda: ["1"])

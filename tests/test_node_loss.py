@@ -119,3 +119,27 @@ def test_a_run_that_gave_nothing_back_does_not_ask_ray(monkeypatch):
     monkeypatch.setattr(pool, "ray", SimpleNamespace())  # any call would raise AttributeError
     pool.wait_released({}, {}, 5.0)
     pool.wait_released({"CPU": 1.0}, {"CPU": 0.0, "GPU": 0.0}, 5.0)
+
+
+def test_a_raylet_answers_while_its_port_accepts_and_not_once_its_node_is_killed_or_dead(monkeypatch):
+    """A killed node's port refuses at once, seconds before the cluster's health checks mark it dead."""
+    import socket
+
+    import ray
+
+    from actors.node_loss import node_gone, raylet_answers
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        nodes = [{"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+                  "NodeManagerPort": listening.getsockname()[1]},
+                 {"NodeID": "killed", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+                  "NodeManagerPort": closed.getsockname()[1]},
+                 {"NodeID": "dead", "Alive": False, "NodeManagerAddress": "127.0.0.1",
+                  "NodeManagerPort": listening.getsockname()[1]}]
+        monkeypatch.setattr(ray, "nodes", lambda: nodes)
+        assert raylet_answers("up") and not node_gone("up")
+        assert not raylet_answers("killed") and node_gone("killed")
+        assert not raylet_answers("dead") and not raylet_answers("never-there")
