@@ -94,14 +94,12 @@ class WorkerPlacement:
         two looks NO_ROOM_SETTLE_S apart, the worker's bundle is placed nowhere alive and no alive node has the
         room to take it: Ray re-places a bundle as soon as it marks the node dead, or never (measured on a local
         cluster: at the same poll, or still unplaced 10 s later)."""
-        from ray._private.state import available_resources_per_node
-
         need = self._free(index)
         end = time.monotonic() + grace_s
         hopeless_since: float | None = None
         while True:
             alive = alive_nodes()
-            free = {n: f for n, f in available_resources_per_node().items() if n in alive}
+            free = {"cluster": ray.available_resources()}  # public Ray has no per-node view of what is free
             if any(_holds(f, need) for f in free.values()):
                 return True
             now = time.monotonic()

@@ -45,13 +45,9 @@ CLOSE_WAIT_S = 2.0  # at most this long for the workers to remove their spilled 
 
 
 def free_nodes() -> list[dict[str, float]]:
-    """Resources of each alive node that no task or actor holds now."""
-    try:
-        from ray._private.state import available_resources_per_node
-
-        return list(available_resources_per_node().values())
-    except (ImportError, AttributeError):  # no per-node view in this Ray: the cluster's free total as one node
-        return [ray.available_resources()]
+    """The cluster's free resources, as one node: Ray's public API has no per-node view of what is free, so a
+    worker that fits only across two nodes' leftovers is tried, and then waits for room like any actor."""
+    return [ray.available_resources()]
 
 
 def group_bundles() -> list[dict[str, float]] | None:

@@ -5,7 +5,7 @@ each, placed by runtime.placement=spread).
     python -m bench.multinode_traffic --workload <folder from bench.prepare> [--nodes 2] [--rounds R]
 
 Prints, per stage (the start, then each round), the bytes created in each node's object store (put there, or
-pulled there from another node; actors.traffic). On a worker node that is what came in (the dataset at the start,
+pulled there from another node; bench.store_traffic). On a worker node that is what came in (the dataset at the start,
 each phase's broadcast) plus the replies its workers put there for the driver; on the head, the driver's puts
 plus the replies it pulled. Replies under Ray's inline limit (100 KiB) travel in the call's answer instead and are
 not counted.
@@ -105,7 +105,7 @@ def traffic(args: argparse.Namespace, w: Workload, rounds: int, out: str) -> Non
     from ray import cluster_utils
 
     from actors.pool import RayBackend
-    from actors.traffic import StoreTraffic
+    from bench.store_traffic import StoreTraffic
     from bench.workload import make_config, prepared_inputs
     from fedsim.runtime.loop import run
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from actors.pool import RayBackend
-from actors.traffic import StoreTraffic
 from bench.multinode_traffic import unpublished
+from bench.store_traffic import StoreTraffic
 from fedsim.errors import ResourceError
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load

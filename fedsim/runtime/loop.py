@@ -307,8 +307,8 @@ class Simulation:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
         rows.sort(key=lambda x: x["client"])
         rec.client_rows.extend(rows)
-        lost = {c for w in failed for c in assignments.get(w, [])}  # a dead worker is replaced, not the run's fault
-        self.note_failures(rec.round, phase.name, [r for r in rows if r["client"] in set(clients) - lost])
+        on_dead = {c for w in failed for c in assignments.get(w, [])}  # a dead worker is replaced: not the run's fault
+        self.note_failures(rec.round, phase.name, [r for r in rows if r["client"] in set(clients) - on_dead])
         return replies
 
     def note_failures(self, round: int, phase: str, ran: list[dict]) -> None:

@@ -1,7 +1,7 @@
 """Plain SGD and Adam with torch.optim's exact updates, for the clients' local training and every method's own.
 
 torch.optim wraps its methods to keep the compiler out, and the first call in a process imports
-torch._dynamo and torch._inductor (and Triton where it is installed): 0.7 to 2.8 s and 160 MB of RSS in every
+its compiler stack (dynamo, inductor, and Triton where it is installed): 0.7 to 2.8 s and 160 MB of RSS in every
 worker, paid in round 0 (measured: torch.optim.SGD's first three steps 1.50-2.46 s and +165 MB of RSS, these
 0.07 s and +18 MB: `python -m bench.first_step`). fedsim's optimizers are these
 instead, stepping parameter by parameter with public tensor operations.
