@@ -27,7 +27,7 @@ def max_workers() -> int:
     module would add 0.1 s to the start-up this floor measures."""
     import runpy
 
-    limits = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fedsim", "limits.py")
+    limits = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fedsim", "config", "limits.py")
     return runpy.run_path(limits)["MAX_WORKERS"]
 
 

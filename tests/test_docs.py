@@ -187,7 +187,9 @@ def test_the_method_page_quotes_fedavg_as_it_is_and_names_real_handlers():
     from fedsim.algorithms.fedmd import FedMD
 
     page = (REPO / "docs" / "writing-a-method.md").read_text()
-    fedavg_block, phases_block = _python_blocks(page)[:2]
+    blocks = _python_blocks(page)
+    fedavg_block = next(b for b in blocks if "class FedAvg(Algorithm)" in b)
+    phases_block = next(b for b in blocks if "def phases(self, round)" in b and "share" in b)
     source = " ".join((REPO / "fedsim" / "algorithms" / "fedavg.py").read_text().split())
     for line in fedavg_block.splitlines():
         code = line.split("#")[0].strip()

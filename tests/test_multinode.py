@@ -5,8 +5,8 @@ lost mid-round, and the wait for the autoscaler."""
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
+import shutil
 import time
 from pathlib import Path
 
@@ -132,8 +132,8 @@ def _states_equal(a, b) -> bool:
 
 
 class KeepCheckpoints(Callback):
-    """A copy of every round's checkpoint, to compare clients' personal states round by round (during a round's
-    callbacks the checkpoint holds the round before; once the run has ended, its last round)."""
+    """A copy of every round's checkpoint, to compare clients' personal states round by round (the run's own
+    callbacks come first: during a round's callbacks the checkpoint holds that round)."""
 
     def __init__(self) -> None:
         self.states: dict[int, dict] = {}
@@ -142,10 +142,6 @@ class KeepCheckpoints(Callback):
         self.path = run.checkpoint
 
     def on_round_end(self, round, rows) -> None:
-        if round > 0:
-            self._keep()
-
-    def on_run_end(self, run, status) -> None:
         self._keep()
 
     def _keep(self) -> None:
@@ -164,20 +160,13 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
 
     def run_phase(round, *args, **kw):
         # round 1: the first node with workers goes (they start again on the others: 2 CPUs free there);
-        # round 2: a full node goes, and nothing has room left (the pool shrinks). The node goes once the
-        # phase has been sent to every worker (the backend's `idle` hook), while its workers train
+        # round 2: a full node goes, and nothing has room left (the pool shrinks). The node goes as the phase is
+        # sent to its workers
         if round in (1, 2) and round not in removed:
             held = [p["node_id"] for i, p in enumerate(backend.placement) if backend._host[i] == i]
             victim = sorted(set(held), key=lambda n: (-held.count(n), n))[0] if round == 2 else held[0]
             removed[round] = victim
-            idle = kw.get("idle")
-
-            def sent() -> None:
-                if idle is not None:
-                    idle()
-                cluster.remove_node(node_of(cluster, victim), allow_graceful=False)
-
-            kw["idle"] = sent
+            cluster.remove_node(node_of(cluster, victim), allow_graceful=False)
         return original(round, *args, **kw)
 
     backend.run_phase = run_phase

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import ray
-from ray._private import state
 
 import actors.placement as placement
 from actors.placement import NO_ROOM_SETTLE_S, WorkerPlacement
@@ -51,6 +50,15 @@ class Cluster:
             b.update({f"CPU_group_0_{GROUP}": 1.0, f"CPU_group_{GROUP}": 1.0})
         return {"a": {"CPU": 0.0}, "b": b, "dead": {"CPU": 4.0}}
 
+    def free_total(self) -> dict[str, float]:
+        """What `ray.available_resources()` reports: the live nodes' free resources, summed."""
+        total: dict[str, float] = {}
+        for node, free in self.free().items():
+            if node != "dead":
+                for k, v in free.items():
+                    total[k] = total.get(k, 0.0) + v
+        return total
+
     def table(self, group) -> dict:
         return {"state": "CREATED" if self.placed() else "RESCHEDULING",
                 "bundles_to_node_id": {0: "b" if self.placed() else "", 1: "a"}}
@@ -65,7 +73,7 @@ def cluster(monkeypatch):
     def make(raw_cpu: float, placed_at: float | None, owned: bool = True, grouped: bool = True,
              reported_at: float | None = None):
         c = Cluster(clock, raw_cpu, placed_at, reported_at)
-        monkeypatch.setattr(state, "available_resources_per_node", c.free)
+        monkeypatch.setattr(ray, "available_resources", c.free_total)
         monkeypatch.setattr(ray.util, "placement_group_table", c.table)
         group = SimpleNamespace(id=SimpleNamespace(hex=lambda: GROUP)) if grouped else None
         rt = SimpleNamespace(client_cpus=1.0, client_gpus=0.0)
