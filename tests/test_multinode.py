@@ -5,8 +5,8 @@ lost mid-round, and the wait for the autoscaler."""
 from __future__ import annotations
 
 import logging
-import threading
 import shutil
+import threading
 import time
 from pathlib import Path
 
