@@ -29,8 +29,10 @@ run: $(STAMP)  ## the main job: FedAvg on the embedded digits data, with straggl
 test: $(STAMP)  ## the whole test suite (slow end-to-end tests included)
 	$(BIN)/python -m pytest -q --timeout 900 -n $(TEST_WORKERS) --dist worksteal
 
-test-fast: $(STAMP)  ## the suite without the slow end-to-end tests
-	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist worksteal
+test-fast: $(STAMP)  ## the inner loop (under 2 minutes): the methods' golden numbers, 1 vs N workers, the config, the house
+	$(BIN)/python -m pytest -q -m "not slow and not ray" -n $(TEST_WORKERS) --dist worksteal tests/algorithms \
+	  tests/test_config.py tests/runtime/test_loop.py tests/runtime/test_batching.py tests/test_twosum.py \
+	  tests/test_architecture.py
 
 bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload
 	$(BIN)/python -m bench.fedavg_bench --repeat 3
