@@ -60,8 +60,8 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
     backend: "local" or "ray" (overrides runtime.backend), or a Backend you built; Ray is imported only for "ray".
     workers: client workers (default: as many as fit). callbacks: yours (fedsim.runtime.callbacks.Callback), called
     after the trackers of `tracking:` ran; `on_round_end(round, rows)` gets every global model's row in
-    `rows.rounds` (the files hold the round before: a round's are written while the next one trains; a table of a
-    long run keeps its latest rows in a tail file until the end, which fedsim.results.tables.load joins to it).
+    `rows.rounds` (the round's files are written by then; a table of a long run keeps its latest rows in a tail
+    file until the end, which fedsim.load joins to it).
     resume: a run folder to continue instead (it keeps its saved config, so `config` and `overrides` must be left
     out). progress: a progress bar on stderr.
     Bad input raises a fedsim.FedsimError with a one-line message.

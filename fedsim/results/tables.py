@@ -79,9 +79,6 @@ class TableWriter:
 
     def __init__(self, path: Location, columns: list[str], fresh_rows: int | None = None,
                  growth: float | None = None) -> None:
-        import pyarrow.parquet  # noqa: F401  (here, before the rounds: imported by a writer thread in the middle of
-        # a round, its import would hold the interpreter lock while the driver hands out work)
-
         self.path, self.tail, self.columns = path, tail_of(path), columns
         self.fresh_rows = FRESH_ROWS if fresh_rows is None else fresh_rows
         self.growth = REWRITE_GROWTH if growth is None else growth
@@ -152,15 +149,6 @@ def _write_parquet(table: Any, path: Any) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(table, path)
-
-
-def warm_up_tables() -> None:
-    """Convert and write a row of each kind once, in memory: the first conversion and write of a process cost
-    milliseconds of CPU, under the interpreter lock, which would otherwise fall in the first round's writes."""
-    import pyarrow as pa
-
-    table = _arrow_rows([{"round": 0, "status": "ok", "accuracy": 0.5, "error": None}, {"round": 1}])
-    _write_parquet(pa.concat_tables([table, table], promote_options="permissive"), pa.BufferOutputStream())
 
 
 def run_meta() -> dict:

@@ -168,9 +168,8 @@ class ResultsWriter(Callback):
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.method.contract import get_algorithm
-        from fedsim.results.tables import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter, warm_up_tables
+        from fedsim.results.tables import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter
 
-        warm_up_tables()
         self.run = run
         # clients that keep nothing have no state to collect: the workers are not asked (a dead one must cost only
         # its clients)
