@@ -152,8 +152,8 @@ class RuntimeConfig:
                            "change with the worker count")
     batch_clients: bool | Literal["auto", "on", "off"] = knob(
         "auto", doc="train a worker's same-architecture clients together (one vmapped step) in phases that "
-        "declare local_training (FedAvg, FedProx, FedDF, ...): on, off, or auto (on for CUDA workers, off on CPU); on, a run "
-        "repeats its numbers at the same runtime.num_workers and batch_clients_max, not across them")
+        "declare local_training (FedAvg, FedProx, FedDF, ...): on, off, or auto (on for CUDA workers, off on "
+        "CPU); on, a run repeats its numbers at the same runtime.num_workers and batch_clients_max, not across them")
     batch_clients_max: int = knob(64, ge=1, le=MAX_CLIENTS, doc="most clients trained together (bounds memory)")
     tf32: bool = knob(False, doc="let CUDA convolutions and matrix products of float32 use TF32 tensor cores (Ampere "
                       "and later): faster on large models, but with 10-bit mantissas, so a GPU run's numbers then "
