@@ -208,7 +208,7 @@ class RayBackend:
 
     def __init__(self, num_workers: int | None = None, boot: RayBoot | None = None) -> None:
         self._requested = num_workers
-        self._boot = boot  # a start of Ray already under way (jobs.cli.make_backend begins it before torch loads)
+        self._boot = boot  # a start of Ray already under way (actors.backend.make_backend begins it before torch loads)
         self._startup_limit = 60.0
         self.workers: list[Any] = []
         self.placement: list[dict] = []

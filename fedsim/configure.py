@@ -7,12 +7,14 @@ registry, the plugins and the data and model checks.
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
 from fedsim.config import yaml_dialect
 from fedsim.config.knobs import from_dict
 from fedsim.config.schema import (
+    RETIRED,
     AlgorithmConfig,
     RunConfig,
     apply_overrides,
@@ -26,12 +28,19 @@ from fedsim.persist.io import atomic_write_text
 from fedsim.persist.storage import StorePath, location
 from fedsim.plugins import load_plugins
 
+log = logging.getLogger("fedsim.config")
+
 
 def build_config(raw: dict) -> RunConfig:
     """Validate a raw dict into a RunConfig, including the algorithm's own params. The common sections come first:
     they need no registry, so a typo there is reported before the methods (and torch) are imported."""
 
     raw = copy.deepcopy(raw)
+    for section, keys in RETIRED.items():
+        for key in keys:
+            if isinstance(raw.get(section), dict) and key in raw[section]:
+                del raw[section][key]
+                log.warning("%s.%s is retired (see the performance docs) and is ignored", section, key)
     load_plugins(raw.get("plugins"))  # before anything looks a name up in a registry
     algo_raw = raw.pop("algorithm", {}) or {}
     if not isinstance(algo_raw, dict):

@@ -192,7 +192,7 @@ def shipped_paths(entries: object) -> list[str]:
 def _check_registers(plugin: Plugin) -> None:
     if not registry.registered_by(plugin.module):
         raise ConfigError(f"plugins: {plugin.entry!r} registers nothing; decorate its method with "
-                          "fedsim.algorithms.register_algorithm (or a model with register_model, a dataset with "
+                          "fedsim.method.register_algorithm (or a model with register_model, a dataset with "
                           "register_dataset)")
 
 

@@ -9,6 +9,7 @@ are imported.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from typing import Any
 
@@ -31,7 +32,15 @@ def register(kind: str, name: str, obj: Any) -> None:
 
 
 def lookup(kind: str, name: str) -> Any | None:
-    """The object registered under `name`, importing the built-ins of `kind` first if it is not there yet."""
+    """The object registered under `name`, importing the built-ins of `kind` first if it is not there yet: the
+    module of that name alone where there is one (fedsim.algorithms.fedavg for fedavg), else all of them."""
+    if name not in _TABLES[kind] and kind == "algorithm" and name.isidentifier() and not name.startswith("_"):
+        module = f"{_BUILTIN_PACKAGES[kind]}.{name}"
+        try:
+            if importlib.util.find_spec(module) is not None:
+                importlib.import_module(module)
+        except Exception as exc:  # named by the lookup below, which then tries every module
+            import_failures[module] = f"{type(exc).__name__}: {exc}"
     if name not in _TABLES[kind]:
         load_builtins(kind)
     return _TABLES[kind].get(name)

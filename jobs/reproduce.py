@@ -22,13 +22,14 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from fedsim.config.knobs import from_dict, knob
 from fedsim.errors import ConfigError, FedsimError
+from jobs.args import OneLineParser
 from jobs.readme_blocks import doc_pages, paste_blocks, read_page_blocks
 
 MANIFEST = Path("configs") / "reproduce.yaml"
@@ -423,11 +424,6 @@ def paste(pages: list[Path], root: Path, ids: list[str]) -> list[str]:
     return pasted
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other user error
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
@@ -436,7 +432,7 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = _Parser(prog="python -m jobs.reproduce", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m jobs.reproduce", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 seed, a few rounds, smaller sizes; results/reproduce-quick")
     p.add_argument("--only", default=None, metavar="ID,...", help="these tables only")
     p.add_argument("--seeds", type=_positive, default=None, metavar="N", help="seeds 0..N-1 instead of the manifest's")

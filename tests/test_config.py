@@ -111,3 +111,13 @@ def test_resolved_config_round_trips(tmp_path, make_config):
     save_config(cfg, tmp_path / "config.yaml")
     again = load_config(tmp_path / "config.yaml")
     assert config_to_dict(again) == config_to_dict(cfg)
+
+
+def test_a_retired_knob_still_loads_with_a_warning_so_older_run_folders_resume(caplog):
+    """runtime.cuda_graphs and runtime.overlap_eval were deleted; an older run folder's saved config sets them."""
+    with caplog.at_level("WARNING", logger="fedsim.config"):
+        cfg = load_config(None, ["runtime.cuda_graphs=on", "runtime.overlap_eval=auto", "rounds=2"])
+    assert cfg.rounds == 2 and not hasattr(cfg.runtime, "cuda_graphs")
+    assert [r.getMessage() for r in caplog.records] == [
+        "runtime.cuda_graphs is retired (see the performance docs) and is ignored",
+        "runtime.overlap_eval is retired (see the performance docs) and is ignored"]

@@ -25,7 +25,14 @@ from fedsim.algorithms.scaffold import ScaffoldState
 from fedsim.configure import load_config
 from fedsim.errors import CheckpointError
 from fedsim.method.toolkit import GlobalModels
-from fedsim.persist.checkpoint import load_checkpoint, pack, register_state, registered_states, save_checkpoint
+from fedsim.persist.checkpoint import (
+    load_checkpoint,
+    pack,
+    register_state,
+    registered_states,
+    save_checkpoint,
+    unpack,
+)
 from fedsim.persist.io import atomic_write_text
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
@@ -79,7 +86,12 @@ def test_every_builtin_state_class_round_trips_bit_for_bit(tmp_path):
     examples = _example_states()
     builtin = {tag: cls for tag, cls in registered_states().items() if tag.startswith("fedsim.")}
     assert {type(e) for e in examples} == set(builtin.values())  # a newly registered class needs an example here
-    assert builtin["fedsim.algorithms.fedavg:GlobalModels"] is GlobalModels  # checkpoints from before the move
+    for old in ("fedsim.algorithms.fedavg", "fedsim.algorithms.toolkit"):  # checkpoints from before the moves
+        assert builtin[f"{old}:GlobalModels"] is GlobalModels
+    packed = pack({"s": examples[0]})
+    assert packed["s"]["__dataclass__"] == "fedsim.method.toolkit:GlobalModels"
+    packed["s"]["__dataclass__"] = "fedsim.algorithms.toolkit:GlobalModels"  # as a checkpoint written then says
+    assert _same(unpack(packed)["s"], examples[0])
     save_checkpoint(tmp_path / "ck.pt", {"states": examples})
     back = load_checkpoint(tmp_path / "ck.pt")["states"]
     assert all(_same(a, b) for a, b in zip(examples, back, strict=True))

@@ -30,6 +30,9 @@ from fedsim.config.limits import (
 from fedsim.errors import ConfigError
 from fedsim.persist.storage import StorePath, location
 
+# knobs that were deleted: a config (an older run folder's saved one, say) that sets them still loads, with a warning
+RETIRED = {"runtime": ("cuda_graphs", "overlap_eval")}
+
 # config keys a resume may change: they change no number of the run (more rounds, another backend or worker count,
 # where results go, how it is tracked)
 RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")

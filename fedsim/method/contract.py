@@ -288,8 +288,9 @@ class Algorithm:
                                  "client_step (override local_training instead, or leave local_training unset)")
         for side, hook in (("client", "client_step"), ("server", "server_step"), ("broadcast", "broadcast")):
             name = getattr(phase, side)
-            if side == "client" and (phase.local_training or cls.local_training is not Algorithm.local_training):
-                continue
+            if side == "client" and name is None and (phase.local_training or
+                                                      cls.local_training is not Algorithm.local_training):
+                continue  # the client step is the method's local_training plan
             if name is None:
                 if side != "broadcast" and getattr(cls, hook) is getattr(Algorithm, hook):
                     raise AlgorithmError(f"{cls.__name__}: phase {phase.name!r} names no {side} handler and the "

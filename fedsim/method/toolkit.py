@@ -30,7 +30,8 @@ class GlobalModels:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-register_state_alias("fedsim.algorithms.fedavg:GlobalModels", GlobalModels)  # checkpoints written before the move
+register_state_alias("fedsim.algorithms.fedavg:GlobalModels", GlobalModels)  # checkpoints written before the moves
+register_state_alias("fedsim.algorithms.toolkit:GlobalModels", GlobalModels)
 
 
 def new_model(env: Env, arch: str) -> Classifier:

@@ -164,13 +164,6 @@ def save_checkpoint(path: Location, payload: dict) -> None:
     atomic_torch_save(pack(payload), path)
 
 
-def checkpoint_bytes(payload: dict) -> memoryview:
-    """A checkpoint as bytes that `load_checkpoint` reads: a snapshot, which later changes to the payload miss."""
-    buf = io.BytesIO()
-    torch.save(pack(payload), buf)
-    return buf.getbuffer()
-
-
 def load_checkpoint(path: Location) -> dict:
     """Read a checkpoint, with a one-line error when it is missing, corrupt or names a class it may not."""
     if not path.is_file():

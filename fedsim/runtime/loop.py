@@ -132,7 +132,8 @@ class Simulation:
         if self.inputs.initial_state is not None:
             self.backend.server.set_state(self.inputs.initial_state(self.backend.server.get_state()))
         try:  # a state class missing @register_state fails now, not at round 0's checkpoint
-            pack(self.backend.server.get_state())
+            if cfg.results.checkpoint_every:
+                pack(self.backend.server.get_state())
         except TypeError as exc:
             raise AlgorithmError(f"{self.cfg.algorithm.name}: its server state cannot be checkpointed: {exc}") \
                 from None
@@ -308,7 +309,8 @@ class Simulation:
         rows.sort(key=lambda x: x["client"])
         rec.client_rows.extend(rows)
         on_dead = {c for w in failed for c in assignments.get(w, [])}  # a dead worker is replaced: not the run's fault
-        self.note_failures(rec.round, phase.name, [r for r in rows if r["client"] in set(clients) - on_dead])
+        ran = set(clients) - on_dead
+        self.note_failures(rec.round, phase.name, [r for r in rows if r["client"] in ran])
         return replies
 
     def note_failures(self, round: int, phase: str, ran: list[dict]) -> None:

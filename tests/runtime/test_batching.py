@@ -79,6 +79,8 @@ def test_a_phase_is_trained_together_only_where_it_opts_in() -> None:
         Overridden.check_phase(FedAvg.phases(None, 0)[0])
     with pytest.raises(AlgorithmError, match="names a client handler"):
         FedAvg.check_phase(Phase("train", "sum", client="x", local_training=True))
+    with pytest.raises(AlgorithmError, match="names client handler 'train_clent', which is not a method"):
+        LocalOnly.check_phase(Phase("train", "each", client="train_clent", server="train_server"))
 
 
 def test_a_method_that_cannot_be_batched_runs_as_before_and_says_so_once(make_config, together, caplog) -> None:

@@ -1,6 +1,6 @@
 """Every built-in method with state beyond the global model (personal models, control variates, generators,
 server optimisers) resumes to the numbers of an uninterrupted run, stopped after round 0 and again after round 1,
-each time on another worker count. FedAvg's resume has its own tests (tests/runtime/test_writes.py)."""
+each time on another worker count. FedAvg's resume has its own tests (tests/runtime/test_tables_written.py)."""
 
 from __future__ import annotations
 
