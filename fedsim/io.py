@@ -61,6 +61,22 @@ def _create_temporary(path: Path) -> str:
             continue
 
 
+def write_new(path: Location, data: bytes) -> bool:
+    """Create `path` holding `data`, unless it exists (False then): O_EXCL on a local disk, a conditional put in a
+    store, so of two processes creating the same file exactly one succeeds."""
+    if isinstance(path, StorePath):
+        return path.create(data)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
+
+
 def atomic_write_text(path: Location, text: str) -> None:
     """Write text atomically."""
     atomic_write(path, lambda tmp: Path(tmp).write_text(text))

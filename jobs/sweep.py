@@ -341,7 +341,8 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), res
     """Run `cfg` in run_folder(cfg), or return that folder if a run finished there.
 
     A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
-    changed since) is out of date: either is removed and run again. With `resume` (a sweep's --resume), an
+    changed since) is out of date: either is removed and run again, unless another process is writing it (then a
+    ConfigError says so, and the folder is kept). With `resume` (a sweep's --resume), an
     interrupted run of this config continues from its checkpoint instead (fedsim's own resume, which loads
     weights only), and one stopped early is kept as it stopped. `callbacks` go to the run (not to a reused one).
     """
@@ -365,7 +366,10 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), res
             print(f"  resuming {folder} ({ended})", file=sys.stderr, flush=True)
             return _timed(cfg, code, lambda: run(resume=folder, backend=make_backend(cfg), callbacks=callbacks))
     if folder.exists():
-        shutil.rmtree(folder)
+        from fedsim.runtime.rundir import RunLock
+
+        with RunLock(folder):  # refused while another process writes the run (a second sweep of the same runs)
+            shutil.rmtree(folder)
     return _timed(cfg, code, lambda: run(cfg, backend=make_backend(cfg), callbacks=callbacks))
 
 

@@ -4,6 +4,7 @@ or 143 for SIGTERM), never a traceback, and leave no folder behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from fedsim.errors import FedsimError
 from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
 from tests.conftest import ROOT
 from tests.forked import run_module
@@ -606,3 +608,68 @@ def test_a_runs_checkpoints_folder_is_part_of_the_run_not_an_incomplete_one(fini
 
     runs, skipped = find_runs([str(finished.parent / "*"), str(finished / "*")])
     assert runs == [finished] and skipped == []
+
+
+def test_two_runs_started_with_the_same_name_leave_one_run_and_one_line(tmp_path):
+    """Both used to pass the planning check, both exit 0 and print the same folder, which then held one run."""
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", run_id="same")
+    procs = [subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet"], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    done = [(p, *p.communicate(timeout=600)) for p in procs]
+    codes = sorted(p.returncode for p, _, _ in done)
+    assert codes == [0, 2], [err[-2000:] for _, _, err in done]
+    winner = next(p for p, _, _ in done if p.returncode == 0)
+    loser = next(subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, out, err in done
+                 if p.returncode == 2)
+    line = assert_one_line_error(loser, str(tmp_path / "results" / "same"))
+    assert "is taken by another run" in line or "already holds a run" in line
+    run_dir = tmp_path / "results" / "same"
+    assert json.loads((run_dir / "run.json").read_text())["pid"] == winner.pid
+    assert list(pd.read_parquet(run_dir / "rounds.parquet")["round"]) == [0, 1]
+    assert len(pd.read_parquet(run_dir / "clients.parquet")) == 4
+
+
+def test_a_claimed_name_is_refused_and_a_default_name_taken_moves_on(tmp_path):
+    """The claim, not the planning check, decides: two runs planned before either wrote anything."""
+    from fedsim.config import load_config
+    from fedsim.errors import ConfigError
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    named = load_config(write_config(tmp_path / "named.yaml", tmp_path / "results", run_id="same"))
+    first_plan, second_plan = planned_run_dir(named), planned_run_dir(named)
+    first = NewRunDir(first_plan, named)
+    before = tree(first.path)
+    with pytest.raises(ConfigError, match=r"results.run_id: .*/same is taken by another run \(claimed .* by pid "):
+        NewRunDir(second_plan, named)
+    assert tree(first.path) == before
+    with pytest.raises(ConfigError, match="already holds a run|is taken by another run"):
+        planned_run_dir(named)
+    default = load_config(write_config(tmp_path / "default.yaml", tmp_path / "results"))
+    plan = planned_run_dir(default)
+    a, b = NewRunDir(plan, default), NewRunDir(plan, default)
+    assert (a.path, b.path) == (plan, plan.parent / f"{plan.name}-2")
+    for claimed in (b, a, first):  # the first made results.root, and removes it once it is empty
+        claimed.remove()
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_run_another_process_writes_is_neither_resumed_nor_redone_by_a_sweep(run_copy, capsys):
+    """A lock held on run.json while a process writes the run; run_cached used to remove such a folder."""
+    from fedsim.config import load_config
+    from fedsim.runtime.rundir import RunLock
+    from jobs.cli import main
+    from jobs.sweep import run_cached, run_folder
+
+    before = tree(run_copy)
+    with RunLock(run_copy):
+        assert main(["run", "--resume", str(run_copy), "--quiet"]) == 2
+        assert capsys.readouterr().err == (f"fedsim: error: {run_copy}: in use by another fedsim process (it holds "
+                                           f"{run_copy / 'run.json'}); wait until it ends\n")
+    assert tree(run_copy) == before
+    cfg = load_config(run_copy / "config.yaml", [f"results.root={run_copy.parent}"])
+    folder = run_folder(cfg)
+    shutil.copytree(run_copy, folder)  # an unfinished sweep run (no finished.json), being written elsewhere
+    kept = tree(folder)
+    with RunLock(folder), pytest.raises(FedsimError, match="in use by another fedsim process"):
+        run_cached(cfg)
+    assert tree(folder) == kept

@@ -21,7 +21,7 @@ from fedsim.storage import StorePath, location
 from jobs.cli import main
 from tests.conftest import free_port, small_config
 
-RUN_FILES = ["config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
+RUN_FILES = ["run.json", "config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
              "checkpoints/last.pt"]
 COMPARED = ["round", "model", "accuracy", "loss", "participants", "arrived", "bytes_up", "bytes_down",
             "virtual_time"]
@@ -214,3 +214,22 @@ def test_a_store_out_of_reach_is_one_line_naming_the_uri_once(monkeypatch, capsy
             err = capsys.readouterr().err.splitlines()
             assert len(err) == 1 and err[0].startswith(f"fedsim: error: {uri}: cannot reach the store ({reason}: "), err
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+def test_a_run_name_in_a_store_is_claimed_by_one_run(store, request, memory_root, tmp_path):
+    """A conditional put of run.json (S3's If-None-Match): of two runs planned at once, the second is refused and
+    writes nothing into the first's folder."""
+    from fedsim.errors import ConfigError
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    root = memory_root if store == "memory" else f"{request.getfixturevalue('s3_server')}/claim-{uuid.uuid4().hex}"
+    cfg = small_config(tmp_path, f"results.root={root}", "results.run_id=r", rounds=1)
+    plans = planned_run_dir(cfg), planned_run_dir(cfg)
+    first = NewRunDir(plans[0], cfg)
+    files = {str(p): p.read_bytes() for p in _walk(first.path) if p.is_file()}
+    assert str(first.path / "run.json") in files
+    with pytest.raises(ConfigError, match=f"results.run_id: {first.path} is taken by another run"):
+        NewRunDir(plans[1], cfg)
+    assert {str(p): p.read_bytes() for p in _walk(first.path) if p.is_file()} == files
+    first.remove()

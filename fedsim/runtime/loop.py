@@ -30,7 +30,7 @@ from fedsim.results import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
-from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
+from fedsim.runtime.rundir import NewRunDir, RunLock, planned_run_dir, resume_config
 from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_partition
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
@@ -431,8 +431,8 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Location:
     """Run (or resume) a simulation; returns the run folder (a Path, or a StorePath for a run kept in a store).
 
-    A new run's folder is created once data, partition and backend are ready, and removed again if the run
-    stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
+    A new run's folder is claimed before anything is written (fedsim.runtime.rundir), and removed again if the
+    run stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
     its saved config (see fedsim.runtime.rundir). `callbacks` run after the default ones (meta.json, tables and
     checkpoints, then the trackers `cfg.tracking` turns on); any of them may stop the run after a round
     (fedsim.runtime.callbacks).
@@ -456,17 +456,21 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         raise
     backend = backend or LocalBackend()
     writes = BackgroundWrites()
-    sim = Simulation(cfg, backend, run_dir, inputs, writes)
     hooks = Callbacks([])
     created: NewRunDir | None = None
+    held: RunLock | None = None
     info: RunInfo | None = None
     status: RunStatus = "failed"
     try:
+        if resume is None:  # the folder's name is claimed before anything is written (another run may want it)
+            created = NewRunDir(run_dir, cfg)
+            run_dir = created.path
+        else:
+            held = RunLock(run_dir)
+        sim = Simulation(cfg, backend, run_dir, inputs, writes)
         # first: a tracking library that is not installed fails the run before anything starts
         hooks = Callbacks([*default_callbacks(backend, writes), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
-        if resume is None:
-            created = NewRunDir(run_dir, cfg)
         state = sim.restore(*tables) if tables is not None else RunState()
         info = RunInfo(cfg, run_dir, sim.describe(), state.next_round)
         hooks.setup_end(info)
@@ -482,8 +486,13 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             finally:
                 writes.close()
                 backend.shutdown()
-                if created is not None and not created.has_rounds():
-                    created.remove()
+                if created is not None:
+                    if created.has_rounds():
+                        created.release()
+                    else:
+                        created.remove()
+                if held is not None:
+                    held.release()
     return run_dir
 
 

@@ -1,5 +1,5 @@
-"""Run folders: created only once a run can start, gone again if it fails before its first round is written,
-and checked on resume against the config the run started with.
+"""Run folders: claimed before anything is written there, gone again if the run fails before its first round is
+written, and checked on resume against the config the run started with.
 
 A new run writes its resolved config twice: `config.yaml`, for people to read (and to edit, to extend a
 run), and `checkpoints/config.yaml`, the copy fedsim never rewrites. On `--resume`, the two are compared
@@ -8,14 +8,22 @@ participation, stragglers, seed) must be unchanged, or the checkpoint's states w
 different experiment; keys in RESUME_SAFE may change (more `rounds`, another backend or worker count,
 evaluation cadence, where the results and datasets live, where metrics are tracked). Runs saved before the
 copy existed are not checked; their first resume writes it.
+
+A run claims its folder before it writes anything there: it creates `run.json` (its identity) where none exists,
+atomically (O_EXCL on a local disk, a conditional put in a store), so of two runs given the same name exactly one
+gets it. While a process writes a local run, it holds an advisory lock on that file: a second process resuming the
+run, or a sweep redoing it, is refused instead of writing into it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import socket
 import tempfile
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +32,8 @@ from fedsim.config import RunConfig, config_to_dict, load_config, read_yaml, sav
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 from fedsim.storage import Location, check_reachable, location, remove_tree
 
+RUN_FILE = "run.json"  # the run's claim on its folder, and its identity
+MAX_NAME_TRIES = 1000  # default names taken by runs started in the same microsecond
 RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data.root", "data.download")
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
@@ -39,6 +49,8 @@ def planned_run_dir(cfg: RunConfig) -> Location:
     if (path / "rounds.parquet").exists():
         raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
                           "or choose another run_id")
+    if (path / RUN_FILE).exists():
+        raise _taken(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"results.run_id: {path} exists and is not a folder")
     if path.exists() and next(iter(path.iterdir()), None) is not None:
@@ -48,43 +60,126 @@ def planned_run_dir(cfg: RunConfig) -> Location:
 
 
 class NewRunDir:
-    """A run folder this process created, removable as a whole until the run's first round is written."""
+    """A run folder this process claimed, removable as a whole until the run's first round is written.
+
+    The claim (run.json, created only where none exists) comes before any other write; a name another run holds
+    is refused, or, for a default name (`results.run_id` unset), the next free one `<name>-2`, `<name>-3`, ... is
+    taken. The local lock on run.json is held until `release`."""
 
     def __init__(self, path: Location, cfg: RunConfig) -> None:
-        self.path = path
-        self._existed = path.exists()
         self._created: list[Location] = []  # the parents this run creates, innermost first (results.root may be new)
         parent = path.parent
         while not parent.exists() and parent.parent != parent:
             self._created.append(parent)
             parent = parent.parent
+        self.path, self._existed = self._claim(path, pick_next=cfg.results.run_id is None)
+        self.lock = RunLock(self.path)
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, path / "config.yaml")
-            save_config(cfg, path / STARTED_CONFIG)
+            save_config(cfg, self.path / "config.yaml")
+            save_config(cfg, self.path / STARTED_CONFIG)
         except OSError as exc:
             self.remove()
-            raise ConfigError(f"results.root: cannot create the run folder {path} ({exc.strerror or exc})") from None
+            raise ConfigError(f"results.root: cannot create the run folder {self.path} ({exc.strerror or exc})") \
+                from None
+
+    def _claim(self, path: Location, pick_next: bool) -> tuple[Location, bool]:
+        """The first of `path` (then, with `pick_next`, `path-2`, `path-3`, ...) whose run.json this process
+        created, and whether that folder existed before."""
+        from fedsim.io import write_new
+
+        for n in range(1, MAX_NAME_TRIES + 1):
+            candidate = path if n == 1 else path.parent / f"{path.name}-{n}"
+            existed = candidate.exists()
+            if n > 1 and existed:  # a folder of that name, claimed or not, is someone else's
+                continue
+            identity = {"run_id": uuid.uuid4().hex, "name": candidate.name, "created": datetime.now().isoformat(),
+                        "host": socket.gethostname(), "pid": os.getpid()}
+            try:
+                candidate.mkdir(parents=True, exist_ok=True)
+                if write_new(candidate / RUN_FILE, (json.dumps(identity, indent=2) + "\n").encode()):
+                    return candidate, existed
+            except OSError as exc:
+                if not existed:
+                    self._remove_created(candidate)
+                raise ConfigError(f"results.root: cannot create the run folder {candidate} "
+                                  f"({exc.strerror or exc})") from None
+            if not pick_next:
+                raise _taken(candidate)
+        raise ConfigError(f"results.run_id: {path} and the next {MAX_NAME_TRIES - 1} names are taken; choose a "
+                          "run_id")
 
     def has_rounds(self) -> bool:
         return (self.path / "rounds.parquet").exists()
 
+    def release(self) -> None:
+        """Let other processes resume or redo the run."""
+        self.lock.release()
+
     def remove(self) -> None:
         """Delete what this run wrote; a folder that existed before (empty, or the user's) is kept itself."""
+        self.release()
         if not self._existed:
-            remove_tree(self.path)
-            for folder in self._created:  # only while empty: another run may have started beside this one
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
+            self._remove_created(self.path)
             return
-        for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb"):
+        for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb",
+                     RUN_FILE):
             target = self.path / name
             if target.is_dir():
                 remove_tree(target)
             elif target.exists():
                 target.unlink(missing_ok=True)
+
+    def _remove_created(self, folder: Location) -> None:
+        remove_tree(folder)
+        for parent in self._created:  # only while empty: another run may have started beside this one
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+def _taken(path: Location) -> ConfigError:
+    """The error for a run folder another run has claimed, naming who claimed it where run.json says."""
+    try:
+        who = json.loads((path / RUN_FILE).read_text())
+        by = f" (claimed {who['created']} by pid {who['pid']} on {who['host']})"
+    except (OSError, ValueError, TypeError, KeyError, FedsimError):
+        by = ""
+    return ConfigError(f"results.run_id: {path} is taken by another run{by}; choose another run_id")
+
+
+class RunLock:
+    """An advisory lock (flock) on a local run's run.json while this process writes the run; the system drops it
+    when the process ends, however it ends. A run in a store is not locked (its claim still holds)."""
+
+    def __init__(self, run_dir: Location) -> None:
+        self._fd: int | None = None
+        if not isinstance(run_dir, Path) or not (run_dir / RUN_FILE).is_file():
+            return
+        import fcntl
+
+        fd = os.open(run_dir / RUN_FILE, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"{run_dir}: in use by another fedsim process (it holds {run_dir / RUN_FILE}); "
+                              "wait until it ends") from None
+        except OSError:  # a file system without locks: the claim alone protects the run
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class _Absent:
