@@ -19,7 +19,7 @@ import yaml
 
 from fedsim.errors import FedsimError
 from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reseal
 from tests.forked import run_module
 from tests.runtime.test_loop import deterministic
 
@@ -134,6 +134,7 @@ def test_resume_imports_no_plugin_the_run_did_not_start_with_nor_one_inside_its_
         raw = yaml.safe_load((run_copy / name).read_text())
         raw["plugins"] = [entry]
         (run_copy / name).write_text(yaml.safe_dump(raw, sort_keys=False))
+    reseal(run_copy)
     before = tree(run_copy)
     fragment = "lies inside the run folder" if where != "outside" else "plugins ([] -> "
     assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), fragment)
@@ -554,6 +555,7 @@ def test_a_checkpoint_whose_model_has_a_weight_more_is_refused_before_any_round(
     (arch, weights), = state["server_state"]["models"].items()
     weights["extra.weight"] = torch.zeros(3)
     torch.save(state, ckpt)
+    reseal(run_copy)
     config = yaml.safe_load((run_copy / "config.yaml").read_text())
     config["rounds"] = 3
     (run_copy / "config.yaml").write_text(yaml.safe_dump(config))

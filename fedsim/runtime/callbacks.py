@@ -221,9 +221,8 @@ class ResultsWriter(Callback):
 
     def save(self, where: str) -> None:
         """The checkpoint of the last round handed over: server state and every client's personal state (none where
-        the method's clients keep none)."""
-        from fedsim.checkpoint import checkpoint_bytes, save_checkpoint
-        from fedsim.io import atomic_write_bytes
+        the method's clients keep none), listed in the manifest beside it (fedsim.checkpoint)."""
+        from fedsim.checkpoint import checkpoint_bytes, save_run_checkpoint
         from fedsim.runtime.store import state_nbytes
 
         assert self.written is not None
@@ -233,10 +232,10 @@ class ResultsWriter(Callback):
                    "client_states": {} if self.stateless else self.backend.export_states()}
         if state_nbytes(payload) > IN_MEMORY_CHECKPOINT_BYTES:
             self.writes.wait()  # its tables first
-            save_checkpoint(path, payload)
+            save_run_checkpoint(path, payload, round)
         else:
             data = checkpoint_bytes(payload)
-            self._queue(lambda: atomic_write_bytes(path, data), where)
+            self._queue(lambda: save_run_checkpoint(path, data, round), where)
         self.saved = round
 
     def _flush_tables(self, where: str) -> None:

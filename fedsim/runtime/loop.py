@@ -22,7 +22,7 @@ import pandas as pd
 
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Phase, RoundInfo
-from fedsim.checkpoint import load_run_checkpoint, state_mismatch
+from fedsim.checkpoint import load_run_checkpoint, read_manifest, state_mismatch, verified_round, verify_checkpoint
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
@@ -172,9 +172,11 @@ class Simulation:
         return {"backend": type(self.backend).__name__, "num_workers": self.backend.num_workers,
                 "startup_s": self.startup_s, **self.backend.describe()}
 
-    def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
-        """Resume from the last checkpoint, dropping table rows written after it."""
+    def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame, saved_round: int | None = None) -> RunState:
+        """Resume from the last checkpoint (of `saved_round`, as its manifest records), dropping table rows written
+        after it."""
         ck = load_run_checkpoint(self.ckpt_path)
+        verified_round(ck, self.ckpt_path, saved_round)
         fresh_state = self.backend.server.get_state()
         kept, fresh = type(ck["server_state"]), type(fresh_state)
         if kept is not fresh:
@@ -439,12 +441,13 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     """
     from fedsim.runtime.local import LocalBackend
 
-    tables = None
+    tables, saved_round = None, None
     try:
         if resume is not None:
             run_dir = location(resume, "--resume")
             cfg = resume_config(run_dir)
-            if (run_dir / "checkpoints" / "last.pt").exists():
+            saved_round = verify_checkpoint(run_dir / "checkpoints", read_manifest(run_dir / "checkpoints"))
+            if saved_round is not None:
                 tables = resume_tables(run_dir)
         else:
             if cfg is None:
@@ -471,7 +474,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         # first: a tracking library that is not installed fails the run before anything starts
         hooks = Callbacks([*default_callbacks(backend, writes), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
-        state = sim.restore(*tables) if tables is not None else RunState()
+        state = sim.restore(*tables, saved_round) if tables is not None else RunState()
         info = RunInfo(cfg, run_dir, sim.describe(), state.next_round)
         hooks.setup_end(info)
         status = sim.run(state, hooks)

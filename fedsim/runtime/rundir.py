@@ -6,8 +6,9 @@ run), and `checkpoints/config.yaml`, the copy fedsim never rewrites. On `--resum
 key by key: keys that change what the saved state means (data, partition, model, algorithm, training,
 participation, stragglers, seed) must be unchanged, or the checkpoint's states would be loaded into a
 different experiment; keys in RESUME_SAFE may change (more `rounds`, another backend or worker count,
-evaluation cadence, where the results and datasets live, where metrics are tracked). Runs saved before the
-copy existed are not checked; their first resume writes it.
+evaluation cadence, where the results and datasets live, where metrics are tracked). The copy is the
+checkpoint's own (its SHA-256 is in checkpoints/manifest.json, fedsim.checkpoint): a resume without it, or with
+it changed, is refused, as is one whose manifest names another run than run.json.
 
 A run claims its folder before it writes anything there: it creates `run.json` (its identity) where none exists,
 atomically (O_EXCL on a local disk, a conditional put in a store), so of two runs given the same name exactly one
@@ -67,16 +68,20 @@ class NewRunDir:
     taken. The local lock on run.json is held until `release`."""
 
     def __init__(self, path: Location, cfg: RunConfig) -> None:
+        from fedsim.checkpoint import start_manifest
+
         self._created: list[Location] = []  # the parents this run creates, innermost first (results.root may be new)
         parent = path.parent
         while not parent.exists() and parent.parent != parent:
             self._created.append(parent)
             parent = parent.parent
+        self.run_id = uuid.uuid4().hex
         self.path, self._existed = self._claim(path, pick_next=cfg.results.run_id is None)
         self.lock = RunLock(self.path)
         try:
             save_config(cfg, self.path / "config.yaml")
             save_config(cfg, self.path / STARTED_CONFIG)
+            start_manifest(self.path / STARTED_CONFIG.parent, self.run_id, cfg.seed, STARTED_CONFIG.name)
         except OSError as exc:
             self.remove()
             raise ConfigError(f"results.root: cannot create the run folder {self.path} ({exc.strerror or exc})") \
@@ -92,7 +97,7 @@ class NewRunDir:
             existed = candidate.exists()
             if n > 1 and existed:  # a folder of that name, claimed or not, is someone else's
                 continue
-            identity = {"run_id": uuid.uuid4().hex, "name": candidate.name, "created": datetime.now().isoformat(),
+            identity = {"run_id": self.run_id, "name": candidate.name, "created": datetime.now().isoformat(),
                         "host": socket.gethostname(), "pid": os.getpid()}
             try:
                 candidate.mkdir(parents=True, exist_ok=True)
@@ -262,6 +267,21 @@ def _named(path: Location) -> str | Path:
     return path if isinstance(path, Path) else str(path)
 
 
+def run_identity(run_dir: Location) -> str:
+    """The run_id in a run folder's run.json, which its checkpoints' manifest must name."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the run's identity, which its checkpoints are checked against; a "
+                              "run folder written before fedsim kept one, or damaged); start a new run")
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+        run_id = None
+    if not isinstance(run_id, str) or not run_id:
+        raise CheckpointError(f"{path}: unreadable (no run_id); the run folder is damaged")
+    return run_id
+
+
 def resume_config(run_dir: Location) -> RunConfig:
     """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
     path = run_dir / "config.yaml"
@@ -270,15 +290,14 @@ def resume_config(run_dir: Location) -> RunConfig:
         raise CheckpointError(f"--resume {run_dir}: not a run folder ({why})")
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
-    _check_plugins(run_dir, path)  # before load_config imports them
-    cfg = load_config(_named(path))
     started_path = run_dir / STARTED_CONFIG
     if started_path.exists() and not started_path.is_file():
         raise CheckpointError(f"{started_path}: not a file (the config the run started with belongs there)")
-    if not started_path.is_file():
-        if started_path.parent.is_dir():
-            save_config(cfg, started_path)
-        return cfg
+    from fedsim.checkpoint import verify_manifest
+
+    verify_manifest(started_path.parent, run_identity(run_dir))  # before anything of the run's is loaded
+    _check_plugins(run_dir, path)  # before load_config imports them
+    cfg = load_config(_named(path))
     try:
         started = load_config(_named(started_path))
     except FedsimError as exc:
