@@ -10,6 +10,7 @@ from fedsim.config import RunConfig, apply_overrides, build_with_plugins, check_
 from fedsim.configtools import shown
 from fedsim.errors import ConfigError
 from fedsim.limits import MAX_WORKERS
+from fedsim.plugins import PluginSources
 from fedsim.storage import Location, location
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def _check_arguments(workers: Any, callbacks: Any, backend: Any) -> None:
 
 def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
         backend: str | Backend | None = None, workers: int | None = None, callbacks: Sequence[Callback] = (),
-        resume: str | Path | None = None, progress: bool = False) -> Location:
+        resume: str | Path | None = None, progress: bool = False, plugins: Sequence[str | Path] = (),
+        trust_run_plugins: bool = False) -> Location:
     """Run a simulation and return its run folder (tables, config, meta.json, checkpoints): a Path, or a
     fedsim.storage.StorePath when results.root (or `resume`) is a URI such as s3://bucket/prefix.
 
@@ -62,7 +64,9 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
     `rows.rounds` (the files hold the round before: a round's are written while the next one trains; a table of a
     long run keeps its latest rows in a tail file until the end, which fedsim.results.load joins to it).
     resume: a run folder to continue instead (it keeps its saved config, so `config` and `overrides` must be left
-    out). progress: a progress bar on stderr.
+    out). plugins, trust_run_plugins: where a resumed run may import the plugins its folder names besides their
+    recorded paths (your own copies of them; the run folder's copies), as `--plugins` and `--trust-run-plugins`
+    (docs/trust.md). progress: a progress bar on stderr.
     Bad input raises a fedsim.FedsimError with a one-line message.
     """
     from fedsim.runtime.callbacks import ProgressBar
@@ -74,8 +78,13 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         if config is not None or overrides:
             raise ConfigError(f"fedsim.run: resume={str(resume)!r} keeps the run's saved config; leave config and "
                               "overrides out")
-        cfg = resume_config(location(resume, "resume"))
+        sources = PluginSources(tuple(Path(p) for p in plugins), trust_run_plugins)
+        cfg = resume_config(location(resume, "resume"), sources)
     else:
+        if plugins or trust_run_plugins:
+            raise ConfigError("fedsim.run: plugins and trust_run_plugins go with resume; a new run names its plugins "
+                              "in its config")
+        sources = None
         cfg = resolve_config(config, overrides)
     if isinstance(backend, str):
         if backend not in ("local", "ray"):
@@ -88,4 +97,5 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
     else:
         engine = backend
     hooks = [*callbacks, *([ProgressBar()] if progress else [])]
-    return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks)
+    return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks,
+                    plugin_sources=sources)

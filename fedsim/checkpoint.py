@@ -282,11 +282,13 @@ def file_sha256(path: Location | str) -> str:
     return digest.hexdigest()
 
 
-def start_manifest(folder: Location, run_id: str, seed: int, config_name: str) -> None:
-    """A new run's manifest, in its checkpoints folder beside the config it started with (no checkpoint yet)."""
+def start_manifest(folder: Location, run_id: str, seed: int, config_name: str,
+                   plugins: dict[str, dict[str, str]] | None = None) -> None:
+    """A new run's manifest, in its checkpoints folder beside the config it started with (no checkpoint yet), with
+    what fedsim.plugins.record kept of its plugins (their SHA-256s)."""
     _write_manifest(folder, {"run_id": run_id, "seed": seed,
                              "config": {"file": config_name, "sha256": file_sha256(folder / config_name)},
-                             "checkpoints": []})
+                             "plugins": plugins or {}, "checkpoints": []})
 
 
 def read_manifest(folder: Location) -> dict:
@@ -301,7 +303,8 @@ def read_manifest(folder: Location) -> dict:
         ok = isinstance(raw["run_id"], str) and isinstance(raw["seed"], int) and \
             isinstance(raw["config"]["file"], str) and isinstance(raw["config"]["sha256"], str) and \
             isinstance(entries, list) and all(isinstance(e["file"], str) and isinstance(e["sha256"], str) and
-                                              isinstance(e["round"], int) for e in entries)
+                                              isinstance(e["round"], int) for e in entries) and \
+            isinstance(raw.setdefault("plugins", {}), dict)
     except (OSError, ValueError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
         ok = False
     if not ok:

@@ -90,6 +90,20 @@ def test_workers_must_be_a_positive_integer(tmp_path, workers):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--plugins", "mine.py"], "--plugins mine.py goes with --resume RUN; a new run names its plugins in its config"),
+    (["--trust-run-plugins"], "--trust-run-plugins goes with --resume RUN"),
+])
+def test_run_arguments_that_do_not_fit_are_one_line_naming_the_flag(tmp_path, capsys, args, message):
+    from jobs.cli import main
+
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
+    assert main(["run", str(cfg), "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedsim: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+
+
 def test_resume_refuses_overrides_and_a_config_instead_of_ignoring_them(run_copy, tmp_path):
     before = tree(run_copy)
     line = assert_one_line_error(fedsim("run", "--resume", str(run_copy), "-o", "rounds=5", "-o", "train.lr=0.1"),
@@ -120,25 +134,119 @@ def test_resume_refuses_a_config_edited_into_another_experiment(run_copy, edits)
     assert tree(run_copy) == before
 
 
-@pytest.mark.parametrize("where", ["outside", "inside", "relative", "name"])
-def test_resume_imports_no_plugin_the_run_did_not_start_with_nor_one_inside_its_folder(run_copy, tmp_path, where):
-    marker = tmp_path / "imported"
-    folder = tmp_path if where == "outside" else run_copy
-    plugin = folder / "evil.py"
-    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    # inside: both config files agree, naming the file by absolute path, by a path relative to the run folder
-    # (where the saved config lies) or by a bare module name, found beside the config
-    entry = {"inside": str(plugin), "relative": "evil.py", "name": "evil", "outside": str(plugin)}[where]
-    edited = ["config.yaml"] + ([str(STARTED)] if where != "outside" else [])
-    for name in edited:
-        raw = yaml.safe_load((run_copy / name).read_text())
+PLUGIN = ("import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write(__file__ + '\\n')\n"
+          "from fedsim.models.registry import register_model\nregister_model('plug_model')(lambda **kw: None)\n")
+EVIL = "import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write('evil ' + __file__ + '\\n')\n"
+
+
+@pytest.fixture
+def plugged(tmp_path) -> tuple[Path, Path]:
+    """(a finished 1-round run that started with the plugin src/plug.py, that plugin)."""
+    plugin = tmp_path / "src" / "plug.py"
+    plugin.parent.mkdir()
+    plugin.write_text(PLUGIN)
+    cfg = write_config(tmp_path / "plugged.yaml", tmp_path / "results", run_id="plugged", rounds=1,
+                       plugins=[str(plugin)])
+    proc = run_module("jobs.cli", ["run", str(cfg), "--quiet"], env={**ENV, "FEDSIM_TEST_MARKER": os.devnull})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp_path / "results" / "plugged", plugin
+
+
+def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
+    """Both configs name `entry` as the run's plugin; with `recorded`, the manifest records its SHA-256 too (all of
+    it what anyone who can edit the folder can write)."""
+    import hashlib
+
+    for name in ("config.yaml", str(STARTED)):
+        raw = yaml.safe_load((run_dir / name).read_text())
         raw["plugins"] = [entry]
+        (run_dir / name).write_text(yaml.safe_dump(raw, sort_keys=False))
+    reseal(run_dir)
+    if recorded:
+        manifest = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+        digest = hashlib.sha256(Path(entry).read_bytes()).hexdigest()
+        manifest["plugins"] = {entry: {"module": Path(entry).stem, "sha256": digest, "copy": "plugins/plug.py"}}
+        (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("case, args, code, fragment, imported", [
+    ("as it was", [], 0, None, "src/plug.py"),
+    ("relative path", [], 2, "plugins: '../evil.py' is a relative path, which a run never records", None),
+    ("absolute path, not recorded", [], 2, "/evil.py': the run recorded no SHA-256 for it", None),
+    ("recorded inside the run folder", [], 2, "/plugged/evil.py' lies inside the run folder; a run's files are data",
+     None),
+    ("a name found inside the run folder", [], 2, "plugins: 'evil' would be imported from inside the run folder",
+     None),
+    ("plugin changed since", [], 2, "src/plug.py is not the file the run started with (its SHA-256 differs", None),
+    ("plugin changed since", ["--plugins", "KEPT"], 0, None, "kept/plug.py"),
+    ("plugin gone", [], 2, "src/plug.py': no such file here; to allow it, pass --plugins FILE (your copy of plug, as "
+                           "the run started with it) or --trust-run-plugins (import the run folder's copy, "
+                           "plugins/plug.py)", None),
+    ("plugin gone", ["--trust-run-plugins"], 0, None, "plugged/plugins/plug.py"),
+    ("plugin gone", ["--plugins", "OTHER"], 2, "kept/other.py: names no plugin of this run (its plugins: ", None),
+    ("the run folder's copy changed", ["--trust-run-plugins"], 2, "the run folder's copy", None),
+])
+def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, args, code, fragment, imported):
+    """A run folder from elsewhere named ../evil.py or any absolute path in its configs, and that file was imported.
+    Now a resumed run imports a plugin from its recorded path, the user's own file or (if asked) the folder's copy,
+    each only with the SHA-256 the run recorded, or a module installed outside the run folder."""
+    run_dir, plugin = plugged
+    marker, kept = tmp_path / "imported", tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy(plugin, kept / "plug.py")
+    (kept / "other.py").write_text(PLUGIN)
+    (tmp_path / "results" / "evil.py").write_text(EVIL)
+    (run_dir / "evil.py").write_text(EVIL)
+    cwd = ROOT
+    if case == "relative path":
+        _name_plugin(run_dir, "../evil.py")
+    elif case == "absolute path, not recorded":
+        _name_plugin(run_dir, str(tmp_path / "results" / "evil.py"))
+    elif case == "recorded inside the run folder":
+        _name_plugin(run_dir, str(run_dir / "evil.py"), recorded=True)
+    elif case == "a name found inside the run folder":
+        _name_plugin(run_dir, "evil")
+        cwd = str(run_dir)  # where `python -m` would find it
+    elif case == "plugin changed since":
+        plugin.write_text(PLUGIN + "X = 1\n")
+    elif case == "plugin gone":
+        plugin.unlink()
+    elif case == "the run folder's copy changed":
+        plugin.unlink()
+        (run_dir / "plugins" / "plug.py").write_text(EVIL)
+    args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py")}.get(a, a) for a in args]
+    before = tree(run_dir)
+    proc = run_module("jobs.cli", ["run", "--resume", str(run_dir), "--quiet", *args], cwd=cwd,
+                      env={**ENV, "FEDSIM_TEST_MARKER": str(marker)})
+    if code == 2:
+        assert_one_line_error(proc, fragment)
+        assert not marker.exists() and tree(run_dir) == before  # nothing imported, nothing written
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = marker.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].endswith(imported), lines
+
+
+def test_reading_a_run_imports_none_of_the_plugins_it_names(run_copy, tmp_path, capsys, monkeypatch):
+    """results show, plot and collect read tables and YAML: a run folder naming plugins never gets them imported."""
+    import fedsim
+    from jobs.cli import main
+
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FEDSIM_TEST_MARKER", str(marker))
+    (tmp_path / "evil.py").write_text(EVIL)
+    (run_copy / "evil.py").write_text(EVIL)
+    for name in ("config.yaml", str(STARTED)):
+        raw = yaml.safe_load((run_copy / name).read_text())
+        raw["plugins"] = [str(tmp_path / "evil.py"), "../evil.py", "evil", "evil.py"]
         (run_copy / name).write_text(yaml.safe_dump(raw, sort_keys=False))
-    reseal(run_copy)
-    before = tree(run_copy)
-    fragment = "lies inside the run folder" if where != "outside" else "plugins ([] -> "
-    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), fragment)
-    assert not marker.exists() and tree(run_copy) == before
+    monkeypatch.chdir(run_copy)
+    assert main(["results", "show", str(run_copy)]) == 0
+    assert main(["results", "show", str(run_copy), "--clients"]) == 0
+    assert main(["plot", str(run_copy), "--out", str(tmp_path / "p.png")]) == 0
+    assert len(fedsim.collect(run_copy)) == 2 and len(fedsim.load(run_copy)["rounds"]) == 2
+    capsys.readouterr()
+    assert not marker.exists() and "evil" not in sys.modules
 
 
 def test_resume_extends_a_run_whose_rounds_were_raised(run_copy, tmp_path):

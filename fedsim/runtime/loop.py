@@ -26,6 +26,7 @@ from fedsim.checkpoint import load_run_checkpoint, read_manifest, state_mismatch
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
+from fedsim.plugins import PluginSources
 from fedsim.results import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
@@ -430,12 +431,14 @@ def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | StorePath | None = None,
-        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Location:
+        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None,
+        plugin_sources: PluginSources | None = None) -> Location:
     """Run (or resume) a simulation; returns the run folder (a Path, or a StorePath for a run kept in a store).
 
     A new run's folder is claimed before anything is written (fedsim.runtime.rundir), and removed again if the
     run stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
-    its saved config (see fedsim.runtime.rundir). `callbacks` run after the default ones (meta.json, tables and
+    its saved config (see fedsim.runtime.rundir), and imports its plugins only from what the user has
+    (`plugin_sources`: fedsim.plugins.for_resume). `callbacks` run after the default ones (meta.json, tables and
     checkpoints, then the trackers `cfg.tracking` turns on); any of them may stop the run after a round
     (fedsim.runtime.callbacks).
     """
@@ -445,7 +448,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     try:
         if resume is not None:
             run_dir = location(resume, "--resume")
-            cfg = resume_config(run_dir)
+            cfg = resume_config(run_dir, plugin_sources)
             saved_round = verify_checkpoint(run_dir / "checkpoints", read_manifest(run_dir / "checkpoints"))
             if saved_round is not None:
                 tables = resume_tables(run_dir)

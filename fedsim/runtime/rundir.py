@@ -27,11 +27,14 @@ import tempfile
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fedsim.config import RunConfig, config_to_dict, load_config, read_yaml, save_config
+from fedsim.config import RunConfig, build_config, config_to_dict, read_yaml, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 from fedsim.storage import Location, check_reachable, location, remove_tree
+
+if TYPE_CHECKING:
+    from fedsim.plugins import PluginSources
 
 RUN_FILE = "run.json"  # the run's claim on its folder, and its identity
 MAX_NAME_TRIES = 1000  # default names taken by runs started in the same microsecond
@@ -69,6 +72,7 @@ class NewRunDir:
 
     def __init__(self, path: Location, cfg: RunConfig) -> None:
         from fedsim.checkpoint import start_manifest
+        from fedsim.plugins import record
 
         self._created: list[Location] = []  # the parents this run creates, innermost first (results.root may be new)
         parent = path.parent
@@ -81,7 +85,8 @@ class NewRunDir:
         try:
             save_config(cfg, self.path / "config.yaml")
             save_config(cfg, self.path / STARTED_CONFIG)
-            start_manifest(self.path / STARTED_CONFIG.parent, self.run_id, cfg.seed, STARTED_CONFIG.name)
+            start_manifest(self.path / STARTED_CONFIG.parent, self.run_id, cfg.seed, STARTED_CONFIG.name,
+                           record(cfg.plugins, self.path))
         except OSError as exc:
             self.remove()
             raise ConfigError(f"results.root: cannot create the run folder {self.path} ({exc.strerror or exc})") \
@@ -127,7 +132,7 @@ class NewRunDir:
             self._remove_created(self.path)
             return
         for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb",
-                     RUN_FILE):
+                     "plugins", RUN_FILE):
             target = self.path / name
             if target.is_dir():
                 remove_tree(target)
@@ -238,30 +243,6 @@ def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
     return Path(tempfile.gettempdir()) / f"fedsim-spill-{run_dir.name}-{os.getpid()}"
 
 
-def _check_plugins(run_dir: Location, path: Location) -> None:
-    """A resumed run imports its plugins: only the ones it started with, and none from inside its own folder (a
-    run's files are data, never code)."""
-    plugins = read_yaml(_named(path)).get("plugins") or []
-    started_path = run_dir / STARTED_CONFIG
-    if started_path.is_file():
-        try:
-            started = read_yaml(_named(started_path)).get("plugins") or []
-        except FedsimError as exc:
-            raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
-        if plugins != started:
-            raise ConfigError(f"{path}: plugins ({started!r} -> {plugins!r}) changed since the run started "
-                              f"({started_path}); start a new run instead")
-    if isinstance(run_dir, Path) and isinstance(plugins, list):
-        from fedsim.plugins import _locate
-
-        folder = run_dir.resolve()
-        for entry in plugins:  # found as the config's loader would find it: relative paths and names start here
-            found = _locate(entry, folder).path if isinstance(entry, str) else None
-            if found is not None and found.resolve().is_relative_to(folder):
-                raise ConfigError(f"{path}: plugin {entry} lies inside the run folder ({found}); a run's files are "
-                                  "data, not code: keep plugins beside your configs")
-
-
 def _named(path: Location) -> str | Path:
     """A path as load_config takes it: a local one as it is, one in a store as its URI."""
     return path if isinstance(path, Path) else str(path)
@@ -282,8 +263,12 @@ def run_identity(run_dir: Location) -> str:
     return run_id
 
 
-def resume_config(run_dir: Location) -> RunConfig:
-    """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
+def resume_config(run_dir: Location, sources: PluginSources | None = None) -> RunConfig:
+    """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow; its
+    plugins are checked (fedsim.plugins.for_resume, with the user's `sources`) before any is imported."""
+    from fedsim.checkpoint import verify_manifest
+    from fedsim.plugins import PluginSources, for_resume
+
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         why = "a file, not a folder" if run_dir.exists() else "no such folder"
@@ -293,13 +278,21 @@ def resume_config(run_dir: Location) -> RunConfig:
     started_path = run_dir / STARTED_CONFIG
     if started_path.exists() and not started_path.is_file():
         raise CheckpointError(f"{started_path}: not a file (the config the run started with belongs there)")
-    from fedsim.checkpoint import verify_manifest
-
-    verify_manifest(started_path.parent, run_identity(run_dir))  # before anything of the run's is loaded
-    _check_plugins(run_dir, path)  # before load_config imports them
-    cfg = load_config(_named(path))
+    manifest = verify_manifest(started_path.parent, run_identity(run_dir))  # before anything of the run's is loaded
+    raw = read_yaml(_named(path))
     try:
-        started = load_config(_named(started_path))
+        started_raw = read_yaml(_named(started_path))
+    except FedsimError as exc:
+        raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
+    plugins, started_plugins = raw.get("plugins") or [], started_raw.get("plugins") or []
+    if plugins != started_plugins:
+        raise ConfigError(f"{path}: plugins ({started_plugins!r} -> {plugins!r}) changed since the run started "
+                          f"({started_path}); start a new run instead")
+    raw["plugins"] = started_raw["plugins"] = for_resume(plugins, manifest["plugins"], run_dir,
+                                                         sources or PluginSources())
+    cfg = build_config(raw)
+    try:
+        started = build_config(started_raw)
     except FedsimError as exc:
         raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
     diff = unsafe_changes(started, cfg)
