@@ -17,6 +17,7 @@ from fedsim.limits import (
     MAX_BATCH,
     MAX_BYTES,
     MAX_CLIENTS,
+    MAX_CONFIG_BYTES,
     MAX_CPUS,
     MAX_EPOCHS,
     MAX_GPUS,
@@ -293,7 +294,12 @@ def read_yaml(path: str | Path | StorePath) -> dict:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as fh:  # no more than the limit is read: a 50 MB file costs what 1 MiB does
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, the most a config file may hold "
+                              "(fedsim.limits.MAX_CONFIG_BYTES); a config holds kilobytes")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot be read as text ({type(exc).__name__})") from None
     try:

@@ -156,6 +156,50 @@ def test_absurdly_long_overrides_are_one_short_line(override, message):
     assert len(str(info.value)) < 400
 
 
+def test_a_50_mb_config_is_refused_at_once_naming_the_size_limit(tmp_path):
+    """One long list used to be built for 4 minutes and 4.8 GB, then refused for its "aliases"."""
+    import time
+
+    path = tmp_path / "huge.yaml"
+    with path.open("w") as fh:
+        fh.write(TINY + "model:\n  options:\n    widths: [")
+        fh.write("1, " * (50 * 2**20 // 3))
+        fh.write("1]\n")
+    assert path.stat().st_size > 50 * 2**20
+    t0 = time.perf_counter()
+    proc, root = fedsim_run(tmp_path, path)  # forked after the imports: the time is the refusal's own
+    took = time.perf_counter() - t0
+    assert_one_line_error(proc, root, f"{path}: larger than 1 MiB, the most a config file may hold "
+                                      "(fedsim.limits.MAX_CONFIG_BYTES)")
+    assert took < 10, took  # 0.2 s here: the file is never read past its first MiB
+
+
+ALIASES = "".join(f"{a}: &{a} [{', '.join([f'*{b}'] * 10)}]\n" for a, b in zip("bcdef", "abcde"))
+VALUES = "more than 20,000 values, aliases expanded (fedsim.limits.MAX_CONFIG_VALUES); a config holds a few hundred"
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("x: [" + "1, " * 30_000 + "1]\n", 1, VALUES),
+    ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + ALIASES, 5, VALUES),  # 10^5 values at e, from 38 bytes
+    ("x: " + "[" * 101 + "]" * 101 + "\n", 1, "nested more than 100 levels deep (fedsim.limits.MAX_CONFIG_DEPTH)"),
+])
+def test_a_config_too_large_once_parsed_is_refused_before_anything_is_built(tmp_path, monkeypatch, text, line,
+                                                                            message):
+    """Counted from the parser's events: no value is constructed (the long list took 29 s at 10 MB)."""
+    import fedsim.strict_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    monkeypatch.setattr(fedsim.strict_yaml.StrictLoader, "construct_document", lambda *a: pytest.fail("built"))
+    with pytest.raises(ConfigError) as err:
+        read_yaml(path)
+    assert str(err.value) == f"{path} line {line}: {message}"
+    if text.startswith("x: "):  # the same value as an override
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["model.options.widths=" + text[3:].strip()])
+        assert str(err.value).startswith("override 'model.options.widths=") and str(err.value).endswith(message)
+
+
 def test_exponent_floats_work_in_files_overrides_and_int_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 1e-3\n  weight_decay: 5E-4\n  epochs: 2e1\nalgorithm: {name: fedprox, mu: .5}\n")
