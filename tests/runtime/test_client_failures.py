@@ -8,6 +8,8 @@ import pickle
 import pandas as pd
 import pytest
 
+from fedsim.algorithms.base import register_algorithm
+from fedsim.algorithms.fedavg import FedAvg
 from fedsim.errors import ClientFailedError, FedsimError
 from fedsim.results import load
 from fedsim.runtime.callbacks import Callback
@@ -86,3 +88,34 @@ def test_a_run_stopped_after_a_failure_resumes_to_the_tables_of_an_uninterrupted
     assert_one_failure_reported(resumed)
     for name in ("rounds", "clients"):
         pd.testing.assert_frame_equal(deterministic(resumed[name]), deterministic(whole[name]), obj=name)
+
+
+@register_algorithm
+class NaNUploadFedAvg(FedAvg):
+    """FedAvg whose client 1 uploads a NaN weight with a finite loss, as a method without fedsim's local training
+    might: only the upload says it diverged."""
+
+    name = "fedavg_nan_upload"
+
+    def client_step(self, phase, state, msg, ctx):
+        res = super().client_step(phase, state, msg, ctx)
+        if ctx.client_id == 1:
+            first = next(k for k, v in res.payload.items() if v.is_floating_point() and v.dim() > 0)
+            res.payload[first] = res.payload[first].clone().fill_(float("nan"))
+        return res
+
+
+@pytest.mark.parametrize("overrides, failed, reason", [
+    (("train.weight_decay=1e12",), [0, 1, 2, 3], "diverged: non-finite train_loss (nan)"),  # fedavg's training
+    (("algorithm.name=scaffold", "train.weight_decay=1e12"), [0, 1, 2, 3], "diverged: non-finite train_loss (nan)"),
+    (("algorithm.name=fedavg_nan_upload",), [1], "diverged: non-finite update (payload['cnn/"),
+])
+def test_a_client_that_diverges_fails_alone_with_the_reason(make_config, overrides, failed, reason):
+    """A diverging client is a failed client in clients.parquet, whatever its method: SCAFFOLD's NaN used to be
+    summed into the global model, and a method's NaN upload too; the lead's all-failed rule then stops the run."""
+    cfg = make_config("data.num_clients=4", "participation.clients_per_round=4", *overrides, rounds=1)
+    clients = load(run(cfg, LocalBackend(num_workers=2)))["clients"]
+    bad = clients[clients["status"] == "failed"]
+    assert bad["client"].tolist() == failed, clients[["client", "status", "error"]]
+    assert (bad["error_type"] == "FloatingPointError").all()
+    assert all(m.startswith(reason) for m in bad["error_message"]), bad["error_message"].tolist()
