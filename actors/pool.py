@@ -22,7 +22,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from actors.autoscale import await_workers
+from actors.autoscale import asked_for, await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
 from actors.node_loss import NodeLostError, await_marked_dead, log, node_gone, node_lost_failure, pick_host
@@ -115,14 +115,14 @@ def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
         fits = size_pool(cfg, bundles)
         n = asked or fits
         if n > fits:
-            raise ResourceError(f"runtime.num_workers={n} but the placement group this run is in (its share of "
+            raise ResourceError(f"{asked_for(cfg, requested)} but the placement group this run is in (its share of "
                                 f"the cluster) holds {fits} workers of runtime.client_cpus={rt.client_cpus} and "
                                 f"runtime.client_gpus={rt.client_gpus}")
         return n
     fits = size_pool(cfg, cluster_nodes())
     if asked:
         if asked > fits:
-            raise ResourceError(f"runtime.num_workers={asked} but only {fits} workers fit with runtime.client_cpus="
+            raise ResourceError(f"{asked_for(cfg, requested)} but only {fits} workers fit with runtime.client_cpus="
                                 f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
         return asked
     try:

@@ -29,7 +29,7 @@ from fedsim.limits import (
     MAX_THREADS,
     MAX_WORKERS,
 )
-from fedsim.storage import StorePath, location
+from fedsim.storage import StorePath, instead_of_a_file, location
 
 
 @dataclass
@@ -292,7 +292,8 @@ def read_yaml(path: str | Path | StorePath) -> dict:
     """Read a config file's mapping, with one-line errors for missing, malformed, empty or non-mapping files."""
     p = location(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        what = instead_of_a_file(p)
+        raise ConfigError(f"config file {p}: {what}" if what else f"config file not found: {p}")
     try:
         with p.open("rb") as fh:  # no more than the limit is read: a 50 MB file costs what 1 MiB does
             raw = fh.read(MAX_CONFIG_BYTES + 1)

@@ -190,6 +190,14 @@ def check_reachable(root: Location, key: str) -> None:
         raise ConfigError(f"{key}: {root}: no bucket {bucket!r} (or no access to it); create it first")
 
 
+def instead_of_a_file(path: Location) -> str | None:
+    """What is at `path`, which should be a file: 'a folder' or 'a device or pipe, not a regular file'; None when
+    nothing is (a message then says the file is not found)."""
+    if path.is_dir():
+        return "a folder, not a file"
+    return "not a regular file (a device or a pipe)" if path.exists() else None
+
+
 def remove_tree(path: Location) -> None:
     """Delete a folder and everything in it, wherever it is; a missing one is fine."""
     import shutil

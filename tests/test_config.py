@@ -72,6 +72,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["run", "missing.yaml"], "config file not found: missing.yaml"),
+    (["run", "configs"], "config file configs: a folder, not a file"),  # was "not found"
     (["run", "configs/demo.yaml", "-o", "train.lr=abc"], "train.lr: expected a number"),
     (["run", "--resume", "no/such/run"], "not a run folder"),
     (["results", "show", "no/such/run"], "not a fedsim run folder"),

@@ -5,6 +5,7 @@ after the imports (tests/forked.py)."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import typing
@@ -385,7 +386,10 @@ def test_a_huge_label_in_an_npz_file_through_the_cli(tmp_path):
     ({"x_train": np.full((40, 8, 8), np.nan)}, "x_train contains NaN or infinite values"),
     ({"x_train": np.full((40, 8, 8), "a")}, "x_train must be real numbers"),
     ({"x_train": np.zeros((40, 8, 8), complex)}, "x_train must be real numbers"),
-    ({"x_test": np.array([{"pickled": 1}] * 10, dtype=object)}, "could not read"),
+    ({"x_test": np.array([{"pickled": 1}] * 10, dtype=object)},  # was "could not read ... allow_pickle=False"
+     "x_test holds Python objects (dtype object), not numbers: fedsim reads numeric arrays only"),
+    ({"x_test": np.zeros((0, 8, 8), np.float32), "y_test": np.zeros(0, int)},  # named neither the file nor x_test
+     "x_test holds no samples (shape (0, 8, 8))"),
 ])
 def test_npz_arrays_are_checked(tmp_path, change, fragment):
     from fedsim.data import load_dataset
@@ -394,6 +398,25 @@ def test_npz_arrays_are_checked(tmp_path, change, fragment):
     with pytest.raises(DataError) as info:
         load_dataset("npz", tmp_path, path=str(file))
     assert fragment in str(info.value) and str(file) in str(info.value)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: p.write_bytes(bytes(range(256)) * 16), "not an .npz archive (a zip of .npy arrays"),  # numpy's advice
+    (lambda p: p.mkdir(), "a folder, not a file (data.options.path)"),  # was "file not found"
+])
+def test_a_path_that_is_no_npz_file_is_named_without_unsafe_advice(tmp_path, make, fragment):
+    """numpy takes a file that is no zip for a pickle, and its error advised loading it with allow_pickle."""
+    from fedsim.data import load_dataset
+
+    file = tmp_path / "d.npz"
+    make(file)
+    for name in ("npz", "text_npz"):
+        with pytest.raises(DataError) as info:
+            load_dataset(name, tmp_path, path=str(file))
+        assert str(info.value).startswith(f"{name}: {file}: ") and fragment.split(" (data")[0] in str(info.value)
+        assert "pickle" not in str(info.value)
+    with pytest.raises(DataError, match=f"^npz: {file}: {re.escape(fragment)}"):
+        load_dataset("npz", tmp_path, path=str(file))
 
 
 # ---------------------------------------------------------------- 7. the single image

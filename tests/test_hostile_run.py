@@ -104,6 +104,36 @@ def test_run_arguments_that_do_not_fit_are_one_line_naming_the_flag(tmp_path, ca
     assert not (tmp_path / "results").exists()
 
 
+def test_a_worker_count_that_does_not_fit_names_the_flag_the_user_typed(tmp_path, monkeypatch):
+    """--workers 100 with 8 clients was refused as "runtime.num_workers=8", a key the user never set."""
+    import actors.autoscale as autoscale
+    import actors.pool as pool
+    from fedsim.config import load_config
+    from fedsim.errors import ResourceError
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", tmp_path / "results"),
+                      ["runtime.backend=ray", "runtime.client_cpus=1", "data.num_clients=8"])
+    monkeypatch.setattr(autoscale, "fitting_workers", lambda cfg: (2, ""))
+    monkeypatch.setattr(autoscale, "joined_cluster", lambda: False)
+    monkeypatch.setattr(autoscale.ray.util, "get_current_placement_group", lambda: None)
+    fit = "but only 2 workers fit with runtime.client_cpus=1.0 and runtime.client_gpus=0.0"
+    for wanted, asked in ((100, "--workers 100 (8 of them used: one per client, data.num_clients=8)"),
+                          (None, "one client worker")):
+        if wanted is None:
+            monkeypatch.setattr(autoscale, "fitting_workers", lambda cfg: (0, ""))
+            fit = fit.replace("only 2", "only 0")
+        with pytest.raises(ResourceError) as err:
+            autoscale.await_workers(cfg, wanted)
+        assert str(err.value) == f"{asked} {fit}"
+    monkeypatch.setattr(pool, "cluster_nodes", lambda: [{"CPU": 2.0}])
+    monkeypatch.setattr(pool, "group_bundles", lambda: None)
+    with pytest.raises(ResourceError, match=r"^--workers 100 but only 2 workers fit"):
+        pool.pool_size(cfg, 100)
+    cfg.runtime.num_workers = 5
+    with pytest.raises(ResourceError, match=r"^runtime.num_workers=5 but only 2 workers fit"):
+        pool.pool_size(cfg)
+
+
 def test_resume_refuses_overrides_and_a_config_instead_of_ignoring_them(run_copy, tmp_path):
     before = tree(run_copy)
     line = assert_one_line_error(fedsim("run", "--resume", str(run_copy), "-o", "rounds=5", "-o", "train.lr=0.1"),
@@ -373,6 +403,7 @@ def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkey
     ("model.name=nosuch", "model", True),                        # no such architecture
     ("stragglers.trace=/no/such/trace.csv", "trace.csv", False),  # no such device trace
     ("stragglers.trace=/dev/zero", "/dev/zero is not a regular file", False),  # read forever, filling memory
+    ("stragglers.trace=/", "stragglers.trace: / is a folder, not a file", False),  # was "cannot read /: Is a dir..."
 ])
 def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, into_existing):
     results = tmp_path / "results"
