@@ -31,7 +31,7 @@ from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
 from fedsim.algorithms.base import Broadcast, Phase, RoundInfo
-from fedsim.errors import FedsimError, ResourceError
+from fedsim.errors import FedsimError, OutOfMemory, ResourceError
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
@@ -364,6 +364,8 @@ class RayBackend:
                 self._holds[w] = replies[w].info.get("states", 1) > 0
             except RayTaskError as exc:  # the worker itself raised
                 cause = getattr(exc, "cause", None)
+                if isinstance(cause, OutOfMemory):  # a client ran out of memory: the run stops, naming it
+                    raise cause from None
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
                                           str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])
             except RayError as exc:  # not the worker's own error: its actor or node died, or Ray lost the reply

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from fedsim.algorithms import algorithm_names, get_algorithm
@@ -562,3 +563,95 @@ def test_folder_names_are_checked(override, fragment):
 def test_an_explicit_int_tag_on_text_names_the_text():
     with pytest.raises(ConfigError, match=r"^override 'rounds=!!int abc': 'abc' is not an integer$"):
         load_config(None, ["rounds=!!int abc"])
+
+
+# ---------------------------------------------------------------- 10. memory: estimated before it is allocated
+
+
+class _TwentyGB(torch.nn.Module):
+    """A plugin's model with one 20 GB layer (5·10^9 float32 weights)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(100_000, 50_000)
+
+
+@pytest.mark.parametrize("overrides, shape, message", [
+    (["model.name=mlp", "model.options.hidden=65536"], (1, 8, 8),
+     "model.options {'hidden': 65536}: model 'mlp' for inputs 1×8×8 has 4,299,948,042 parameters (17.2 GB); a run "
+     "holds about 4 copies (68.8 GB), more than the 16.0 GB of memory available here"),
+    (["model.name=cnn"], (1, 14000, 14000),  # a 14000×14000-image npz: the head sees 64·6998² inputs
+     "model.name: model 'cnn' for inputs 1×14000×14000 has 401,178,677,002 parameters (1.6 TB); a run holds about "
+     "4 copies (6.4 TB)"),
+    (["model.name=twenty_gb"], (3, 32, 32), "model 'twenty_gb' for inputs 3×32×32 has 5,000,050,000 parameters "
+                                            "(20.0 GB)"),
+])
+def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(isolated, monkeypatch, overrides, shape,
+                                                                        message):
+    """Estimated on the meta device, which allocates nothing; these printed 34-47-line allocator tracebacks."""
+    import fedsim.memory
+    from fedsim.models.registry import register_model
+
+    register_model("twenty_gb")(lambda **kw: _TwentyGB())
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 16 * 10**9)
+    with pytest.raises(ConfigError) as err:
+        fedsim.memory.check_models(load_config(None, overrides), shape, 10, trains_here=True)
+    assert message in str(err.value)
+    fedsim.memory.check_models(load_config(None, ["model.name=cnn"]), (1, 8, 8), 10, trains_here=True)  # fits
+
+
+def test_a_run_whose_model_does_not_fit_stops_before_the_folder_is_written(tmp_path, monkeypatch, capsys):
+    import fedsim.memory
+    from jobs.cli import main
+
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 100 * 10**6)
+    (tmp_path / "c.yaml").write_text(TINY + "model: {name: mlp, options: {hidden: 4096}}\n")
+    assert main(["run", str(tmp_path / "c.yaml"), "--quiet", "-o", f"results.root={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedsim: error: model.options {'hidden': 4096}: model 'mlp' for "
+                                                   "inputs 1×8×8 has 17,088,522 parameters (68.4 MB); a run holds "
+                                                   "about 4 copies (273.4 MB), more than the 100.0 MB"), err
+    assert not (tmp_path / "results").exists()
+
+
+def _big_images_npz(path: Path, side: int) -> Path:
+    """An npz of one train and one test uint8 image side×side, compressed (the zeros take kilobytes), written without
+    ever holding an image in memory."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for key in ("x_train", "x_test"):
+            with z.open(f"{key}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
+                                                         "shape": (1, side, side)})
+                row = bytes(side)
+                for _ in range(side):
+                    f.write(row)
+        for key in ("y_train", "y_test"):
+            with z.open(f"{key}.npy", "w") as f:
+                np.lib.format.write_array(f, np.zeros(1, np.int64))
+    return path
+
+
+def test_an_npz_of_huge_images_is_one_line_through_the_cli(tmp_path):
+    """4000×4000 images (the issue's 14000² ones take longer to write): the CNN's head would hold 131 GB, which
+    torch tried to allocate."""
+    file = _big_images_npz(tmp_path / "big.npz", 4000)
+    assert file.stat().st_size < 1_000_000
+    proc, root = fedsim_run(tmp_path, TINY, "data.name=npz", f"data.options.path={file}")
+    assert_one_line_error(proc, root, "model.name: model 'cnn' for inputs 1×4000×4000 has 32,702,515,841 parameters "
+                                      "(130.8 GB)")
+
+
+def test_an_npz_whose_arrays_would_not_fit_is_refused_from_its_headers(tmp_path, monkeypatch):
+    import fedsim.memory
+    from fedsim.data import load_dataset
+
+    file = _big_images_npz(tmp_path / "big.npz", 2000)
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 10 * 10**6)
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda *a: pytest.fail("decoded"))
+    with pytest.raises(DataError) as err:
+        load_dataset("npz", tmp_path, path=str(file))
+    assert str(err.value) == (f"npz: {file}: its arrays take about 40.0 MB once decoded (x_train 1×2000×2000 uint8, "
+                              "x_test 1×2000×2000 uint8, as float32 images), more than the 10.0 MB of memory "
+                              "available here (data.options.path)")

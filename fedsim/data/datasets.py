@@ -31,12 +31,13 @@ from fedsim.data._images import (
 )
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
-from fedsim.data.safe_npy import check_archive, npz_array
+from fedsim.data.safe_npy import check_archive, npz_array, npz_header
 from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
 from fedsim.extras import require
 from fedsim.limits import MAX_CLASSES, MAX_SAMPLES, MAX_SEED
+from fedsim.memory import check_arrays
 from fedsim.storage import instead_of_a_file
 
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
@@ -478,6 +479,8 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
                 raise DataError(
                     f"npz: {file} has no key {missing[0]!r} (it has {sorted(data.files)}; needs {list(NPZ_KEYS)})"
                 )
+            check_arrays({k: npz_header(data, k, f"npz: {file}") for k in NPZ_KEYS}, f"npz: {file}",
+                         "data.options.path")
             arrays = {k: npz_array(data, k, f"npz: {file}") for k in NPZ_KEYS}
     except FedsimError:
         raise

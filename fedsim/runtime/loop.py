@@ -26,6 +26,7 @@ from fedsim.checkpoint import load_run_checkpoint, read_manifest, state_mismatch
 from fedsim.config import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError
+from fedsim.memory import check_models
 from fedsim.plugins import PluginSources
 from fedsim.results import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply
@@ -151,6 +152,10 @@ class Simulation:
     def setup(self) -> None:
         cfg = self.cfg
         data = self.inputs.data(cfg)
+        from fedsim.runtime.local import LocalBackend
+
+        # before any model is built: one too large for this machine is one line, not an allocator's traceback
+        check_models(cfg, data.input_shape, data.num_classes, isinstance(self.backend, LocalBackend))
         self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.num_samples()
         self.archs = client_archs(cfg)

@@ -20,8 +20,9 @@ import torch
 from fedsim import rng
 from fedsim.algorithms import get_algorithm
 from fedsim.algorithms.base import Algorithm, ClientContext, ClientResult, Env, Message, Phase
-from fedsim.errors import ClientFailedError
+from fedsim.errors import ClientFailedError, OutOfMemory
 from fedsim.local_training import DROPOUT_STREAM
+from fedsim.memory import is_out_of_memory
 from fedsim.runtime.batching import ClientBatcher
 from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.reduce import WeightedSum
@@ -188,6 +189,12 @@ class ClientWorker:
                     summed.add(res.payload, res.weight, cid)
             except Exception as err:
                 exc = err
+        if exc is not None and is_out_of_memory(exc):  # the next client would fail alike: the run stops
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise OutOfMemory(f"round {round}: client {cid} ran out of memory training model "
+                              f"{self.env.client_archs[cid]!r} (phase {phase!r}: {type(exc).__name__}: {first}); the "
+                              "run stops, its finished rounds kept: try a smaller train.batch_size or model, or "
+                              "fewer runtime.num_workers") from None
         if exc is not None or res is None:
             return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))

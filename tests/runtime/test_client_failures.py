@@ -119,3 +119,37 @@ def test_a_client_that_diverges_fails_alone_with_the_reason(make_config, overrid
     assert bad["client"].tolist() == failed, clients[["client", "status", "error"]]
     assert (bad["error_type"] == "FloatingPointError").all()
     assert all(m.startswith(reason) for m in bad["error_message"]), bad["error_message"].tolist()
+
+
+@register_algorithm
+class OutOfMemoryFedAvg(FedAvg):
+    """FedAvg whose client 1 asks torch's CPU allocator for 256 TiB in round 1: a real allocation failure (no address
+    space holds it), as a model or batch too large for the machine gives."""
+
+    name = "fedavg_out_of_memory"
+
+    def client_step(self, phase, state, msg, ctx):
+        if (ctx.client_id, ctx.round) == (1, 1):
+            import torch
+
+            torch.empty(2**46)
+        return super().client_step(phase, state, msg, ctx)
+
+
+def test_a_client_out_of_memory_stops_the_run_in_one_line_keeping_the_finished_rounds(make_config, capsys):
+    """It used to count as one failed client, the next one failing alike; the run stops now, exit 1."""
+    from fedsim.config import save_config
+    from jobs.cli import main
+
+    cfg = make_config("algorithm.name=fedavg_out_of_memory", "data.num_clients=4", "participation.clients_per_round=4",
+                      "results.run_id=oom", rounds=3)
+    path = cfg.results.root + "/../oom.yaml"
+    save_config(cfg, path)
+    assert main(["run", path, "--quiet", "--backend", "local"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "fedsim: error: round 1: client 1 ran out of memory training model 'cnn' (phase 'train': RuntimeError: "
+        "[enforce fail at alloc_cpu.cpp"), err
+    assert "the run stops, its finished rounds kept" in err
+    res = load(cfg.results.root + "/oom")
+    assert res["rounds"]["round"].tolist() == [0] and res["meta"]["status"] == "failed"
