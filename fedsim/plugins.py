@@ -403,15 +403,20 @@ def _how_to_allow(kept: dict) -> str:
             f"--trust-run-plugins (import the run folder's copy, {kept['copy']})")
 
 
+_DOWNLOADED: dict[str, Path] = {}  # a store's plugin copies, downloaded once a process (a module keeps its file)
+
+
 def _local(copy: Location) -> Path:
     """A run folder's copy of a plugin as a local path (a copy in a store is downloaded to a temporary folder)."""
     if isinstance(copy, Path):
         return copy
+    if str(copy) in _DOWNLOADED:
+        return _DOWNLOADED[str(copy)]
     import tempfile
 
     from fedsim.storage import StorePath
 
-    local = Path(tempfile.mkdtemp(prefix="fedsim-plugins-")) / copy.name
+    local = _DOWNLOADED[str(copy)] = Path(tempfile.mkdtemp(prefix="fedsim-plugins-")) / copy.name
     if copy.is_file():
         local.write_bytes(copy.read_bytes())
         return local

@@ -392,8 +392,9 @@ def interrupted(folder: Path, cfg: Any) -> str | None:
     from fedsim.errors import FedsimError
     from fedsim.runtime.rundir import STARTED_CONFIG
 
-    if not ((folder / "rounds.parquet").is_file() and (folder / "checkpoints" / "last.pt").is_file()):
-        return None
+    if not all((folder / name).is_file() for name in ("rounds.parquet", "run.json", "checkpoints/last.pt",
+                                                      "checkpoints/manifest.json")):
+        return None  # nothing to continue from, or a folder whose checkpoints cannot be verified: run again
     try:
         saved = [_experiment(read_yaml(folder / name)) for name in ("config.yaml", STARTED_CONFIG)]
         meta = json.loads((folder / "meta.json").read_text())

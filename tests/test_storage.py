@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 import uuid
 
 import fsspec
@@ -246,3 +247,29 @@ def test_a_run_name_in_a_store_is_claimed_by_one_run(store, request, memory_root
         NewRunDir(plans[1], cfg)
     assert {str(p): p.read_bytes() for p in _walk(first.path) if p.is_file()} == files
     first.remove()
+
+
+def test_a_run_in_a_store_resumes_with_its_own_plugin_copy_when_trusted(memory_root, tmp_path, isolated, capsys):
+    """--trust-run-plugins imports the copy the run keeps in the store, downloaded once: the CLI reads the config
+    twice (to start the backend, then to run), and a second download was another module file of the same name."""
+    import sys
+
+    from fedsim import plugins
+
+    before = plugins._registries()
+    plugin = tmp_path / "store_plug.py"
+    plugin.write_text("from fedsim.models.registry import register_model\n"
+                      "register_model('store_plug_model')(lambda **kw: None)\n")
+    cfg = small_config(tmp_path, f"plugins=[{plugin}]", rounds=1)
+    config = tmp_path / "c.yaml"
+    save_config(cfg, config)
+    assert main(["run", str(config), "--quiet", "-o", f"results.root={memory_root}", "-o", "results.run_id=r"]) == 0
+    plugin.unlink()
+    sys.modules.pop("store_plug")  # as in a new process
+    plugins._restore(before)
+    run_dir = f"{memory_root}/r"
+    capsys.readouterr()
+    assert main(["run", "--resume", run_dir, "--quiet"]) == 2
+    assert "store_plug.py': no such file here; to allow it, pass --plugins FILE" in capsys.readouterr().err
+    assert main(["run", "--resume", run_dir, "--quiet", "--trust-run-plugins"]) == 0, capsys.readouterr().err
+    assert sys.modules["store_plug"].__file__.startswith(tempfile.gettempdir())
