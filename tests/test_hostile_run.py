@@ -169,17 +169,26 @@ PLUGIN = ("import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write(__file__
 EVIL = "import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write('evil ' + __file__ + '\\n')\n"
 
 
-@pytest.fixture
-def plugged(tmp_path) -> tuple[Path, Path]:
+@pytest.fixture(scope="module")
+def plugged_origin(tmp_path_factory) -> tuple[Path, Path]:
     """(a finished 1-round run that started with the plugin src/plug.py, that plugin)."""
-    plugin = tmp_path / "src" / "plug.py"
+    base = tmp_path_factory.mktemp("plugged")
+    plugin = base / "src" / "plug.py"
     plugin.parent.mkdir()
     plugin.write_text(PLUGIN)
-    cfg = write_config(tmp_path / "plugged.yaml", tmp_path / "results", run_id="plugged", rounds=1,
-                       plugins=[str(plugin)])
+    cfg = write_config(base / "plugged.yaml", base / "results", run_id="plugged", rounds=1, plugins=[str(plugin)])
     proc = run_module("jobs.cli", ["run", str(cfg), "--quiet"], env={**ENV, "FEDSIM_TEST_MARKER": os.devnull})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return tmp_path / "results" / "plugged", plugin
+    return base / "results" / "plugged", plugin
+
+
+@pytest.fixture
+def plugged(plugged_origin, tmp_path):
+    """A copy of `plugged_origin`'s run in tmp_path/results/plugged, and its plugin, put back as it was after."""
+    run_dir, plugin = plugged_origin
+    shutil.copytree(run_dir, tmp_path / "results" / "plugged")
+    yield tmp_path / "results" / "plugged", plugin
+    plugin.write_text(PLUGIN)
 
 
 def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
