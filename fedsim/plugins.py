@@ -383,8 +383,15 @@ def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location,
             sources: PluginSources) -> tuple[Path, str]:
     """(the file to import for a recorded plugin, what it is) by the order in `for_resume`."""
     if kept["module"] in given:
-        return given[kept["module"]].resolve(), "--plugins"
+        mine = given[kept["module"]].resolve()
+        if not mine.exists():
+            raise ConfigError(f"--plugins {given[kept['module']]}: no such file or package folder")
+        return mine, "--plugins"
     if sources.trust_run_copies:
+        parts = Path(kept["copy"]).parts
+        if len(parts) != 2 or parts[0] != RUN_COPIES or parts[1] in ("..", "."):  # a copy fedsim made, nothing else
+            raise ConfigError(f"plugins: {entry!r}: the manifest puts its copy at {kept['copy']!r}, outside the run "
+                              f"folder's {RUN_COPIES}/; nothing imported")
         copy = run_dir / kept["copy"]
         if not copy.exists():
             raise ConfigError(f"plugins: {entry!r}: --trust-run-plugins: the run folder has no copy of it ({copy})")

@@ -223,6 +223,9 @@ def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
                            "plugins/plug.py)", None),
     ("plugin gone", ["--trust-run-plugins"], 0, None, "plugged/plugins/plug.py"),
     ("plugin gone", ["--plugins", "OTHER"], 2, "kept/other.py: names no plugin of this run (its plugins: ", None),
+    ("plugin gone", ["--plugins", "MISSING"], 2, "kept/gone/plug.py: no such file or package folder", None),
+    ("a copy recorded outside plugins/", ["--trust-run-plugins"], 2,
+     "the manifest puts its copy at '../evil.py', outside the run folder's plugins/", None),
     ("the run folder's copy changed", ["--trust-run-plugins"], 2, "the run folder's copy", None),
 ])
 def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, args, code, fragment, imported):
@@ -253,7 +256,13 @@ def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, a
     elif case == "the run folder's copy changed":
         plugin.unlink()
         (run_dir / "plugins" / "plug.py").write_text(EVIL)
-    args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py")}.get(a, a) for a in args]
+    elif case == "a copy recorded outside plugins/":
+        plugin.unlink()
+        manifest = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+        manifest["plugins"][str(plugin)]["copy"] = "../evil.py"
+        (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
+    args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py"),
+             "MISSING": str(kept / "gone" / "plug.py")}.get(a, a) for a in args]
     before = tree(run_dir)
     proc = run_module("jobs.cli", ["run", "--resume", str(run_dir), "--quiet", *args], cwd=cwd,
                       env={**ENV, "FEDSIM_TEST_MARKER": str(marker)})
@@ -823,3 +832,17 @@ def test_a_run_another_process_writes_is_neither_resumed_nor_redone_by_a_sweep(r
     with RunLock(folder), pytest.raises(FedsimError, match="in use by another fedsim process"):
         run_cached(cfg)
     assert tree(folder) == kept
+
+
+def test_a_claim_whose_first_files_fail_is_given_back(tmp_path, monkeypatch):
+    """Any failure after run.json is created (a store's client raising its own error type, Ctrl-C) removes the
+    claim, or the name would stay taken by a run that never started."""
+    import fedsim.plugins
+    from fedsim.config import load_config
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", tmp_path / "results", run_id="r"))
+    monkeypatch.setattr(fedsim.plugins, "record", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        NewRunDir(planned_run_dir(cfg), cfg)
+    assert not (tmp_path / "results").exists()

@@ -87,10 +87,12 @@ class NewRunDir:
             save_config(cfg, self.path / STARTED_CONFIG)
             start_manifest(self.path / STARTED_CONFIG.parent, self.run_id, cfg.seed, STARTED_CONFIG.name,
                            record(cfg.plugins, self.path))
-        except OSError as exc:
+        except BaseException as exc:  # the claim too: a run that cannot start leaves nothing behind
             self.remove()
-            raise ConfigError(f"results.root: cannot create the run folder {self.path} ({exc.strerror or exc})") \
-                from None
+            if isinstance(exc, OSError):
+                raise ConfigError(f"results.root: cannot create the run folder {self.path} "
+                                  f"({exc.strerror or exc})") from None
+            raise
 
     def _claim(self, path: Location, pick_next: bool) -> tuple[Location, bool]:
         """The first of `path` (then, with `pick_next`, `path-2`, `path-3`, ...) whose run.json this process
