@@ -76,5 +76,14 @@ def await_workers(cfg: RunConfig, wanted: int | None, poll_s: float = 1.0) -> in
     waited = f" after waiting runtime.autoscale_timeout_s={limit}" if limit > 0 else ""
     if why:
         raise ResourceError(f"{why}{waited}")
-    raise ResourceError(f"runtime.num_workers={need} but only {fits} workers fit with runtime.client_cpus="
+    capped = need < (wanted or rt.num_workers or 1)
+    used = f" ({need} of them used: one per client, data.num_clients={need})" if capped else ""
+    raise ResourceError(f"{asked_for(cfg, wanted)}{used} but only {fits} workers fit with runtime.client_cpus="
                         f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}{waited}")
+
+
+def asked_for(cfg: RunConfig, wanted: int | None) -> str:
+    """The worker count as the user asked for it: the --workers flag (fedsim.run's workers=) over the config's key."""
+    if wanted:
+        return f"--workers {wanted}"
+    return f"runtime.num_workers={cfg.runtime.num_workers}" if cfg.runtime.num_workers else "one client worker"

@@ -20,7 +20,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from actors.autoscale import await_workers
+from actors.autoscale import asked_for, await_workers
 from actors.boot import RayBoot
 from actors.client_worker import ClientWorkerActor
 from actors.node_loss import NodeLostError, await_marked_dead, log, node_gone, node_lost_failure, pick_host
@@ -28,7 +28,7 @@ from actors.placement import WorkerPlacement, alive_nodes, cluster_nodes, size_p
 from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
-from fedsim.errors import FedsimError, ResourceError
+from fedsim.errors import FedsimError, OutOfMemory, ResourceError
 from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
@@ -80,14 +80,14 @@ def pool_size(cfg: RunConfig, requested: int | None = None) -> int:
         fits = size_pool(cfg, bundles)
         n = asked or fits
         if n > fits:
-            raise ResourceError(f"runtime.num_workers={n} but the placement group this run is in (its share of "
+            raise ResourceError(f"{asked_for(cfg, requested)} but the placement group this run is in (its share of "
                                 f"the cluster) holds {fits} workers of runtime.client_cpus={rt.client_cpus} and "
                                 f"runtime.client_gpus={rt.client_gpus}")
         return n
     fits = size_pool(cfg, cluster_nodes())
     if asked:
         if asked > fits:
-            raise ResourceError(f"runtime.num_workers={asked} but only {fits} workers fit with runtime.client_cpus="
+            raise ResourceError(f"{asked_for(cfg, requested)} but only {fits} workers fit with runtime.client_cpus="
                                 f"{rt.client_cpus} and runtime.client_gpus={rt.client_gpus}")
         return asked
     try:
@@ -326,6 +326,8 @@ class RayBackend:
                 self._holds[w] = replies[w].info.get("states", 1) > 0
             except RayTaskError as exc:  # the worker itself raised
                 cause = getattr(exc, "cause", None)
+                if isinstance(cause, OutOfMemory):  # a client ran out of memory: the run stops, naming it
+                    raise cause from None
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
                                           str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])
             except RayError as exc:  # not the worker's own error: its actor or node died, or Ray lost the reply

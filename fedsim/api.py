@@ -12,6 +12,7 @@ from fedsim.config.schema import RunConfig, apply_overrides, check_overrides, co
 from fedsim.configure import build_with_plugins, load_config
 from fedsim.errors import ConfigError
 from fedsim.persist.storage import Location, location
+from fedsim.plugins import PluginSources
 
 if TYPE_CHECKING:
     from fedsim.runtime.backend import Backend
@@ -52,7 +53,8 @@ def _check_arguments(workers: Any, callbacks: Any, backend: Any) -> None:
 
 def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overrides: Sequence[str] = (), *,
         backend: str | Backend | None = None, workers: int | None = None, callbacks: Sequence[Callback] = (),
-        resume: str | Path | None = None, progress: bool = False) -> Location:
+        resume: str | Path | None = None, progress: bool = False, plugins: Sequence[str | Path] = (),
+        trust_run_plugins: bool = False) -> Location:
     """Run a simulation and return its run folder (tables, config, meta.json, checkpoints): a Path, or a
     fedsim.persist.storage.StorePath when results.root (or `resume`) is a URI such as s3://bucket/prefix.
 
@@ -63,7 +65,9 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
     `rows.rounds` (the round's files are written by then; a table of a long run keeps its latest rows in a tail
     file until the end, which fedsim.load joins to it).
     resume: a run folder to continue instead (it keeps its saved config, so `config` and `overrides` must be left
-    out). progress: a progress bar on stderr.
+    out). plugins, trust_run_plugins: where a resumed run may import the plugins its folder names besides their
+    recorded paths (your own copies of them; the run folder's copies), as `--plugins` and `--trust-run-plugins`
+    (docs/trust.md). progress: a progress bar on stderr.
     Bad input raises a fedsim.FedsimError with a one-line message.
     """
     from fedsim.runtime.callbacks import ProgressBar
@@ -75,8 +79,13 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         if config is not None or overrides:
             raise ConfigError(f"fedsim.run: resume={str(resume)!r} keeps the run's saved config; leave config and "
                               "overrides out")
-        cfg = resume_config(location(resume, "resume"))
+        sources = PluginSources(tuple(Path(p) for p in plugins), trust_run_plugins)
+        cfg = resume_config(location(resume, "resume"), sources)
     else:
+        if plugins or trust_run_plugins:
+            raise ConfigError("fedsim.run: plugins and trust_run_plugins go with resume; a new run names its plugins "
+                              "in its config")
+        sources = None
         cfg = resolve_config(config, overrides)
     if isinstance(backend, str):
         if backend not in ("local", "ray"):
@@ -84,7 +93,8 @@ def run(config: str | Path | RunConfig | Mapping[str, Any] | None = None, overri
         cfg.runtime.backend = backend  # type: ignore[assignment]  # checked just above
     engine: Backend = backend if backend is not None and not isinstance(backend, str) else make_backend(cfg, workers)
     hooks = [*callbacks, *([ProgressBar()] if progress else [])]
-    return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks)
+    return run_loop(None if resume is not None else cfg, backend=engine, resume=resume, callbacks=hooks,
+                    plugin_sources=sources)
 
 
 def make_backend(cfg: RunConfig, workers: int | None = None) -> Backend:

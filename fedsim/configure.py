@@ -28,7 +28,7 @@ from fedsim.persist.io import atomic_write_text
 from fedsim.persist.storage import StorePath, location
 from fedsim.plugins import load_plugins
 
-log = logging.getLogger("fedsim.config")
+log = logging.getLogger("fedsim.config.schema")
 
 
 def build_config(raw: dict) -> RunConfig:

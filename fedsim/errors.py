@@ -69,5 +69,12 @@ class RunFailedError(FedsimError):
     exit_code = 1
 
 
+class OutOfMemory(FedsimError):
+    """A client's training ran out of memory: the run stops (exit 1), its finished rounds kept, and the message
+    names the round, the client and the model."""
+
+    exit_code = 1
+
+
 class CallbackError(FedsimError):
     """A run callback raised; the message names the callback, the hook, the round and the original error."""

@@ -6,19 +6,29 @@ module). Importing it runs its `register_algorithm` / `register_model` / `regist
 plugins when it loads the config; Ray workers get the files through their runtime environment
 (`actors/plugins.py`) and import them by module name before they build anything. Checkpoints never
 import anything: a plugin's state classes load because the plugin registered them.
+
+A run folder is data, never code. A new run records each file plugin's SHA-256 and keeps a copy of it in the
+folder (`record`); a resumed run imports only what the user has, with the SHA-256 the run recorded: the file at
+the recorded absolute path, a file the user names (`--plugins FILE`), or an installed module; the run folder's
+own copy only when the user says so (`--trust-run-plugins`). See `for_resume` and docs/trust.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from fedsim import registry
 from fedsim.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedsim.persist.storage import Location
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,7 @@ def _parse(entries: object, base: Path) -> list[Plugin]:
 def _locate(entry: str, base: Path) -> Plugin:
     """Find an entry: a path (`x.py`, `dir/x.py`, a package folder), else a module name that is looked for
     beside the config first, then on the Python path."""
-    is_path = entry.endswith(".py") or "/" in entry or "\\" in entry
-    if is_path:
+    if _is_path(entry):
         path = (base / Path(entry).expanduser()).resolve()
         if path.is_file() and path.suffix == ".py":
             return Plugin(entry, _module_name(entry, path.stem), path)
@@ -237,3 +246,154 @@ def _where(exc: BaseException, plugin: Plugin) -> str:
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else ""
+
+
+RUN_COPIES = "plugins"  # a run folder's copies of its file plugins
+
+
+@dataclass(frozen=True)
+class PluginSources:
+    """Where a resumed run may take the plugins its folder names, beyond their recorded paths: the user's own files
+    (`--plugins FILE`, matched by module name) and, only when asked (`--trust-run-plugins`), the run folder's
+    copies."""
+
+    files: tuple[Path, ...] = ()
+    trust_run_copies: bool = False
+
+
+def source_sha256(path: Path) -> str:
+    """The SHA-256 of a plugin: a file's bytes, or a package folder's files (names and bytes; no __pycache__)."""
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for f in _package_files(path):
+        digest.update(f.relative_to(path).as_posix().encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _package_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.rglob("*") if f.is_file() and "__pycache__" not in f.relative_to(folder).parts)
+
+
+def record(entries: object, run_dir: Location) -> dict[str, dict[str, str]]:
+    """Copy a new run's file and package plugins (resolved entries) into `run_dir/plugins/`, and return what the
+    run's manifest keeps of each, by entry: its module name, SHA-256 and the copy's place in the folder."""
+    from fedsim.persist.io import atomic_write_bytes
+
+    out = {}
+    for plugin in parse_resolved(entries):
+        if plugin.path is None or not plugin.path.exists():
+            continue
+        copy = f"{RUN_COPIES}/{plugin.path.name}"
+        files = [plugin.path] if plugin.path.is_file() else _package_files(plugin.path)
+        for f in files:
+            atomic_write_bytes(run_dir / (copy if f == plugin.path else f"{copy}/{f.relative_to(plugin.path)}"),
+                               f.read_bytes())
+        out[plugin.entry] = {"module": plugin.module, "sha256": source_sha256(plugin.path), "copy": copy}
+    return out
+
+
+def for_resume(entries: object, recorded: dict, run_dir: Location, sources: PluginSources) -> list[str]:
+    """The plugins a resumed run imports for the `plugins` its folder names: each a module installed here (not
+    inside the run folder), or a file whose SHA-256 is the one the run recorded: the user's own (`sources.files`),
+    the run folder's copy (only with `sources.trust_run_copies`), or the file at the recorded absolute path
+    (outside the run folder). Anything else is a ConfigError naming the plugin and how to allow it; nothing is
+    imported here."""
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e.strip() for e in entries):
+        raise ConfigError(f"plugins: expected a list of module names or .py paths, got {entries!r}"[:300])
+    given = {_module_name(str(f), f.stem if f.suffix == ".py" else f.name): f for f in sources.files}
+    named = {kept.get("module") for e, kept in recorded.items() if e in entries and isinstance(kept, dict)}
+    unused = sorted(set(given) - named)
+    if unused:
+        raise ConfigError(f"--plugins {given[unused[0]]}: names no plugin of this run (its plugins: "
+                          f"{', '.join(entries) or 'none'})")
+    chosen = []
+    for entry in entries:
+        if not _is_path(entry):
+            chosen.append(_installed(entry, run_dir))
+            continue
+        if not Path(entry).is_absolute():
+            raise ConfigError(f"plugins: {entry!r} is a relative path, which a run never records (its configs name "
+                              "plugins by absolute path): the run folder was edited; nothing imported")
+        kept = recorded.get(entry)
+        if not isinstance(kept, dict) or not all(isinstance(kept.get(k), str) for k in ("module", "sha256", "copy")):
+            raise ConfigError(f"plugins: {entry!r}: the run recorded no SHA-256 for it, so it is not a plugin the run "
+                              "started with; nothing imported")
+        path, where = _source(entry, kept, given, run_dir, sources)
+        if source_sha256(path) != kept["sha256"]:
+            raise ConfigError(f"plugins: {entry!r}: {where} {path} is not the file the run started with (its SHA-256 "
+                              f"differs from the one recorded); {_how_to_allow(kept)}")
+        chosen.append(str(path))
+    return chosen
+
+
+def _is_path(entry: str) -> bool:
+    return entry.endswith(".py") or "/" in entry or "\\" in entry
+
+
+def _installed(entry: str, run_dir: Location) -> str:
+    """A module-name entry, found where the config loader will look for it, and never inside the run folder."""
+    found = _locate(entry, Path.cwd())
+    origin = found.path
+    if origin is None:
+        spec = importlib.util.find_spec(entry)
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+    if origin is not None and isinstance(run_dir, Path) and origin.resolve().is_relative_to(run_dir.resolve()):
+        raise ConfigError(f"plugins: {entry!r} would be imported from inside the run folder ({origin}); a run's files "
+                          "are data, not code; nothing imported")
+    return entry
+
+
+def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location,
+            sources: PluginSources) -> tuple[Path, str]:
+    """(the file to import for a recorded plugin, what it is) by the order in `for_resume`."""
+    if kept["module"] in given:
+        mine = given[kept["module"]].resolve()
+        if not mine.exists():
+            raise ConfigError(f"--plugins {given[kept['module']]}: no such file or package folder")
+        return mine, "--plugins"
+    if sources.trust_run_copies:
+        parts = Path(kept["copy"]).parts
+        if len(parts) != 2 or parts[0] != RUN_COPIES or parts[1] in ("..", "."):  # a copy fedsim made, nothing else
+            raise ConfigError(f"plugins: {entry!r}: the manifest puts its copy at {kept['copy']!r}, outside the run "
+                              f"folder's {RUN_COPIES}/; nothing imported")
+        copy = run_dir / kept["copy"]
+        if not copy.exists():
+            raise ConfigError(f"plugins: {entry!r}: --trust-run-plugins: the run folder has no copy of it ({copy})")
+        return _local(copy), "the run folder's copy"
+    path = Path(entry)
+    if isinstance(run_dir, Path) and path.resolve().is_relative_to(run_dir.resolve()):
+        raise ConfigError(f"plugins: {entry!r} lies inside the run folder; a run's files are data, not code: "
+                          f"{_how_to_allow(kept)}")
+    if not path.exists():
+        raise ConfigError(f"plugins: {entry!r}: no such file here; {_how_to_allow(kept)}")
+    return path, "the file at"
+
+
+def _how_to_allow(kept: dict) -> str:
+    return (f"to allow it, pass --plugins FILE (your copy of {kept['module']}, as the run started with it) or "
+            f"--trust-run-plugins (import the run folder's copy, {kept['copy']})")
+
+
+_DOWNLOADED: dict[str, Path] = {}  # a store's plugin copies, downloaded once a process (a module keeps its file)
+
+
+def _local(copy: Location) -> Path:
+    """A run folder's copy of a plugin as a local path (a copy in a store is downloaded to a temporary folder)."""
+    if isinstance(copy, Path):
+        return copy
+    if str(copy) in _DOWNLOADED:
+        return _DOWNLOADED[str(copy)]
+    import tempfile
+
+    from fedsim.persist.storage import StorePath
+
+    local = _DOWNLOADED[str(copy)] = Path(tempfile.mkdtemp(prefix="fedsim-plugins-")) / copy.name
+    if copy.is_file():
+        local.write_bytes(copy.read_bytes())
+        return local
+    for found in copy.fs.find(copy.path):
+        target = local / found[len(copy.path):].lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(StorePath(copy.fs, found, copy.scheme).read_bytes())
+    return local

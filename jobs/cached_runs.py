@@ -46,7 +46,8 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), res
     """Run `cfg` in run_folder(cfg), or return that folder if a run finished there.
 
     A folder without the finished marker is an interrupted run, and one finished by other code (fedsim's source
-    changed since) is out of date: either is removed and run again. With `resume` (a sweep's --resume), an
+    changed since) is out of date: either is removed and run again, unless another process is writing it (then a
+    ConfigError says so, and the folder is kept). With `resume` (a sweep's --resume), an
     interrupted run of this config continues from its checkpoint instead (fedsim's own resume, which loads
     weights only), and one stopped early is kept as it stopped. `callbacks` go to the run (not to a reused one).
     """
@@ -70,7 +71,10 @@ def run_cached(cfg: Any, fresh: bool = False, callbacks: Sequence[Any] = (), res
             print(f"  resuming {folder} ({ended})", file=sys.stderr, flush=True)
             return _timed(cfg, code, lambda: run(resume=folder, backend=make_backend(cfg), callbacks=callbacks))
     if folder.exists():
-        shutil.rmtree(folder)
+        from fedsim.runtime.rundir import RunLock
+
+        with RunLock(folder):  # refused while another process writes the run (a second sweep of the same runs)
+            shutil.rmtree(folder)
     return _timed(cfg, code, lambda: run(cfg, backend=make_backend(cfg), callbacks=callbacks))
 
 
@@ -93,8 +97,9 @@ def interrupted(folder: Path, cfg: Any) -> str | None:
     from fedsim.errors import FedsimError
     from fedsim.runtime.rundir import STARTED_CONFIG
 
-    if not ((folder / "rounds.parquet").is_file() and (folder / "checkpoints" / "last.pt").is_file()):
-        return None
+    if not all((folder / name).is_file() for name in ("rounds.parquet", "run.json", "checkpoints/last.pt",
+                                                      "checkpoints/manifest.json")):
+        return None  # nothing to continue from, or a folder whose checkpoints cannot be verified: run again
     try:
         saved = [_experiment(read_yaml(folder / name)) for name in ("config.yaml", STARTED_CONFIG)]
         meta = json.loads((folder / "meta.json").read_text())

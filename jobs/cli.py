@@ -11,12 +11,14 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from actors.backend import make_backend
 from fedsim.config.limits import MAX_WORKERS
 from fedsim.errors import ConfigError, FedsimError
 from fedsim.persist.storage import Location, location
+from fedsim.plugins import PluginSources
 from fedsim.runtime.allocator import keep_freed_blocks
 from fedsim.runtime.callbacks import Callback, RunInfo
 from fedsim.runtime.signals import INTERRUPTED_EXIT_CODE, TERMINATED_EXIT_CODE, catch_sigterm, sigterm_received
@@ -79,12 +81,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from fedsim.runtime.rundir import resume_config
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    sources = None
     if args.resume:
         _resume_conflicts(args)
-        cfg = resume_config(location(args.resume, "--resume"))
+        sources = PluginSources(tuple(Path(p) for p in args.plugins), args.trust_run_plugins)
+        cfg = resume_config(location(args.resume, "--resume"), sources)
     else:
         if not args.config:
             raise FedsimError("fedsim run: give a CONFIG file, or --resume RUN")
+        if args.plugins or args.trust_run_plugins:
+            flag = f"--plugins {args.plugins[0]}" if args.plugins else "--trust-run-plugins"
+            raise ConfigError(f"{flag} goes with --resume RUN; a new run names its plugins in its config (plugins:)")
         cfg = load_config(args.config, args.override)
     if args.backend:
         cfg.runtime.backend = args.backend
@@ -95,7 +102,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from fedsim.runtime.loop import run
 
         run_dir = run(cfg if not args.resume else None, backend=backend, resume=args.resume,
-                      callbacks=[started] + ([] if args.quiet else [ProgressBar()]))
+                      callbacks=[started] + ([] if args.quiet else [ProgressBar()]), plugin_sources=sources)
     except KeyboardInterrupt:
         word, code = ("terminated", TERMINATED_EXIT_CODE) if sigterm_received() else ("interrupted",
                                                                                       INTERRUPTED_EXIT_CODE)
@@ -206,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config field, e.g. -o rounds=5 -o train.lr=0.01")
     r.add_argument("--resume", metavar="RUN", help="continue a killed run from its last checkpoint")
+    r.add_argument("--plugins", action="append", default=[], metavar="FILE",
+                   help="with --resume: your copy of a plugin the run names (it must be the file the run started "
+                        "with), when it is no longer at its recorded path (docs/trust.md)")
+    r.add_argument("--trust-run-plugins", action="store_true",
+                   help="with --resume: import the run folder's own copies of its plugins (run only folders you "
+                        "trust: this runs their code)")
     r.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend")
     r.add_argument("--workers", type=count(1, MAX_WORKERS), help="number of client workers")
     r.add_argument("--quiet", action="store_true", help="no progress bar")

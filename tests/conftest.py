@@ -131,3 +131,22 @@ def _plugin_file(file: str) -> bool:
     if path.is_relative_to(root / "examples"):
         return True
     return path.is_relative_to(Path(tempfile.gettempdir()).resolve()) and not path.is_relative_to(root)
+
+
+def reseal(run_dir, round: int | None = None) -> None:
+    """Make a run folder's checkpoints/manifest.json vouch for its files as they are now, as anyone who can edit the
+    folder can (the manifest is a checksum, not a signature): the tests of what lies behind it (a forged checkpoint's
+    layout, its fit, plugins named by both configs) reach those checks. `round`: the round recorded for last.pt
+    (default: the one recorded before)."""
+    import hashlib
+    import json
+
+    folder = Path(run_dir) / "checkpoints"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    digest = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in ("config.yaml", "last.pt")
+              if (folder / name).is_file()}
+    manifest["config"]["sha256"] = digest.get("config.yaml", "")
+    recorded = manifest["checkpoints"][-1]["round"] if manifest["checkpoints"] else 0
+    manifest["checkpoints"] = [{"file": "last.pt", "round": recorded if round is None else round,
+                                "sha256": digest["last.pt"]}] if "last.pt" in digest else []
+    (folder / "manifest.json").write_text(json.dumps(manifest))

@@ -73,6 +73,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["run", "missing.yaml"], "config file not found: missing.yaml"),
+    (["run", "configs"], "config file configs: a folder, not a file"),  # was "not found"
     (["run", "configs/demo.yaml", "-o", "train.lr=abc"], "train.lr: expected a number"),
     (["run", "--resume", "no/such/run"], "not a run folder"),
     (["results", "show", "no/such/run"], "not a fedsim run folder"),
@@ -115,7 +116,7 @@ def test_resolved_config_round_trips(tmp_path, make_config):
 
 def test_a_retired_knob_still_loads_with_a_warning_so_older_run_folders_resume(caplog):
     """runtime.cuda_graphs and runtime.overlap_eval were deleted; an older run folder's saved config sets them."""
-    with caplog.at_level("WARNING", logger="fedsim.config"):
+    with caplog.at_level("WARNING", logger="fedsim.config.schema"):
         cfg = load_config(None, ["runtime.cuda_graphs=on", "runtime.overlap_eval=auto", "rounds=2"])
     assert cfg.rounds == 2 and not hasattr(cfg.runtime, "cuda_graphs")
     assert [r.getMessage() for r in caplog.records] == [

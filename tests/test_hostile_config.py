@@ -5,6 +5,7 @@ after the imports (tests/forked.py)."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import typing
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from fedsim.config.schema import RunConfig, parse_override, read_yaml
@@ -155,6 +157,52 @@ def test_absurdly_long_overrides_are_one_short_line(override, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(None, [override])
     assert len(str(info.value)) < 400
+
+
+def test_a_50_mb_config_is_refused_at_once_naming_the_size_limit(tmp_path):
+    """One long list used to be built for 4 minutes and 4.8 GB, then refused for its "aliases"."""
+    import time
+
+    path = tmp_path / "huge.yaml"
+    with path.open("w") as fh:
+        fh.write(TINY + "model:\n  options:\n    widths: [")
+        fh.write("1, " * (50 * 2**20 // 3))
+        fh.write("1]\n")
+    assert path.stat().st_size > 50 * 2**20
+    t0 = time.perf_counter()
+    proc, root = fedsim_run(tmp_path, path)  # forked after the imports: the time is the refusal's own
+    took = time.perf_counter() - t0
+    assert_one_line_error(proc, root, f"{path}: larger than 1 MiB, the most a config file may hold "
+                                      "(fedsim.config.limits.MAX_CONFIG_BYTES)")
+    assert took < 10, took  # 0.2 s here: the file is never read past its first MiB
+
+
+ALIASES = "".join(f"{a}: &{a} [{', '.join([f'*{b}'] * 10)}]\n" for a, b in zip("bcdef", "abcde"))
+VALUES = ("more than 20,000 values, aliases expanded (fedsim.config.limits.MAX_CONFIG_VALUES); a config holds a few "
+          "hundred")
+
+
+@pytest.mark.parametrize("text, line, message", [
+    ("x: [" + "1, " * 30_000 + "1]\n", 1, VALUES),
+    ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + ALIASES, 5, VALUES),  # 10^5 values at e, from 38 bytes
+    ("x: " + "[" * 101 + "]" * 101 + "\n", 1,
+     "nested more than 100 levels deep (fedsim.config.limits.MAX_CONFIG_DEPTH)"),
+])
+def test_a_config_too_large_once_parsed_is_refused_before_anything_is_built(tmp_path, monkeypatch, text, line,
+                                                                            message):
+    """Counted from the parser's events: no value is constructed (the long list took 29 s at 10 MB)."""
+    import fedsim.strict_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    monkeypatch.setattr(fedsim.config.yaml_dialect.StrictLoader, "construct_document", lambda *a: pytest.fail("built"))
+    with pytest.raises(ConfigError) as err:
+        read_yaml(path)
+    assert str(err.value) == f"{path} line {line}: {message}"
+    if text.startswith("x: "):  # the same value as an override
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["model.options.widths=" + text[3:].strip()])
+        assert str(err.value).startswith("override 'model.options.widths=") and str(err.value).endswith(message)
 
 
 def test_exponent_floats_work_in_files_overrides_and_int_keys(tmp_path):
@@ -342,7 +390,10 @@ def test_a_huge_label_in_an_npz_file_through_the_cli(tmp_path):
     ({"x_train": np.full((40, 8, 8), np.nan)}, "x_train contains NaN or infinite values"),
     ({"x_train": np.full((40, 8, 8), "a")}, "x_train must be real numbers"),
     ({"x_train": np.zeros((40, 8, 8), complex)}, "x_train must be real numbers"),
-    ({"x_test": np.array([{"pickled": 1}] * 10, dtype=object)}, "could not read"),
+    ({"x_test": np.array([{"pickled": 1}] * 10, dtype=object)},  # was "could not read ... allow_pickle=False"
+     "x_test holds Python objects (dtype object), not numbers: fedsim reads numeric arrays only"),
+    ({"x_test": np.zeros((0, 8, 8), np.float32), "y_test": np.zeros(0, int)},  # named neither the file nor x_test
+     "x_test holds no samples (shape (0, 8, 8))"),
 ])
 def test_npz_arrays_are_checked(tmp_path, change, fragment):
     from fedsim.data import load_dataset
@@ -351,6 +402,25 @@ def test_npz_arrays_are_checked(tmp_path, change, fragment):
     with pytest.raises(DataError) as info:
         load_dataset("npz", tmp_path, path=str(file))
     assert fragment in str(info.value) and str(file) in str(info.value)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda p: p.write_bytes(bytes(range(256)) * 16), "not an .npz archive (a zip of .npy arrays"),  # numpy's advice
+    (lambda p: p.mkdir(), "a folder, not a file (data.options.path)"),  # was "file not found"
+])
+def test_a_path_that_is_no_npz_file_is_named_without_unsafe_advice(tmp_path, make, fragment):
+    """numpy takes a file that is no zip for a pickle, and its error advised loading it with allow_pickle."""
+    from fedsim.data import load_dataset
+
+    file = tmp_path / "d.npz"
+    make(file)
+    for name in ("npz", "text_npz"):
+        with pytest.raises(DataError) as info:
+            load_dataset(name, tmp_path, path=str(file))
+        assert str(info.value).startswith(f"{name}: {file}: ") and fragment.split(" (data")[0] in str(info.value)
+        assert "pickle" not in str(info.value)
+    with pytest.raises(DataError, match=f"^npz: {file}: {re.escape(fragment)}"):
+        load_dataset("npz", tmp_path, path=str(file))
 
 
 # ---------------------------------------------------------------- 7. the single image
@@ -496,3 +566,96 @@ def test_folder_names_are_checked(override, fragment):
 def test_an_explicit_int_tag_on_text_names_the_text():
     with pytest.raises(ConfigError, match=r"^override 'rounds=!!int abc': 'abc' is not an integer$"):
         load_config(None, ["rounds=!!int abc"])
+
+
+# ---------------------------------------------------------------- 10. memory: estimated before it is allocated
+
+
+class _TwentyGB(torch.nn.Module):
+    """A plugin's model with one 20 GB layer (5·10^9 float32 weights)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(100_000, 50_000)
+
+
+@pytest.mark.parametrize("overrides, shape, message", [
+    (["model.name=mlp", "model.options.hidden=65536"], (1, 8, 8),
+     "model.options {'hidden': 65536}: model 'mlp' for inputs 1×8×8 has 4,299,948,042 parameters (17.2 GB); a run "
+     "holds about 4 copies (68.8 GB), more than the 16.0 GB of memory available here"),
+    (["model.name=cnn"], (1, 14000, 14000),  # a 14000×14000-image npz: the head sees 64·6998² inputs
+     "model.name: model 'cnn' for inputs 1×14000×14000 has 401,178,677,002 parameters (1.6 TB); a run holds about "
+     "4 copies (6.4 TB)"),
+    (["model.name=twenty_gb"], (3, 32, 32), "model 'twenty_gb' for inputs 3×32×32 has 5,000,050,000 parameters "
+                                            "(20.0 GB)"),
+])
+def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(isolated, monkeypatch, overrides, shape,
+                                                                        message):
+    """Estimated on the meta device, which allocates nothing; these printed 34-47-line allocator tracebacks."""
+    import fedsim.memory
+    import fedsim.models.size
+    from fedsim.models.registry import register_model
+
+    register_model("twenty_gb")(lambda **kw: _TwentyGB())
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 16 * 10**9)
+    with pytest.raises(ConfigError) as err:
+        fedsim.models.size.check_models(load_config(None, overrides), shape, 10, trains_here=True)
+    assert message in str(err.value)
+    fedsim.models.size.check_models(load_config(None, ["model.name=cnn"]), (1, 8, 8), 10, trains_here=True)  # fits
+
+
+def test_a_run_whose_model_does_not_fit_stops_before_the_folder_is_written(tmp_path, monkeypatch, capsys):
+    import fedsim.memory
+    from jobs.cli import main
+
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 100 * 10**6)
+    (tmp_path / "c.yaml").write_text(TINY + "model: {name: mlp, options: {hidden: 4096}}\n")
+    assert main(["run", str(tmp_path / "c.yaml"), "--quiet", "-o", f"results.root={tmp_path / 'results'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fedsim: error: model.options {'hidden': 4096}: model 'mlp' for "
+                                                   "inputs 1×8×8 has 17,088,522 parameters (68.4 MB); a run holds "
+                                                   "about 4 copies (273.4 MB), more than the 100.0 MB"), err
+    assert not (tmp_path / "results").exists()
+
+
+def _big_images_npz(path: Path, side: int) -> Path:
+    """An npz of one train and one test uint8 image side×side, compressed (the zeros take kilobytes), written without
+    ever holding an image in memory."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for key in ("x_train", "x_test"):
+            with z.open(f"{key}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": "|u1", "fortran_order": False,
+                                                         "shape": (1, side, side)})
+                row = bytes(side)
+                for _ in range(side):
+                    f.write(row)
+        for key in ("y_train", "y_test"):
+            with z.open(f"{key}.npy", "w") as f:
+                np.lib.format.write_array(f, np.zeros(1, np.int64))
+    return path
+
+
+def test_an_npz_of_huge_images_is_one_line_through_the_cli(tmp_path):
+    """4000×4000 images (the issue's 14000² ones take longer to write): the CNN's head would hold 131 GB, which
+    torch tried to allocate."""
+    file = _big_images_npz(tmp_path / "big.npz", 4000)
+    assert file.stat().st_size < 1_000_000
+    proc, root = fedsim_run(tmp_path, TINY, "data.name=npz", f"data.options.path={file}")
+    assert_one_line_error(proc, root, "model.name: model 'cnn' for inputs 1×4000×4000 has 32,702,515,841 parameters "
+                                      "(130.8 GB)")
+
+
+def test_an_npz_whose_arrays_would_not_fit_is_refused_from_its_headers(tmp_path, monkeypatch):
+    import fedsim.memory
+    from fedsim.data import load_dataset
+
+    file = _big_images_npz(tmp_path / "big.npz", 2000)
+    monkeypatch.setattr(fedsim.memory, "available_bytes", lambda: 10 * 10**6)
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", lambda *a: pytest.fail("decoded"))
+    with pytest.raises(DataError) as err:
+        load_dataset("npz", tmp_path, path=str(file))
+    assert str(err.value) == (f"npz: {file}: its arrays take about 40.0 MB once decoded (x_train 1×2000×2000 uint8, "
+                              "x_test 1×2000×2000 uint8, as float32 images), more than the 10.0 MB of memory "
+                              "available here (data.options.path)")

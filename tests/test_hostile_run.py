@@ -4,6 +4,7 @@ or 143 for SIGTERM), never a traceback, and leave no folder behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,8 +17,9 @@ import pandas as pd
 import pytest
 import yaml
 
+from fedsim.errors import FedsimError
 from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
-from tests.conftest import ROOT
+from tests.conftest import ROOT, reseal
 from tests.forked import run_module
 from tests.runtime.test_loop import deterministic
 
@@ -88,6 +90,50 @@ def test_workers_must_be_a_positive_integer(tmp_path, workers):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--plugins", "mine.py"], "--plugins mine.py goes with --resume RUN; a new run names its plugins in its config"),
+    (["--trust-run-plugins"], "--trust-run-plugins goes with --resume RUN"),
+])
+def test_run_arguments_that_do_not_fit_are_one_line_naming_the_flag(tmp_path, capsys, args, message):
+    from jobs.cli import main
+
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results")
+    assert main(["run", str(cfg), "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedsim: error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_worker_count_that_does_not_fit_names_the_flag_the_user_typed(tmp_path, monkeypatch):
+    """--workers 100 with 8 clients was refused as "runtime.num_workers=8", a key the user never set."""
+    import actors.autoscale as autoscale
+    import actors.pool as pool
+    from fedsim.configure import load_config
+    from fedsim.errors import ResourceError
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", tmp_path / "results"),
+                      ["runtime.backend=ray", "runtime.client_cpus=1", "data.num_clients=8"])
+    monkeypatch.setattr(autoscale, "fitting_workers", lambda cfg: (2, ""))
+    monkeypatch.setattr(autoscale, "joined_cluster", lambda: False)
+    monkeypatch.setattr(autoscale.ray.util, "get_current_placement_group", lambda: None)
+    fit = "but only 2 workers fit with runtime.client_cpus=1.0 and runtime.client_gpus=0.0"
+    for wanted, asked in ((100, "--workers 100 (8 of them used: one per client, data.num_clients=8)"),
+                          (None, "one client worker")):
+        if wanted is None:
+            monkeypatch.setattr(autoscale, "fitting_workers", lambda cfg: (0, ""))
+            fit = fit.replace("only 2", "only 0")
+        with pytest.raises(ResourceError) as err:
+            autoscale.await_workers(cfg, wanted)
+        assert str(err.value) == f"{asked} {fit}"
+    monkeypatch.setattr(pool, "cluster_nodes", lambda: [{"CPU": 2.0}])
+    monkeypatch.setattr(pool, "group_bundles", lambda: None)
+    with pytest.raises(ResourceError, match=r"^--workers 100 but only 2 workers fit"):
+        pool.pool_size(cfg, 100)
+    cfg.runtime.num_workers = 5
+    with pytest.raises(ResourceError, match=r"^runtime.num_workers=5 but only 2 workers fit"):
+        pool.pool_size(cfg)
+
+
 def test_resume_refuses_overrides_and_a_config_instead_of_ignoring_them(run_copy, tmp_path):
     before = tree(run_copy)
     line = assert_one_line_error(fedsim("run", "--resume", str(run_copy), "-o", "rounds=5", "-o", "train.lr=0.1"),
@@ -118,24 +164,137 @@ def test_resume_refuses_a_config_edited_into_another_experiment(run_copy, edits)
     assert tree(run_copy) == before
 
 
-@pytest.mark.parametrize("where", ["outside", "inside", "relative", "name"])
-def test_resume_imports_no_plugin_the_run_did_not_start_with_nor_one_inside_its_folder(run_copy, tmp_path, where):
-    marker = tmp_path / "imported"
-    folder = tmp_path if where == "outside" else run_copy
-    plugin = folder / "evil.py"
-    plugin.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    # inside: both config files agree, naming the file by absolute path, by a path relative to the run folder
-    # (where the saved config lies) or by a bare module name, found beside the config
-    entry = {"inside": str(plugin), "relative": "evil.py", "name": "evil", "outside": str(plugin)}[where]
-    edited = ["config.yaml"] + ([str(STARTED)] if where != "outside" else [])
-    for name in edited:
-        raw = yaml.safe_load((run_copy / name).read_text())
+PLUGIN = ("import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write(__file__ + '\\n')\n"
+          "from fedsim.models.registry import register_model\nregister_model('plug_model')(lambda **kw: None)\n")
+EVIL = "import os\nopen(os.environ['FEDSIM_TEST_MARKER'], 'a').write('evil ' + __file__ + '\\n')\n"
+
+
+@pytest.fixture(scope="module")
+def plugged_origin(tmp_path_factory) -> tuple[Path, Path]:
+    """(a finished 1-round run that started with the plugin src/plug.py, that plugin)."""
+    base = tmp_path_factory.mktemp("plugged")
+    plugin = base / "src" / "plug.py"
+    plugin.parent.mkdir()
+    plugin.write_text(PLUGIN)
+    cfg = write_config(base / "plugged.yaml", base / "results", run_id="plugged", rounds=1, plugins=[str(plugin)])
+    proc = run_module("jobs.cli", ["run", str(cfg), "--quiet"], env={**ENV, "FEDSIM_TEST_MARKER": os.devnull})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return base / "results" / "plugged", plugin
+
+
+@pytest.fixture
+def plugged(plugged_origin, tmp_path):
+    """A copy of `plugged_origin`'s run in tmp_path/results/plugged, and its plugin, put back as it was after."""
+    run_dir, plugin = plugged_origin
+    shutil.copytree(run_dir, tmp_path / "results" / "plugged")
+    yield tmp_path / "results" / "plugged", plugin
+    plugin.write_text(PLUGIN)
+
+
+def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
+    """Both configs name `entry` as the run's plugin; with `recorded`, the manifest records its SHA-256 too (all of
+    it what anyone who can edit the folder can write)."""
+    import hashlib
+
+    for name in ("config.yaml", str(STARTED)):
+        raw = yaml.safe_load((run_dir / name).read_text())
         raw["plugins"] = [entry]
+        (run_dir / name).write_text(yaml.safe_dump(raw, sort_keys=False))
+    reseal(run_dir)
+    if recorded:
+        manifest = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+        digest = hashlib.sha256(Path(entry).read_bytes()).hexdigest()
+        manifest["plugins"] = {entry: {"module": Path(entry).stem, "sha256": digest, "copy": "plugins/plug.py"}}
+        (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("case, args, code, fragment, imported", [
+    ("as it was", [], 0, None, "src/plug.py"),
+    ("relative path", [], 2, "plugins: '../evil.py' is a relative path, which a run never records", None),
+    ("absolute path, not recorded", [], 2, "/evil.py': the run recorded no SHA-256 for it", None),
+    ("recorded inside the run folder", [], 2, "/plugged/evil.py' lies inside the run folder; a run's files are data",
+     None),
+    ("a name found inside the run folder", [], 2, "plugins: 'evil' would be imported from inside the run folder",
+     None),
+    ("plugin changed since", [], 2, "src/plug.py is not the file the run started with (its SHA-256 differs", None),
+    ("plugin changed since", ["--plugins", "KEPT"], 0, None, "kept/plug.py"),
+    ("plugin gone", [], 2, "src/plug.py': no such file here; to allow it, pass --plugins FILE (your copy of plug, as "
+                           "the run started with it) or --trust-run-plugins (import the run folder's copy, "
+                           "plugins/plug.py)", None),
+    ("plugin gone", ["--trust-run-plugins"], 0, None, "plugged/plugins/plug.py"),
+    ("plugin gone", ["--plugins", "OTHER"], 2, "kept/other.py: names no plugin of this run (its plugins: ", None),
+    ("plugin gone", ["--plugins", "MISSING"], 2, "kept/gone/plug.py: no such file or package folder", None),
+    ("a copy recorded outside plugins/", ["--trust-run-plugins"], 2,
+     "the manifest puts its copy at '../evil.py', outside the run folder's plugins/", None),
+    ("the run folder's copy changed", ["--trust-run-plugins"], 2, "the run folder's copy", None),
+])
+def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, args, code, fragment, imported):
+    """A run folder from elsewhere named ../evil.py or any absolute path in its configs, and that file was imported.
+    Now a resumed run imports a plugin from its recorded path, the user's own file or (if asked) the folder's copy,
+    each only with the SHA-256 the run recorded, or a module installed outside the run folder."""
+    run_dir, plugin = plugged
+    marker, kept = tmp_path / "imported", tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy(plugin, kept / "plug.py")
+    (kept / "other.py").write_text(PLUGIN)
+    (tmp_path / "results" / "evil.py").write_text(EVIL)
+    (run_dir / "evil.py").write_text(EVIL)
+    cwd = ROOT
+    if case == "relative path":
+        _name_plugin(run_dir, "../evil.py")
+    elif case == "absolute path, not recorded":
+        _name_plugin(run_dir, str(tmp_path / "results" / "evil.py"))
+    elif case == "recorded inside the run folder":
+        _name_plugin(run_dir, str(run_dir / "evil.py"), recorded=True)
+    elif case == "a name found inside the run folder":
+        _name_plugin(run_dir, "evil")
+        cwd = str(run_dir)  # where `python -m` would find it
+    elif case == "plugin changed since":
+        plugin.write_text(PLUGIN + "X = 1\n")
+    elif case == "plugin gone":
+        plugin.unlink()
+    elif case == "the run folder's copy changed":
+        plugin.unlink()
+        (run_dir / "plugins" / "plug.py").write_text(EVIL)
+    elif case == "a copy recorded outside plugins/":
+        plugin.unlink()
+        manifest = json.loads((run_dir / "checkpoints" / "manifest.json").read_text())
+        manifest["plugins"][str(plugin)]["copy"] = "../evil.py"
+        (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
+    args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py"),
+             "MISSING": str(kept / "gone" / "plug.py")}.get(a, a) for a in args]
+    before = tree(run_dir)
+    proc = run_module("jobs.cli", ["run", "--resume", str(run_dir), "--quiet", *args], cwd=cwd,
+                      env={**ENV, "FEDSIM_TEST_MARKER": str(marker)})
+    if code == 2:
+        assert_one_line_error(proc, fragment)
+        assert not marker.exists() and tree(run_dir) == before  # nothing imported, nothing written
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = marker.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].endswith(imported), lines
+
+
+def test_reading_a_run_imports_none_of_the_plugins_it_names(run_copy, tmp_path, capsys, monkeypatch):
+    """results show, plot and collect read tables and YAML: a run folder naming plugins never gets them imported."""
+    import fedsim
+    from jobs.cli import main
+
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FEDSIM_TEST_MARKER", str(marker))
+    (tmp_path / "evil.py").write_text(EVIL)
+    (run_copy / "evil.py").write_text(EVIL)
+    for name in ("config.yaml", str(STARTED)):
+        raw = yaml.safe_load((run_copy / name).read_text())
+        raw["plugins"] = [str(tmp_path / "evil.py"), "../evil.py", "evil", "evil.py"]
         (run_copy / name).write_text(yaml.safe_dump(raw, sort_keys=False))
-    before = tree(run_copy)
-    fragment = "lies inside the run folder" if where != "outside" else "plugins ([] -> "
-    assert_one_line_error(fedsim("run", "--resume", str(run_copy), "--quiet"), fragment)
-    assert not marker.exists() and tree(run_copy) == before
+    monkeypatch.chdir(run_copy)
+    assert main(["results", "show", str(run_copy)]) == 0
+    assert main(["results", "show", str(run_copy), "--clients"]) == 0
+    assert main(["plot", str(run_copy), "--out", str(tmp_path / "p.png")]) == 0
+    assert len(fedsim.collect(run_copy)) == 2 and len(fedsim.load(run_copy)["rounds"]) == 2
+    capsys.readouterr()
+    assert not marker.exists() and "evil" not in sys.modules
 
 
 def test_resume_extends_a_run_whose_rounds_were_raised(run_copy, tmp_path):
@@ -262,6 +421,7 @@ def test_reading_a_table_leaves_arrows_threads_no_python_object(tmp_path, monkey
     ("model.name=nosuch", "model", True),                        # no such architecture
     ("stragglers.trace=/no/such/trace.csv", "trace.csv", False),  # no such device trace
     ("stragglers.trace=/dev/zero", "/dev/zero is not a regular file", False),  # read forever, filling memory
+    ("stragglers.trace=/", "stragglers.trace: / is a folder, not a file", False),  # was "cannot read /: Is a dir..."
 ])
 def test_a_run_that_cannot_start_leaves_no_folder(tmp_path, override, fragment, into_existing):
     results = tmp_path / "results"
@@ -598,6 +758,7 @@ def test_a_checkpoint_whose_model_has_a_weight_more_is_refused_before_any_round(
     (arch, weights), = state["server_state"]["models"].items()
     weights["extra.weight"] = torch.zeros(3)
     torch.save(state, ckpt)
+    reseal(run_copy)
     config = yaml.safe_load((run_copy / "config.yaml").read_text())
     config["rounds"] = 3
     (run_copy / "config.yaml").write_text(yaml.safe_dump(config))
@@ -652,3 +813,82 @@ def test_a_runs_checkpoints_folder_is_part_of_the_run_not_an_incomplete_one(fini
 
     runs, skipped = find_runs([str(finished.parent / "*"), str(finished / "*")])
     assert runs == [finished] and skipped == []
+
+
+def test_two_runs_started_with_the_same_name_leave_one_run_and_one_line(tmp_path):
+    """Both used to pass the planning check, both exit 0 and print the same folder, which then held one run."""
+    cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", run_id="same")
+    procs = [subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet"], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    done = [(p, *p.communicate(timeout=600)) for p in procs]
+    codes = sorted(p.returncode for p, _, _ in done)
+    assert codes == [0, 2], [err[-2000:] for _, _, err in done]
+    winner = next(p for p, _, _ in done if p.returncode == 0)
+    loser = next(subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, out, err in done
+                 if p.returncode == 2)
+    line = assert_one_line_error(loser, str(tmp_path / "results" / "same"))
+    assert "is taken by another run" in line or "already holds a run" in line
+    run_dir = tmp_path / "results" / "same"
+    assert json.loads((run_dir / "run.json").read_text())["pid"] == winner.pid
+    assert list(pd.read_parquet(run_dir / "rounds.parquet")["round"]) == [0, 1]
+    assert len(pd.read_parquet(run_dir / "clients.parquet")) == 4
+
+
+def test_a_claimed_name_is_refused_and_a_default_name_taken_moves_on(tmp_path):
+    """The claim, not the planning check, decides: two runs planned before either wrote anything."""
+    from fedsim.configure import load_config
+    from fedsim.errors import ConfigError
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    named = load_config(write_config(tmp_path / "named.yaml", tmp_path / "results", run_id="same"))
+    first_plan, second_plan = planned_run_dir(named), planned_run_dir(named)
+    first = NewRunDir(first_plan, named)
+    before = tree(first.path)
+    with pytest.raises(ConfigError, match=r"results.run_id: .*/same is taken by another run \(claimed .* by pid "):
+        NewRunDir(second_plan, named)
+    assert tree(first.path) == before
+    with pytest.raises(ConfigError, match="already holds a run|is taken by another run"):
+        planned_run_dir(named)
+    default = load_config(write_config(tmp_path / "default.yaml", tmp_path / "results"))
+    plan = planned_run_dir(default)
+    a, b = NewRunDir(plan, default), NewRunDir(plan, default)
+    assert (a.path, b.path) == (plan, plan.parent / f"{plan.name}-2")
+    for claimed in (b, a, first):  # the first made results.root, and removes it once it is empty
+        claimed.remove()
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_run_another_process_writes_is_neither_resumed_nor_redone_by_a_sweep(run_copy, capsys):
+    """A lock held on run.json while a process writes the run; run_cached used to remove such a folder."""
+    from fedsim.configure import load_config
+    from fedsim.runtime.rundir import RunLock
+    from jobs.cli import main
+    from jobs.sweep import run_cached, run_folder
+
+    before = tree(run_copy)
+    with RunLock(run_copy):
+        assert main(["run", "--resume", str(run_copy), "--quiet"]) == 2
+        assert capsys.readouterr().err == (f"fedsim: error: {run_copy}: in use by another fedsim process (it holds "
+                                           f"{run_copy / 'run.json'}); wait until it ends\n")
+    assert tree(run_copy) == before
+    cfg = load_config(run_copy / "config.yaml", [f"results.root={run_copy.parent}"])
+    folder = run_folder(cfg)
+    shutil.copytree(run_copy, folder)  # an unfinished sweep run (no finished.json), being written elsewhere
+    kept = tree(folder)
+    with RunLock(folder), pytest.raises(FedsimError, match="in use by another fedsim process"):
+        run_cached(cfg)
+    assert tree(folder) == kept
+
+
+def test_a_claim_whose_first_files_fail_is_given_back(tmp_path, monkeypatch):
+    """Any failure after run.json is created (a store's client raising its own error type, Ctrl-C) removes the
+    claim, or the name would stay taken by a run that never started."""
+    import fedsim.plugins
+    from fedsim.configure import load_config
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    cfg = load_config(write_config(tmp_path / "c.yaml", tmp_path / "results", run_id="r"))
+    monkeypatch.setattr(fedsim.plugins, "record", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        NewRunDir(planned_run_dir(cfg), cfg)
+    assert not (tmp_path / "results").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 import uuid
 
 import fsspec
@@ -21,7 +22,7 @@ from fedsim.runtime.loop import run
 from jobs.cli import main
 from tests.conftest import free_port, small_config
 
-RUN_FILES = ["config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
+RUN_FILES = ["run.json", "config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
              "checkpoints/last.pt"]
 COMPARED = ["round", "model", "accuracy", "loss", "participants", "arrived", "bytes_up", "bytes_down",
             "virtual_time"]
@@ -121,11 +122,24 @@ def test_checkpoint_in_a_store_is_data_not_code(config_file, memory_root, elsewh
     checkpoint = location(memory_root) / "r" / "checkpoints" / "last.pt"
     with checkpoint.open("wb") as f:
         f.write(pickle.dumps(Payload(), protocol=2))
+    _reseal(checkpoint)
     capsys.readouterr()
     assert main(["run", "--resume", f"{memory_root}/r", "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint"), err
     assert not marker.exists()
+
+
+def _reseal(checkpoint: StorePath) -> None:
+    """List a replaced checkpoint in its manifest, as whoever replaced it can (tests.conftest.reseal, in a store)."""
+    import hashlib
+    import json
+
+    manifest_path = checkpoint.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["checkpoints"][0]["sha256"] = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    with manifest_path.open("wb") as f:
+        f.write(json.dumps(manifest).encode())
 
 
 def test_run_that_fails_before_its_first_round_leaves_nothing_in_the_store(memory_root, tmp_path):
@@ -214,3 +228,48 @@ def test_a_store_out_of_reach_is_one_line_naming_the_uri_once(monkeypatch, capsy
             err = capsys.readouterr().err.splitlines()
             assert len(err) == 1 and err[0].startswith(f"fedsim: error: {uri}: cannot reach the store ({reason}: "), err
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("store", ["memory", "s3"])
+def test_a_run_name_in_a_store_is_claimed_by_one_run(store, request, memory_root, tmp_path):
+    """A conditional put of run.json (S3's If-None-Match): of two runs planned at once, the second is refused and
+    writes nothing into the first's folder."""
+    from fedsim.errors import ConfigError
+    from fedsim.runtime.rundir import NewRunDir, planned_run_dir
+
+    root = memory_root if store == "memory" else f"{request.getfixturevalue('s3_server')}/claim-{uuid.uuid4().hex}"
+    cfg = small_config(tmp_path, f"results.root={root}", "results.run_id=r", rounds=1)
+    plans = planned_run_dir(cfg), planned_run_dir(cfg)
+    first = NewRunDir(plans[0], cfg)
+    files = {str(p): p.read_bytes() for p in _walk(first.path) if p.is_file()}
+    assert str(first.path / "run.json") in files
+    with pytest.raises(ConfigError, match=f"results.run_id: {first.path} is taken by another run"):
+        NewRunDir(plans[1], cfg)
+    assert {str(p): p.read_bytes() for p in _walk(first.path) if p.is_file()} == files
+    first.remove()
+
+
+def test_a_run_in_a_store_resumes_with_its_own_plugin_copy_when_trusted(memory_root, tmp_path, isolated, capsys):
+    """--trust-run-plugins imports the copy the run keeps in the store, downloaded once: the CLI reads the config
+    twice (to start the backend, then to run), and a second download was another module file of the same name."""
+    import sys
+
+    from fedsim import plugins
+
+    before = plugins._registries()
+    plugin = tmp_path / "store_plug.py"
+    plugin.write_text("from fedsim.models.registry import register_model\n"
+                      "register_model('store_plug_model')(lambda **kw: None)\n")
+    cfg = small_config(tmp_path, f"plugins=[{plugin}]", rounds=1)
+    config = tmp_path / "c.yaml"
+    save_config(cfg, config)
+    assert main(["run", str(config), "--quiet", "-o", f"results.root={memory_root}", "-o", "results.run_id=r"]) == 0
+    plugin.unlink()
+    sys.modules.pop("store_plug")  # as in a new process
+    plugins._restore(before)
+    run_dir = f"{memory_root}/r"
+    capsys.readouterr()
+    assert main(["run", "--resume", run_dir, "--quiet"]) == 2
+    assert "store_plug.py': no such file here; to allow it, pass --plugins FILE" in capsys.readouterr().err
+    assert main(["run", "--resume", run_dir, "--quiet", "--trust-run-plugins"]) == 0, capsys.readouterr().err
+    assert sys.modules["store_plug"].__file__.startswith(tempfile.gettempdir())

@@ -505,3 +505,25 @@ def test_a_trial_that_asha_stops_keeps_its_rounds_and_is_not_marked_finished(tmp
     assert (run_folder(load_config(None, spec("seed=1")["overrides"])) / FINISHED).is_file()
     assert scheduler(None, max_rounds=3) is None
     assert isinstance(scheduler(EarlyStop(metric="loss", mode="min"), max_rounds=3), ASHAScheduler)
+
+
+def test_an_interrupted_run_is_continued_only_when_its_checkpoints_can_be_verified(make_config, tmp_path) -> None:
+    """A folder without run.json or checkpoints/manifest.json (written before fedsim kept them) would fail its
+    resume: the sweep runs it again instead."""
+    from fedsim.configure import save_config
+    from jobs.sweep import interrupted
+
+    cfg = make_config()
+    folder = tmp_path / "run"
+    for name in ("config.yaml", "checkpoints/config.yaml"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, folder / name)
+    for name in ("rounds.parquet", "run.json", "checkpoints/last.pt", "checkpoints/manifest.json"):
+        (folder / name).write_text("{}")
+    (folder / "meta.json").write_text(json.dumps({"status": "interrupted"}))
+    assert interrupted(folder, cfg) == "interrupted"
+    for name in ("checkpoints/manifest.json", "run.json"):
+        kept = (folder / name).read_text()
+        (folder / name).unlink()
+        assert interrupted(folder, cfg) is None
+        (folder / name).write_text(kept)

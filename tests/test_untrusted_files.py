@@ -37,6 +37,7 @@ from fedsim.persist.io import atomic_write_text
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.store import ClientStateStore
+from tests.conftest import reseal
 from tests.forked import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,11 +87,11 @@ def test_every_builtin_state_class_round_trips_bit_for_bit(tmp_path):
     examples = _example_states()
     builtin = {tag: cls for tag, cls in registered_states().items() if tag.startswith("fedsim.")}
     assert {type(e) for e in examples} == set(builtin.values())  # a newly registered class needs an example here
-    for old in ("fedsim.algorithms.fedavg", "fedsim.algorithms.toolkit"):  # checkpoints from before the moves
+    for old in ("fedsim.algorithms.fedavg", "fedsim.method.toolkit"):  # checkpoints from before the moves
         assert builtin[f"{old}:GlobalModels"] is GlobalModels
     packed = pack({"s": examples[0]})
     assert packed["s"]["__dataclass__"] == "fedsim.method.toolkit:GlobalModels"
-    packed["s"]["__dataclass__"] = "fedsim.algorithms.toolkit:GlobalModels"  # as a checkpoint written then says
+    packed["s"]["__dataclass__"] = "fedsim.method.toolkit:GlobalModels"  # as a checkpoint written then says
     assert _same(unpack(packed)["s"], examples[0])
     save_checkpoint(tmp_path / "ck.pt", {"states": examples})
     back = load_checkpoint(tmp_path / "ck.pt")["states"]
@@ -166,6 +167,7 @@ def test_resume_from_a_crafted_checkpoint_runs_nothing(finished_run, tmp_path, t
     real = torch.load(ckpt, weights_only=True)
     real["server_state"] = {"__dataclass__": tag, "command": f"touch {shlex.quote(str(marker))}"}
     torch.save(real, ckpt)
+    reseal(folder)
     rounds = (folder / "rounds.parquet").read_bytes()
     proc = run_module("jobs.cli", ["run", "--resume", str(folder), "--quiet"], timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -200,6 +202,7 @@ def test_resume_from_a_checkpoint_that_does_not_fit_is_one_line(finished_run, tm
     payload = torch.load(ckpt, weights_only=True)
     edit(payload)
     torch.save(payload, ckpt)
+    reseal(folder, payload["round"] if isinstance(payload.get("round"), int) else None)
     rounds = (folder / "rounds.parquet").read_bytes()
     assert main(["run", "--resume", str(folder), "--quiet"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -312,6 +315,7 @@ def test_a_crafted_checkpoint_on_resume_is_one_stderr_line_that_names_what_was_r
         torch.save({"w": _RunsShell(f"touch {shlex.quote(str(marker))}")}, checkpoint)
     else:
         checkpoint.write_bytes(pickle.dumps({"round": 1}, protocol=4))
+    reseal(run_dir)
     proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(run_dir), "--quiet"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
@@ -334,3 +338,117 @@ def test_what_the_weights_only_reader_refused_is_named_without_its_advice(tmp_pa
         load_checkpoint(path)
     assert str(err.value) == (f"{path}: unreadable checkpoint: torch's weights-only reader refused it {refused}, and "
                               "fedsim reads files no other way")
+
+
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory) -> Path:
+    """Another run (another seed, its own run_id), whose files get copied into `finished_run`'s copies."""
+    out = tmp_path_factory.mktemp("other")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", ["rounds=2", "data.num_clients=2", "train.epochs=1",
+                                                       "participation.clients_per_round=2", "runtime.backend=local",
+                                                       f"results.root={out}", "results.run_id=run", "seed=1"])
+    return run(cfg, LocalBackend())
+
+
+def _flip_a_bit_in_a_tensor(path: Path) -> None:
+    """Flip one bit in the middle of the checkpoint's largest tensor, where torch.load does not look (the zip's CRCs
+    go unchecked): the file still loads."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        raw = path.read_bytes()
+        name_len, extra_len = (int.from_bytes(raw[info.header_offset + k:info.header_offset + k + 2], "little")
+                               for k in (26, 28))
+    at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    path.write_bytes(raw[:at] + bytes([raw[at] ^ 0x10]) + raw[at + 1:])
+    torch.load(path, weights_only=True)  # the damage is silent to torch
+
+
+def _edit_config(path: Path, **changes) -> None:
+    raw = yaml.safe_load(path.read_text())
+    raw.update(changes)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+
+
+@pytest.mark.parametrize("damage, culprit, message", [
+    ("one flipped bit", "checkpoints/last.pt", "its SHA-256 is not the one in manifest.json (damaged, or replaced"),
+    ("another run's checkpoint", "checkpoints/last.pt", "its SHA-256 is not the one in manifest.json"),
+    ("another run's checkpoints folder", "checkpoints/manifest.json", "of another run (run_id "),
+    ("the started config deleted, the config edited", "checkpoints/config.yaml",
+     "missing (the config the run started with, which a resume is checked against); the resume is refused"),
+    ("both configs edited", "checkpoints/config.yaml", "its SHA-256 differs from the one in manifest.json"),
+    ("no manifest", "checkpoints/manifest.json", "missing, so the run's checkpoints cannot be verified"),
+    ("no run.json", "run.json", "missing (the run's identity"),
+    ("the manifest lists another round", "checkpoints/last.pt", "holds round 1, and manifest.json records round 0"),
+])
+def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_before_it_loads(finished_run, other_run, tmp_path,
+                                                                               capsys, monkeypatch, damage, culprit,
+                                                                               message):
+    from jobs.cli import main
+
+    folder = tmp_path / "run"
+    shutil.copytree(finished_run, folder)
+    ckpt = folder / "checkpoints" / "last.pt"
+    if damage == "one flipped bit":
+        _flip_a_bit_in_a_tensor(ckpt)
+    elif damage == "another run's checkpoint":
+        shutil.copy(other_run / "checkpoints" / "last.pt", ckpt)
+    elif damage == "another run's checkpoints folder":
+        shutil.rmtree(folder / "checkpoints")
+        shutil.copytree(other_run / "checkpoints", folder / "checkpoints")
+    elif damage == "the started config deleted, the config edited":
+        (folder / "checkpoints" / "config.yaml").unlink()
+        _edit_config(folder / "config.yaml", seed=7)
+    elif damage == "both configs edited":
+        for name in ("config.yaml", "checkpoints/config.yaml"):
+            _edit_config(folder / name, seed=7)
+    elif damage == "no manifest":
+        (folder / "checkpoints" / "manifest.json").unlink()
+    elif damage == "no run.json":
+        (folder / "run.json").unlink()
+    else:
+        reseal(folder, round=0)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    assert main(["run", "--resume", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fedsim: error: {folder / culprit}: ") and message in err and err.count("\n") == 1, err
+    assert loads == ([] if "round" not in damage else [(ckpt,)])  # nothing loaded before the manifest said yes
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+def test_a_save_killed_before_its_rename_leaves_a_checkpoint_the_manifest_vouches_for(tmp_path, monkeypatch):
+    """The manifest lists the new file beside the old before the rename, and alone after: a run killed between the
+    two writes, or in the rename, is still resumable."""
+    import fedsim.io
+
+    from fedsim.persist import checkpoint as ck
+    from fedsim.persist.checkpoint import read_manifest, save_run_checkpoint, start_manifest, verify_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("seed: 0\n")
+    start_manifest(folder, "id", 0, "config.yaml")
+    assert verify_checkpoint(folder, read_manifest(folder)) is None
+    save_run_checkpoint(folder / "last.pt", {"round": 0, "w": torch.zeros(3)}, 0)
+    assert verify_checkpoint(folder, read_manifest(folder)) == 0
+
+    real_replace = os.replace
+
+    def killed(src, dst):  # the checkpoint's rename, after the manifest listed it; the manifest's own renames go on
+        if str(dst).endswith("last.pt"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(fedsim.persist.io.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_run_checkpoint(folder / "last.pt", {"round": 1, "w": torch.ones(3)}, 1)
+    monkeypatch.undo()
+    assert [e["round"] for e in read_manifest(folder)["checkpoints"]] == [0, 1]
+    assert verify_checkpoint(folder, read_manifest(folder)) == 0  # the old file, still vouched for
+    save_run_checkpoint(folder / "last.pt", ck.checkpoint_bytes({"round": 1, "w": torch.ones(3)}), 1)
+    assert [e["round"] for e in read_manifest(folder)["checkpoints"]] == [1]
+    assert verify_checkpoint(folder, read_manifest(folder)) == 1

@@ -21,3 +21,6 @@ MAX_SECONDS = 1e9  # wall-clock timeouts (about 31 years; larger values overflow
 MAX_BYTES = 2**60
 MAX_CHANNELS = 4096  # convolution channels
 MAX_ARRAY_BYTES = 2**36  # one generated array (a synthetic set, a patch pool): 64 GiB
+MAX_CONFIG_BYTES = 2**20  # a config, sweep or override file: real ones hold kilobytes (checked before it is read)
+MAX_CONFIG_VALUES = 20_000  # values in one YAML document, aliases expanded (counted before any is built)
+MAX_CONFIG_DEPTH = 100  # nesting of one YAML document

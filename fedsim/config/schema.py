@@ -16,6 +16,7 @@ from fedsim.config.limits import (
     MAX_BATCH,
     MAX_BYTES,
     MAX_CLIENTS,
+    MAX_CONFIG_BYTES,
     MAX_CPUS,
     MAX_EPOCHS,
     MAX_GPUS,
@@ -28,7 +29,7 @@ from fedsim.config.limits import (
     MAX_WORKERS,
 )
 from fedsim.errors import ConfigError
-from fedsim.persist.storage import StorePath, location
+from fedsim.persist.storage import StorePath, instead_of_a_file, location
 
 # knobs that were deleted: a config (an older run folder's saved one, say) that sets them still loads, with a warning
 RETIRED = {"runtime": ("cuda_graphs", "overlap_eval")}
@@ -285,9 +286,15 @@ def read_yaml(path: str | Path | StorePath) -> dict:
     """Read a config file's mapping, with one-line errors for missing, malformed, empty or non-mapping files."""
     p = location(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        what = instead_of_a_file(p)
+        raise ConfigError(f"config file {p}: {what}" if what else f"config file not found: {p}")
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as fh:  # no more than the limit is read: a 50 MB file costs what 1 MiB does
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, the most a config file may hold "
+                              "(fedsim.config.limits.MAX_CONFIG_BYTES); a config holds kilobytes")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot be read as text ({type(exc).__name__})") from None
     try:

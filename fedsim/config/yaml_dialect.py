@@ -5,10 +5,11 @@ PyYAML follows YAML 1.1, where `1e-3` is a string (a float needs a dot and a sig
 replaces the first. Here plain values resolve as in YAML 1.2's core schema (what people mean, and what JSON
 and most other tools read): `1e-3`, `5E4`, `.5`, `-.5` and `-2e+1` are floats, integers are decimal, `0o17` or
 `0x1F`, only true/false are booleans, and everything else (`1:30`, `no`, dates) stays text. Digits may be
-grouped with `_` as in Python. A duplicate key is an error naming the key and both lines, and a document whose
-aliases expand past `MAX_NODES` values or that nests deeper than `MAX_DEPTH` is refused (so a few lines of
-anchors cannot expand into gigabytes). `dump` writes YAML that both rules read back the same: any text that
-either would take for something else is quoted.
+grouped with `_` as in Python. A duplicate key is an error naming the key and both lines, and a document of more
+than MAX_CONFIG_VALUES values (aliases expanded) or nested deeper than MAX_CONFIG_DEPTH is refused, from the
+parser's events (libyaml's, where PyYAML has it) before a value is built: a few lines of anchors cannot expand into
+gigabytes, and a long list is refused in milliseconds rather than built for minutes. `dump` writes YAML that both
+rules read back the same: any text that either would take for something else is quoted.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode
 
-MAX_NODES = 1_000_000
-MAX_DEPTH = 100
+from fedsim.config.limits import MAX_CONFIG_DEPTH, MAX_CONFIG_VALUES
 
 FLOAT_TAG = "tag:yaml.org,2002:float"
 INT_TAG = "tag:yaml.org,2002:int"
@@ -101,31 +101,46 @@ def _construct_int(loader: StrictLoader, node: Any) -> int:
 StrictLoader.add_constructor(INT_TAG, _construct_int)
 
 
-def check_size(data: Any, max_nodes: int = MAX_NODES, max_depth: int = MAX_DEPTH) -> None:
-    """Refuse a value that, with every alias expanded, holds more than `max_nodes` values or nests too deep."""
+def measure(text: str, max_values: int = MAX_CONFIG_VALUES, max_depth: int = MAX_CONFIG_DEPTH) -> None:
+    """Refuse a document of more than `max_values` values (an alias counts as the values it repeats) or nested more
+    than `max_depth` levels, from the parser's events, before anything is built; raises yaml.YAMLError."""
     count = 0
-    stack: list[tuple[Any, int]] = [(data, 0)]
-    while stack:
-        value, depth = stack.pop()
-        count += 1
-        if count > max_nodes:
-            raise YAMLShapeError(f"more than {max_nodes:,} values once its aliases are expanded")
-        if depth > max_depth:
-            raise YAMLShapeError(f"nested more than {max_depth} levels deep")
-        if isinstance(value, dict):
-            stack.extend((v, depth + 1) for v in value.values())
-        elif isinstance(value, (list, tuple, set)):
-            stack.extend((v, depth + 1) for v in value)
+    sizes: dict[str, int] = {}  # values under each anchor
+    open_at: list[tuple[str | None, int]] = []  # (anchor, values before it) of each open collection
+    for event in yaml.parse(text, Loader=_EVENTS):
+        if isinstance(event, yaml.AliasEvent):
+            count += sizes.get(event.anchor or "", 1)
+        elif isinstance(event, yaml.ScalarEvent):
+            count += 1
+            if event.anchor:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            count += 1
+            open_at.append((event.anchor, count - 1))
+            if len(open_at) > max_depth:
+                raise YAMLShapeError(f"nested more than {max_depth} levels deep "
+                                     "(fedsim.config.limits.MAX_CONFIG_DEPTH)", _line(event))
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = open_at.pop()
+            if anchor:
+                sizes[anchor] = count - start
+        if count > max_values:
+            raise YAMLShapeError(f"more than {max_values:,} values, aliases expanded "
+                                 "(fedsim.config.limits.MAX_CONFIG_VALUES); a config holds a few hundred", _line(event))
+
+
+def _line(event: yaml.Event) -> int | None:
+    return event.start_mark.line + 1 if event.start_mark is not None else None
+
+
+_EVENTS = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser: events at a microsecond a value
 
 
 def parse(text: str) -> Any:
-    """Parse one YAML document with StrictLoader; raises yaml.YAMLError (YAMLShapeError for refused shapes)."""
-    try:
-        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506  (StrictLoader is a SafeLoader)
-    except RecursionError:
-        raise YAMLShapeError(f"nested more than {MAX_DEPTH} levels deep") from None
-    check_size(data)
-    return data
+    """Parse one YAML document with StrictLoader, once `measure` let it; raises yaml.YAMLError (YAMLShapeError for
+    refused shapes)."""
+    measure(text)
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506  (StrictLoader is a SafeLoader)
 
 
 def describe_error(exc: yaml.YAMLError) -> tuple[int | None, str]:

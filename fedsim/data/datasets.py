@@ -32,11 +32,13 @@ from fedsim.data._images import (
 )
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
-from fedsim.data.safe_npy import npz_array
+from fedsim.data.safe_npy import check_archive, npz_array, npz_header
 from fedsim.data.safe_pickle import load_pickle_data
 from fedsim.data.synthetic import make_synthetic
 from fedsim.errors import ConfigError, DataError, FedsimError
 from fedsim.extras import require
+from fedsim.memory import check_arrays
+from fedsim.persist.storage import instead_of_a_file
 
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 CIFAR100_STATS = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
@@ -467,7 +469,9 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
     if not file.is_absolute() and not file.exists() and (root / file).exists():
         file = root / file
     if not file.is_file():
-        raise DataError(f"npz: file not found: {file}")
+        what = instead_of_a_file(file)
+        raise DataError(f"npz: {file}: {what} (data.options.path)" if what else f"npz: file not found: {file}")
+    check_archive(file, "npz", "data.options.path")
     try:
         with np.load(file, allow_pickle=False) as data:
             missing = [k for k in NPZ_KEYS if k not in data.files]
@@ -475,6 +479,8 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
                 raise DataError(
                     f"npz: {file} has no key {missing[0]!r} (it has {sorted(data.files)}; needs {list(NPZ_KEYS)})"
                 )
+            check_arrays({k: npz_header(data, k, f"npz: {file}") for k in NPZ_KEYS}, f"npz: {file}",
+                         "data.options.path")
             arrays = {k: npz_array(data, k, f"npz: {file}") for k in NPZ_KEYS}
     except FedsimError:
         raise
@@ -485,8 +491,9 @@ def load_npz(root: Path, download: bool, *, path: str | None = None, num_classes
     for xk, yk in (("x_train", "y_train"), ("x_test", "y_test")):
         if len(images[xk]) != len(labels[yk]):
             raise DataError(f"npz: {file}: {xk} has {len(images[xk])} samples but {yk} has {len(labels[yk])}")
-    if len(images["x_train"]) == 0:
-        raise DataError(f"npz: {file}: x_train is empty")
+    for key in ("x_train", "x_test"):  # a run trains on one and is evaluated on the other
+        if len(images[key]) == 0:
+            raise DataError(f"npz: {file}: {key} holds no samples (shape {arrays[key].shape})")
     if images["x_test"].shape[1:] != images["x_train"].shape[1:]:
         raise DataError(
             f"npz: {file}: x_test images are {images['x_test'].shape[1:]} but x_train images are "

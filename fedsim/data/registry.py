@@ -90,7 +90,8 @@ def load_dataset(name: str, root: str | Path = "data", download: bool = False, *
     naming the folder, rather than later as a partition that cannot be made."""
     options = check_options(name, options)
     ds = _LOADERS[name](Path(root).expanduser(), download, **options)
-    for split, y in (("training", ds.y_train), ("test", ds.y_test)):
-        if len(y) == 0:
-            raise DataError(f"{name}: no {split} samples (data.root={root})")
+    for split, key, y in (("training", "x_train", ds.y_train), ("test", "x_test", ds.y_test)):
+        if len(y) == 0:  # a file's loader: the file and its array; a folder's: the folder
+            where = f"{key} of data.options.path={options['path']}" if options.get("path") else f"data.root={root}"
+            raise DataError(f"{name}: no {split} samples ({where})")
     return ds

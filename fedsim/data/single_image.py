@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fedsim.config.limits import MAX_ARRAY_BYTES
 from fedsim.errors import ConfigError, DataError
+from fedsim.persist.storage import instead_of_a_file
 
 BUILTIN_IMAGES = ("china", "ihc", "noise")
 NOISE_SHAPE = (512, 512, 3)
@@ -47,8 +48,9 @@ def load_image(source: str) -> np.ndarray:
         return np.random.default_rng(0).integers(0, 256, NOISE_SHAPE, dtype=np.uint8)
     path = Path(source).expanduser()
     if not path.is_file():
-        raise DataError(f"single image {source!r}: file not found; use one of {list(BUILTIN_IMAGES)} "
-                        "or the path of an image file")
+        found = instead_of_a_file(path) or "file not found"
+        raise DataError(f"single image {source!r}: {found}; use one of {list(BUILTIN_IMAGES)} or the path of an "
+                        "image file")
     return _read_image_file(source, path)
 
 

@@ -29,8 +29,9 @@ import numpy as np
 from fedsim.config.limits import MAX_CLASSES
 from fedsim.data.labels import checked_labels
 from fedsim.data.registry import Dataset, register_dataset
-from fedsim.data.safe_npy import npy_array, npz_array
+from fedsim.data.safe_npy import check_archive, npy_array, npz_array
 from fedsim.errors import ConfigError, DataError
+from fedsim.persist.storage import instead_of_a_file
 
 PAD, UNK = 0, 1
 TOKEN = re.compile(r"[\w']+|[^\w\s]")
@@ -40,7 +41,8 @@ def load_embedding_table(path: str, max_vocab: int | None = None) -> tuple[dict[
     """(word -> id, float32 table) from a GloVe .txt, .npy or .npz; rows 0/1 are padding/unknown (zeros)."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise DataError(f"embedding file not found: {file}")
+        what = instead_of_a_file(file)
+        raise DataError(f"embedding file {file}: {what}" if what else f"embedding file not found: {file}")
     if max_vocab is not None and max_vocab < 1:
         raise ConfigError(f"max_vocab: must be >= 1, got {max_vocab}")
     return _load(str(file.resolve()), file.stat().st_mtime_ns, max_vocab)
@@ -121,7 +123,8 @@ def encode(texts: list[str], vocab: dict[str, int], max_len: int, lowercase: boo
 def read_tsv(path: Path) -> tuple[list[str], list[str]]:
     """(labels, texts) of a `label<TAB>text` file; blank lines are skipped."""
     if not path.is_file():
-        raise DataError(f"text_tsv: file not found: {path}")
+        what = instead_of_a_file(path)
+        raise DataError(f"text_tsv: {path}: {what}" if what else f"text_tsv: file not found: {path}")
     labels, texts = [], []
     with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -183,7 +186,9 @@ def load_text_npz(root: Path, download: bool, *, path: str | None = None) -> Dat
     """Pre-tokenised text: x_train/x_test token ids, y_train/y_test, and the `embedding` table."""
     file = _resolve(root, path, "path", "text_npz")
     if not file.is_file():
-        raise DataError(f"text_npz: file not found: {file}")
+        what = instead_of_a_file(file)
+        raise DataError(f"text_npz: {file}: {what}" if what else f"text_npz: file not found: {file}")
+    check_archive(file, "text_npz", "data.options.path")
     try:
         with np.load(file, allow_pickle=False) as data:
             needed = ("x_train", "y_train", "x_test", "y_test", "embedding")

@@ -31,7 +31,7 @@ class GlobalModels:
 
 
 register_state_alias("fedsim.algorithms.fedavg:GlobalModels", GlobalModels)  # checkpoints written before the moves
-register_state_alias("fedsim.algorithms.toolkit:GlobalModels", GlobalModels)
+register_state_alias("fedsim.method.toolkit:GlobalModels", GlobalModels)
 
 
 def new_model(env: Env, arch: str) -> Classifier:

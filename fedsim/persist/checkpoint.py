@@ -2,12 +2,21 @@
 
 A checkpoint is data, never code: it names its dataclasses by tag, and loading rebuilds only the classes
 registered with `register_state`, from their own fields, so a crafted file cannot make fedsim call anything else.
+
+A run's checkpoints carry their integrity and identity in `checkpoints/manifest.json`: the run's id (its run.json),
+seed, the SHA-256 of the config it started with, and the SHA-256 and round of `last.pt`. torch.load does not check
+a file's CRCs, so one flipped bit in a tensor would load; the manifest catches it, and a checkpoint or config copied
+in from another run, before anything is loaded. A new checkpoint is listed beside the old one before it replaces it,
+and alone after, so a run killed at any moment leaves a manifest that vouches for the file there. The manifest is a
+checksum, not a signature: whoever can write the folder can rewrite it too (docs/trust.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
+import json
 from typing import Any, TypeVar
 
 import numpy as np
@@ -15,7 +24,7 @@ import torch
 
 from fedsim import registry
 from fedsim.errors import CheckpointError
-from fedsim.persist.io import atomic_torch_save
+from fedsim.persist.io import atomic_torch_save, atomic_write, atomic_write_text
 from fedsim.persist.storage import Location, StorePath
 
 _CLS, _ND = "__dataclass__", "__ndarray__"
@@ -252,3 +261,115 @@ def _holds_tensors(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_holds_tensors(v) for v in value)
     return False
+
+
+MANIFEST = "manifest.json"
+CHECKPOINT = "last.pt"
+HASH_CHUNK = 8 * 2**20
+
+
+def file_sha256(path: Location | str) -> str:
+    """The SHA-256 of a file (local or in a store), read in chunks."""
+    digest = hashlib.sha256()
+    with (path.open("rb") if isinstance(path, StorePath) else open(path, "rb")) as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def start_manifest(folder: Location, run_id: str, seed: int, config_name: str,
+                   plugins: dict[str, dict[str, str]] | None = None) -> None:
+    """A new run's manifest, in its checkpoints folder beside the config it started with (no checkpoint yet), with
+    what fedsim.plugins.record kept of its plugins (their SHA-256s)."""
+    _write_manifest(folder, {"run_id": run_id, "seed": seed,
+                             "config": {"file": config_name, "sha256": file_sha256(folder / config_name)},
+                             "plugins": plugins or {}, "checkpoints": []})
+
+
+def read_manifest(folder: Location) -> dict:
+    """The manifest of a run's checkpoints folder, checked for its layout; any problem is one CheckpointError."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing, so the run's checkpoints cannot be verified (a run folder written "
+                              "before fedsim kept one, or damaged); start a new run")
+    try:
+        raw = json.loads(path.read_text())
+        entries = raw["checkpoints"]
+        ok = isinstance(raw["run_id"], str) and isinstance(raw["seed"], int) and \
+            isinstance(raw["config"]["file"], str) and isinstance(raw["config"]["sha256"], str) and \
+            isinstance(entries, list) and all(isinstance(e["file"], str) and isinstance(e["sha256"], str) and
+                                              isinstance(e["round"], int) for e in entries) and \
+            isinstance(raw.setdefault("plugins", {}), dict)
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: unreadable (not the manifest fedsim writes); the run folder is damaged")
+    return raw
+
+
+def verify_manifest(folder: Location, run_id: str) -> dict:
+    """Check a run's checkpoints folder before anything in it is read: the manifest is this run's (`run_id`, from
+    its run.json), and the config the run started with is there, unchanged. Returns the manifest; a mismatch is one
+    CheckpointError naming the file."""
+    manifest = read_manifest(folder)
+    if manifest["run_id"] != run_id:
+        raise CheckpointError(f"{folder / MANIFEST}: of another run (run_id {manifest['run_id'][:32]!r}; this folder's "
+                              f"run.json says {run_id[:32]!r}): checkpoints copied in from elsewhere are not resumed")
+    config = folder / manifest["config"]["file"]
+    if not config.is_file():
+        raise CheckpointError(f"{config}: missing (the config the run started with, which a resume is checked "
+                              "against); the resume is refused")
+    if file_sha256(config) != manifest["config"]["sha256"]:
+        raise CheckpointError(f"{config}: its SHA-256 differs from the one in {MANIFEST} (edited or damaged since the "
+                              "run started); the resume is refused")
+    return manifest
+
+
+def verify_checkpoint(folder: Location, manifest: dict) -> int | None:
+    """The round of the checkpoint in a run's checkpoints folder, once its SHA-256 is found in the manifest (None
+    where the run has none yet); a file the manifest does not list is one CheckpointError naming it."""
+    checkpoint = folder / CHECKPOINT
+    listed = {e["sha256"]: e["round"] for e in manifest["checkpoints"] if e["file"] == CHECKPOINT}
+    if not checkpoint.exists():
+        if listed:
+            raise CheckpointError(f"{checkpoint}: missing, though {MANIFEST} lists it; the run folder is damaged")
+        return None
+    if not checkpoint.is_file():
+        raise CheckpointError(f"{checkpoint}: not a file")
+    digest = file_sha256(checkpoint)
+    if digest not in listed:
+        raise CheckpointError(f"{checkpoint}: its SHA-256 is not the one in {MANIFEST} (damaged, or replaced by "
+                              "another file, since the run wrote it); the resume is refused")
+    return listed[digest]
+
+
+def save_run_checkpoint(path: Location, payload: dict, round: int) -> None:
+    """Write a run's checkpoint atomically, listed in the manifest beside it with its SHA-256 and `round`: first
+    beside the checkpoint it replaces, then alone."""
+    folder = path.parent
+    manifest = read_manifest(folder)
+    kept = [e for e in manifest["checkpoints"] if e["file"] == path.name and (folder / path.name).exists()]
+
+    def write(tmp: str) -> None:
+        torch.save(pack(payload), tmp)
+
+    entry = {"file": path.name, "round": round}
+
+    def listed(tmp: str) -> None:  # before the new file replaces the old one: the manifest vouches for either
+        entry["sha256"] = file_sha256(tmp)
+        _write_manifest(folder, {**manifest, "checkpoints": kept[-1:] + [entry]})
+
+    atomic_write(path, write, ready=listed)
+    _write_manifest(folder, {**manifest, "checkpoints": [entry]})
+
+
+def _write_manifest(folder: Location, manifest: dict) -> None:
+    atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+
+
+def verified_round(payload: dict, path: Location, expected: int | None) -> None:
+    """Refuse a loaded run checkpoint whose round is not the one its manifest entry records."""
+    if expected is not None and payload["round"] != expected:
+        raise CheckpointError(f"{path}: holds round {payload['round']}, and {MANIFEST} records round {expected} for "
+                              "it; the run folder is damaged")
+

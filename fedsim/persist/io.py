@@ -15,10 +15,11 @@ from typing import Any
 from fedsim.persist.storage import Location, StorePath
 
 
-def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
-    """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so the rename is atomic)."""
+def atomic_write(path: Location, write: Callable[[str], Any], ready: Callable[[str], Any] | None = None) -> None:
+    """Call `write(tmp_path)`, fsync, then rename over `path` (same folder, so the rename is atomic); `ready(tmp_path)`
+    runs just before the rename (or the upload), once the file is complete."""
     if isinstance(path, StorePath):
-        _upload(path, write)
+        _upload(path, write, ready)
         return
     path = Path(path)
     tmp = None
@@ -28,6 +29,8 @@ def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
         write(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        if ready is not None:
+            ready(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
         if tmp is not None and os.path.exists(tmp):
@@ -37,7 +40,7 @@ def atomic_write(path: Location, write: Callable[[str], Any]) -> None:
         raise
 
 
-def _upload(path: StorePath, write: Callable[[str], Any]) -> None:
+def _upload(path: StorePath, write: Callable[[str], Any], ready: Callable[[str], Any] | None = None) -> None:
     """Write a local temporary file, then put it at `path` in one transfer (a store shows it whole or not at all)."""
     import tempfile
 
@@ -45,6 +48,8 @@ def _upload(path: StorePath, write: Callable[[str], Any]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        if ready is not None:
+            ready(tmp)
         path.upload(tmp)
     finally:
         os.unlink(tmp)
@@ -59,6 +64,22 @@ def _create_temporary(path: Path) -> str:
             return tmp
         except FileExistsError:
             continue
+
+
+def write_new(path: Location, data: bytes) -> bool:
+    """Create `path` holding `data`, unless it exists (False then): O_EXCL on a local disk, a conditional put in a
+    store, so of two processes creating the same file exactly one succeeds."""
+    if isinstance(path, StorePath):
+        return path.create(data)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return True
 
 
 def atomic_write_text(path: Location, text: str) -> None:

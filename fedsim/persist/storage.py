@@ -99,6 +99,18 @@ class StorePath:
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
 
+    def create(self, data: bytes) -> bool:
+        """Write `data` here unless a file is here already (False then): a conditional put where the store offers
+        one (S3's If-None-Match, the memory store), else fsspec's look-then-write."""
+        try:
+            self.fs.pipe_file(self.path, data, mode="create")
+        except FileExistsError:  # s3fs too, for S3's 412 Precondition Failed
+            return False
+        except Exception as exc:
+            raise CheckpointError(f"{self}: cannot reach the store ({type(exc).__name__}: {_first_line(exc)})") \
+                from None
+        return True
+
     def upload(self, local_file: str) -> None:
         """Put a local file here in one transfer."""
         self.fs.put_file(local_file, self.path)
@@ -176,6 +188,14 @@ def check_reachable(root: Location, key: str) -> None:
             from None
     if not found:
         raise ConfigError(f"{key}: {root}: no bucket {bucket!r} (or no access to it); create it first")
+
+
+def instead_of_a_file(path: Location) -> str | None:
+    """What is at `path`, which should be a file: 'a folder' or 'a device or pipe, not a regular file'; None when
+    nothing is (a message then says the file is not found)."""
+    if path.is_dir():
+        return "a folder, not a file"
+    return "not a regular file (a device or a pipe)" if path.exists() else None
 
 
 def remove_tree(path: Location) -> None:

@@ -205,15 +205,15 @@ class ResultsWriter(Callback):
 
     def save(self, where: str) -> None:
         """The checkpoint of the last round handed over: server state and every client's personal state (none where
-        the method's clients keep none)."""
-        from fedsim.persist.checkpoint import save_checkpoint
+        the method's clients keep none), listed in the manifest beside it (fedsim.persist.checkpoint)."""
+        from fedsim.persist.checkpoint import save_run_checkpoint
 
         assert self.written is not None
         round, virtual_time = self.written
         path = self.run.checkpoint
         payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
                    "client_states": {} if self.stateless else self.backend.export_states()}
-        self._write(functools.partial(save_checkpoint, path, payload), where)
+        self._write(functools.partial(save_run_checkpoint, path, payload, round), where)
         self.saved = round
 
     def _flush_tables(self, where: str) -> None:

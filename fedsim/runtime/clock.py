@@ -60,6 +60,8 @@ def _read_trace(path: str, n: int) -> Profiles:
     """
     import pandas as pd
 
+    if os.path.isdir(path):
+        raise DataError(f"stragglers.trace: {path} is a folder, not a file")
     if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe would be read forever
         raise DataError(f"stragglers.trace: {path} is not a regular file")
     try:

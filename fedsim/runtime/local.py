@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedsim.errors import OutOfMemory
 from fedsim.method.contract import Broadcast, Phase
 from fedsim.runtime.backend import WorkerFailure
 from fedsim.runtime.rundir import spill_folder
@@ -74,6 +75,8 @@ class LocalBackend:
                 per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
                 try:
                     replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
+                except OutOfMemory:  # a client ran out of memory: the run stops, naming it
+                    raise
                 except Exception as exc:  # the whole worker failed
                     failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
         return replies, failed

@@ -23,13 +23,22 @@ from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
 from fedsim.errors import AlgorithmError, CheckpointError, FedsimError, RunFailedError
 from fedsim.method.contract import Phase, RoundInfo, get_algorithm
-from fedsim.persist.checkpoint import load_run_checkpoint, pack, state_mismatch
+from fedsim.models.size import check_models
+from fedsim.persist.checkpoint import (
+    load_run_checkpoint,
+    pack,
+    read_manifest,
+    state_mismatch,
+    verified_round,
+    verify_checkpoint,
+)
 from fedsim.persist.storage import Location, StorePath, location
+from fedsim.plugins import PluginSources
 from fedsim.results.tables import failure_columns, read_table, table_rows
 from fedsim.runtime.backend import Backend, BroadcastReply, owner
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
-from fedsim.runtime.rundir import NewRunDir, planned_run_dir, resume_config
+from fedsim.runtime.rundir import NewRunDir, RunLock, planned_run_dir, resume_config
 from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_partition
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
@@ -116,6 +125,10 @@ class Simulation:
     def setup(self) -> None:
         cfg = self.cfg
         data = self.inputs.data(cfg)
+        from fedsim.runtime.local import LocalBackend
+
+        # before any model is built: one too large for this machine is one line, not an allocator's traceback
+        check_models(cfg, data.input_shape, data.num_classes, isinstance(self.backend, LocalBackend))
         self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.num_samples()
         self.archs = client_archs(cfg)
@@ -143,9 +156,11 @@ class Simulation:
         return {"backend": type(self.backend).__name__, "num_workers": self.backend.num_workers,
                 "startup_s": self.startup_s, **self.backend.describe()}
 
-    def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame) -> RunState:
-        """Resume from the last checkpoint, dropping table rows written after it."""
+    def restore(self, rounds: pd.DataFrame, clients: pd.DataFrame, saved_round: int | None = None) -> RunState:
+        """Resume from the last checkpoint (of `saved_round`, as its manifest records), dropping table rows written
+        after it."""
         ck = load_run_checkpoint(self.ckpt_path)
+        verified_round(ck, self.ckpt_path, saved_round)
         fresh_state = self.backend.server.get_state()
         kept, fresh = type(ck["server_state"]), type(fresh_state)
         if kept is not fresh:
@@ -363,23 +378,26 @@ def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: str | Path | StorePath | None = None,
-        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None) -> Location:
+        callbacks: Sequence[Callback] = (), inputs: Inputs | None = None,
+        plugin_sources: PluginSources | None = None) -> Location:
     """Run (or resume) a simulation; returns the run folder (a Path, or a StorePath for a run kept in a store).
 
-    A new run's folder is created once data, partition and backend are ready, and removed again if the run
-    stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
-    its saved config (see fedsim.runtime.rundir). `callbacks` run after the default ones (meta.json, tables and
+    A new run's folder is claimed before anything is written (fedsim.runtime.rundir), and removed again if the
+    run stops before its first round is written: a run that cannot start leaves nothing behind. A resumed run keeps
+    its saved config (see fedsim.runtime.rundir), and imports its plugins only from what the user has
+    (`plugin_sources`: fedsim.plugins.for_resume). `callbacks` run after the default ones (meta.json, tables and
     checkpoints, then the trackers `cfg.tracking` turns on); any of them may stop the run after a round
     (fedsim.runtime.callbacks).
     """
     from fedsim.runtime.local import LocalBackend
 
-    tables = None
+    tables, saved_round = None, None
     try:
         if resume is not None:
             run_dir = location(resume, "--resume")
-            cfg = resume_config(run_dir)
-            if (run_dir / "checkpoints" / "last.pt").exists():
+            cfg = resume_config(run_dir, plugin_sources)
+            saved_round = verify_checkpoint(run_dir / "checkpoints", read_manifest(run_dir / "checkpoints"))
+            if saved_round is not None:
                 tables = resume_tables(run_dir)
         else:
             if cfg is None:
@@ -390,18 +408,23 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             backend.shutdown()
         raise
     backend = backend or LocalBackend()
-    sim = Simulation(cfg, backend, run_dir, inputs)
+    sim: Simulation | None = None
     hooks = Callbacks([])
     created: NewRunDir | None = None
+    held: RunLock | None = None
     info: RunInfo | None = None
     status: RunStatus = "failed"
     try:
+        if resume is None:  # the folder's name is claimed before anything is written (another run may want it)
+            created = NewRunDir(run_dir, cfg)
+            run_dir = created.path
+        else:
+            held = RunLock(run_dir)
+        sim = Simulation(cfg, backend, run_dir, inputs)
         # first: a tracking library that is not installed fails the run before anything starts
         hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
-        if resume is None:
-            created = NewRunDir(run_dir, cfg)
-        state = sim.restore(*tables) if tables is not None else RunState()
+        state = sim.restore(*tables, saved_round) if tables is not None else RunState()
         info = RunInfo(cfg, run_dir, sim.describe(), state.next_round)
         hooks.setup_end(info)
         status = sim.run(state, hooks)
@@ -411,7 +434,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
     finally:
         with shielded():
             try:
-                if sim.failed_steps and status != "failed":
+                if sim is not None and sim.failed_steps and status != "failed":
                     log.warning("%d client step(s) failed in %d round(s); their errors and tracebacks are in %s "
                                 "(rows with status 'failed')", sim.failed_steps, len(sim.failed_rounds),
                                 run_dir / "clients.parquet")
@@ -419,8 +442,13 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
                     _end(hooks, info, status)
             finally:
                 backend.shutdown()
-                if created is not None and not created.has_rounds():
-                    created.remove()
+                if created is not None:
+                    if created.has_rounds():
+                        created.release()
+                    else:
+                        created.remove()
+                if held is not None:
+                    held.release()
     return run_dir
 
 

@@ -1,30 +1,44 @@
-"""Run folders: created only once a run can start, gone again if it fails before its first round is written,
-and checked on resume against the config the run started with.
+"""Run folders: claimed before anything is written there, gone again if the run fails before its first round is
+written, and checked on resume against the config the run started with.
 
 A new run writes its resolved config twice: `config.yaml`, for people to read (and to edit, to extend a
 run), and `checkpoints/config.yaml`, the copy fedsim never rewrites. On `--resume`, the two are compared
 key by key: keys that change what the saved state means (data, partition, model, algorithm, training,
 participation, stragglers, seed) must be unchanged, or the checkpoint's states would be loaded into a
 different experiment; keys in RESUME_SAFE may change (more `rounds`, another backend or worker count,
-evaluation cadence, where the results and datasets live, where metrics are tracked). Runs saved before the
-copy existed are not checked; their first resume writes it.
+evaluation cadence, where the results and datasets live, where metrics are tracked). The copy is the
+checkpoint's own (its SHA-256 is in checkpoints/manifest.json, fedsim.persist.checkpoint): a resume without it, or with
+it changed, is refused, as is one whose manifest names another run than run.json.
+
+A run claims its folder before it writes anything there: it creates `run.json` (its identity) where none exists,
+atomically (O_EXCL on a local disk, a conditional put in a store), so of two runs given the same name exactly one
+gets it. While a process writes a local run, it holds an advisory lock on that file: a second process resuming the
+run, or a sweep redoing it, is refused instead of writing into it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
+import socket
 import tempfile
+import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedsim.config.schema import RESUME_SAFE, RunConfig, config_to_dict, read_yaml
-from fedsim.configure import load_config, save_config
+from fedsim.configure import build_config, save_config
 from fedsim.errors import CheckpointError, ConfigError, FedsimError
 from fedsim.persist.storage import Location, check_reachable, location, remove_tree
 
+if TYPE_CHECKING:
+    from fedsim.plugins import PluginSources
+
+RUN_FILE = "run.json"  # the run's claim on its folder, and its identity
+MAX_NAME_TRIES = 1000  # default names taken by runs started in the same microsecond
 STARTED_CONFIG = Path("checkpoints") / "config.yaml"
 
 
@@ -39,6 +53,8 @@ def planned_run_dir(cfg: RunConfig) -> Location:
     if (path / "rounds.parquet").exists():
         raise ConfigError(f"results.run_id: {path} already holds a run; resume it with --resume {path} "
                           "or choose another run_id")
+    if (path / RUN_FILE).exists():
+        raise _taken(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"results.run_id: {path} exists and is not a folder")
     if path.exists() and next(iter(path.iterdir()), None) is not None:
@@ -48,43 +64,134 @@ def planned_run_dir(cfg: RunConfig) -> Location:
 
 
 class NewRunDir:
-    """A run folder this process created, removable as a whole until the run's first round is written."""
+    """A run folder this process claimed, removable as a whole until the run's first round is written.
+
+    The claim (run.json, created only where none exists) comes before any other write; a name another run holds
+    is refused, or, for a default name (`results.run_id` unset), the next free one `<name>-2`, `<name>-3`, ... is
+    taken. The local lock on run.json is held until `release`."""
 
     def __init__(self, path: Location, cfg: RunConfig) -> None:
-        self.path = path
-        self._existed = path.exists()
+        from fedsim.persist.checkpoint import start_manifest
+        from fedsim.plugins import record
+
         self._created: list[Location] = []  # the parents this run creates, innermost first (results.root may be new)
         parent = path.parent
         while not parent.exists() and parent.parent != parent:
             self._created.append(parent)
             parent = parent.parent
+        self.run_id = uuid.uuid4().hex
+        self.path, self._existed = self._claim(path, pick_next=cfg.results.run_id is None)
+        self.lock = RunLock(self.path)
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, path / "config.yaml")
-            save_config(cfg, path / STARTED_CONFIG)
-        except OSError as exc:
+            save_config(cfg, self.path / "config.yaml")
+            save_config(cfg, self.path / STARTED_CONFIG)
+            start_manifest(self.path / STARTED_CONFIG.parent, self.run_id, cfg.seed, STARTED_CONFIG.name,
+                           record(cfg.plugins, self.path))
+        except BaseException as exc:  # the claim too: a run that cannot start leaves nothing behind
             self.remove()
-            raise ConfigError(f"results.root: cannot create the run folder {path} ({exc.strerror or exc})") from None
+            if isinstance(exc, OSError):
+                raise ConfigError(f"results.root: cannot create the run folder {self.path} "
+                                  f"({exc.strerror or exc})") from None
+            raise
+
+    def _claim(self, path: Location, pick_next: bool) -> tuple[Location, bool]:
+        """The first of `path` (then, with `pick_next`, `path-2`, `path-3`, ...) whose run.json this process
+        created, and whether that folder existed before."""
+        from fedsim.persist.io import write_new
+
+        for n in range(1, MAX_NAME_TRIES + 1):
+            candidate = path if n == 1 else path.parent / f"{path.name}-{n}"
+            existed = candidate.exists()
+            if n > 1 and existed:  # a folder of that name, claimed or not, is someone else's
+                continue
+            identity = {"run_id": self.run_id, "name": candidate.name, "created": datetime.now().isoformat(),
+                        "host": socket.gethostname(), "pid": os.getpid()}
+            try:
+                candidate.mkdir(parents=True, exist_ok=True)
+                if write_new(candidate / RUN_FILE, (json.dumps(identity, indent=2) + "\n").encode()):
+                    return candidate, existed
+            except OSError as exc:
+                if not existed:
+                    self._remove_created(candidate)
+                raise ConfigError(f"results.root: cannot create the run folder {candidate} "
+                                  f"({exc.strerror or exc})") from None
+            if not pick_next:
+                raise _taken(candidate)
+        raise ConfigError(f"results.run_id: {path} and the next {MAX_NAME_TRIES - 1} names are taken; choose a "
+                          "run_id")
 
     def has_rounds(self) -> bool:
         return (self.path / "rounds.parquet").exists()
 
+    def release(self) -> None:
+        """Let other processes resume or redo the run."""
+        self.lock.release()
+
     def remove(self) -> None:
         """Delete what this run wrote; a folder that existed before (empty, or the user's) is kept itself."""
+        self.release()
         if not self._existed:
-            remove_tree(self.path)
-            for folder in self._created:  # only while empty: another run may have started beside this one
-                try:
-                    folder.rmdir()
-                except OSError:
-                    break
+            self._remove_created(self.path)
             return
-        for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb"):
+        for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb",
+                     "plugins", RUN_FILE):
             target = self.path / name
             if target.is_dir():
                 remove_tree(target)
             elif target.exists():
                 target.unlink(missing_ok=True)
+
+    def _remove_created(self, folder: Location) -> None:
+        remove_tree(folder)
+        for parent in self._created:  # only while empty: another run may have started beside this one
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+def _taken(path: Location) -> ConfigError:
+    """The error for a run folder another run has claimed, naming who claimed it where run.json says."""
+    try:
+        who = json.loads((path / RUN_FILE).read_text())
+        by = f" (claimed {who['created']} by pid {who['pid']} on {who['host']})"
+    except (OSError, ValueError, TypeError, KeyError, FedsimError):
+        by = ""
+    return ConfigError(f"results.run_id: {path} is taken by another run{by}; choose another run_id")
+
+
+class RunLock:
+    """An advisory lock (flock) on a local run's run.json while this process writes the run; the system drops it
+    when the process ends, however it ends. A run in a store is not locked (its claim still holds)."""
+
+    def __init__(self, run_dir: Location) -> None:
+        self._fd: int | None = None
+        if not isinstance(run_dir, Path) or not (run_dir / RUN_FILE).is_file():
+            return
+        import fcntl
+
+        fd = os.open(run_dir / RUN_FILE, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"{run_dir}: in use by another fedsim process (it holds {run_dir / RUN_FILE}); "
+                              "wait until it ends") from None
+        except OSError:  # a file system without locks: the claim alone protects the run
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class _Absent:
@@ -138,54 +245,56 @@ def spill_folder(cfg: RunConfig, run_dir: Location) -> Path:
     return Path(tempfile.gettempdir()) / f"fedsim-spill-{run_dir.name}-{os.getpid()}"
 
 
-def _check_plugins(run_dir: Location, path: Location) -> None:
-    """A resumed run imports its plugins: only the ones it started with, and none from inside its own folder (a
-    run's files are data, never code)."""
-    plugins = read_yaml(_named(path)).get("plugins") or []
-    started_path = run_dir / STARTED_CONFIG
-    if started_path.is_file():
-        try:
-            started = read_yaml(_named(started_path)).get("plugins") or []
-        except FedsimError as exc:
-            raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
-        if plugins != started:
-            raise ConfigError(f"{path}: plugins ({started!r} -> {plugins!r}) changed since the run started "
-                              f"({started_path}); start a new run instead")
-    if isinstance(run_dir, Path) and isinstance(plugins, list):
-        from fedsim.plugins import _locate
-
-        folder = run_dir.resolve()
-        for entry in plugins:  # found as the config's loader would find it: relative paths and names start here
-            found = _locate(entry, folder).path if isinstance(entry, str) else None
-            if found is not None and found.resolve().is_relative_to(folder):
-                raise ConfigError(f"{path}: plugin {entry} lies inside the run folder ({found}); a run's files are "
-                                  "data, not code: keep plugins beside your configs")
-
-
 def _named(path: Location) -> str | Path:
     """A path as load_config takes it: a local one as it is, one in a store as its URI."""
     return path if isinstance(path, Path) else str(path)
 
 
-def resume_config(run_dir: Location) -> RunConfig:
-    """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow."""
+def run_identity(run_dir: Location) -> str:
+    """The run_id in a run folder's run.json, which its checkpoints' manifest must name."""
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the run's identity, which its checkpoints are checked against; a "
+                              "run folder written before fedsim kept one, or damaged); start a new run")
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError, KeyError, TypeError):
+        run_id = None
+    if not isinstance(run_id, str) or not run_id:
+        raise CheckpointError(f"{path}: unreadable (no run_id); the run folder is damaged")
+    return run_id
+
+
+def resume_config(run_dir: Location, sources: PluginSources | None = None) -> RunConfig:
+    """The config of the run in `run_dir`, refused if it was edited in a way the saved state cannot follow; its
+    plugins are checked (fedsim.plugins.for_resume, with the user's `sources`) before any is imported."""
+    from fedsim.persist.checkpoint import verify_manifest
+    from fedsim.plugins import PluginSources, for_resume
+
     path = run_dir / "config.yaml"
     if not run_dir.is_dir():
         why = "a file, not a folder" if run_dir.exists() else "no such folder"
         raise CheckpointError(f"--resume {run_dir}: not a run folder ({why})")
     if not path.is_file():
         raise CheckpointError(f"--resume {run_dir}: not a run folder (no config.yaml)")
-    _check_plugins(run_dir, path)  # before load_config imports them
-    cfg = load_config(_named(path))
     started_path = run_dir / STARTED_CONFIG
     if started_path.exists() and not started_path.is_file():
         raise CheckpointError(f"{started_path}: not a file (the config the run started with belongs there)")
-    if not started_path.is_file():
-        if started_path.parent.is_dir():
-            save_config(cfg, started_path)
-        return cfg
+    manifest = verify_manifest(started_path.parent, run_identity(run_dir))  # before anything of the run's is loaded
+    raw = read_yaml(_named(path))
     try:
-        started = load_config(_named(started_path))
+        started_raw = read_yaml(_named(started_path))
+    except FedsimError as exc:
+        raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
+    plugins, started_plugins = raw.get("plugins") or [], started_raw.get("plugins") or []
+    if plugins != started_plugins:
+        raise ConfigError(f"{path}: plugins ({started_plugins!r} -> {plugins!r}) changed since the run started "
+                          f"({started_path}); start a new run instead")
+    raw["plugins"] = started_raw["plugins"] = for_resume(plugins, manifest["plugins"], run_dir,
+                                                         sources or PluginSources())
+    cfg = build_config(raw)
+    try:
+        started = build_config(started_raw)
     except FedsimError as exc:
         raise CheckpointError(f"{started_path}: unreadable ({exc})") from None
     diff = unsafe_changes(started, cfg)

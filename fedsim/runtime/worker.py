@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from fedsim import rng
-from fedsim.errors import ClientFailedError
+from fedsim.errors import ClientFailedError, OutOfMemory
+from fedsim.memory import is_out_of_memory
 from fedsim.method.contract import Algorithm, ClientContext, ClientResult, Env, Message, Phase, get_algorithm
 from fedsim.method.sums import WeightedSum
 from fedsim.runtime.batching import ClientBatcher
@@ -182,10 +183,17 @@ class ClientWorker:
             try:
                 assert res is not None
                 _check_weight(res, cid)
+                _check_finite_upload(res)  # before the sum: one client's NaN would spoil every other's
                 if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
                     summed.add(res.payload, res.weight, cid)
             except Exception as err:
                 exc = err
+        if exc is not None and is_out_of_memory(exc):  # the next client would fail alike: the run stops
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise OutOfMemory(f"round {round}: client {cid} ran out of memory training model "
+                              f"{self.env.client_archs[cid]!r} (phase {phase!r}: {type(exc).__name__}: {first}); the "
+                              "run stops, its finished rounds kept: try a smaller train.batch_size or model, or "
+                              "fewer runtime.num_workers") from None
         if exc is not None or res is None:
             return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
@@ -240,6 +248,38 @@ def own_copy(value: Any, lent: set[int]) -> Any:
 def _merge(common: Any, per_client: dict[int, Any] | None, cid: int) -> Message:
     """The message a client sees: the common part, and its own part (None when it has none)."""
     return Message(common, per_client.get(cid) if per_client else None)
+
+
+def _check_finite_upload(res: ClientResult) -> None:
+    """Raise FloatingPointError ("diverged: ...") for a client whose training loss or upload is not finite, whatever
+    its method: the client fails alone (clients.parquet records why), and no NaN reaches the aggregate."""
+    for k, v in res.metrics.items():
+        if k.endswith("train_loss") and isinstance(v, (int, float)) and not np.isfinite(v):
+            raise FloatingPointError(f"diverged: non-finite {k} ({v})")
+    tensors = dict(_float_tensors(res.payload, "payload"))
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors.values():
+        groups.setdefault((t.device, t.dtype), []).append(t.reshape(-1))
+    # one sum per device and dtype (finite when every entry is, unless it overflows): 0.14 ms for ResNet-8's 47
+    # tensors on one CPU thread, where a norm or sum per tensor took 0.22-0.24 ms
+    if all(torch.isfinite(torch.cat(group).sum()) for group in groups.values()):
+        return
+    bad = next((k for k, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # else a sum overflowed its dtype, every entry finite
+        raise FloatingPointError(f"diverged: non-finite update ({bad})")
+
+
+def _float_tensors(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point tensors in a payload (dicts, lists, tuples), each with where it lies."""
+    if isinstance(value, torch.Tensor):
+        return [(where, value)] if value.is_floating_point() else []
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating):
+        return [(where, torch.from_numpy(value))]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _float_tensors(v, f"{where}[{k!r}]")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in _float_tensors(v, f"{where}[{i}]")]
+    return []
 
 
 def _check_weight(res: ClientResult, cid: int) -> None:

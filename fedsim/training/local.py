@@ -162,13 +162,13 @@ def check_finite(metrics: Mapping[str, float], state: Mapping[str, torch.Tensor]
     instead of carrying NaNs into the aggregate."""
     for k, v in metrics.items():
         if k.endswith("train_loss") and not math.isfinite(v):
-            raise FloatingPointError(f"local training diverged: {k} is {v}")
+            raise FloatingPointError(f"diverged: non-finite {k} ({v})")
     floats = [(k, t) for k, t in state.items() if t.is_floating_point()]
     if floats and floats[0][1].device.type != "cpu" and all_finite_at_once([t for _, t in floats]):
         return  # on a GPU one wait for all tensors instead of one per tensor
     for k, t in floats:  # a finite sum means finite entries, and summing is far cheaper than isfinite
         if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
-            raise FloatingPointError(f"local training diverged: weight {k!r} is not finite")
+            raise FloatingPointError(f"diverged: non-finite weight {k!r}")
 
 
 def all_finite_at_once(tensors: list[torch.Tensor]) -> bool:

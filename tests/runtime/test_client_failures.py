@@ -8,7 +8,9 @@ import pickle
 import pandas as pd
 import pytest
 
+from fedsim.algorithms.fedavg import FedAvg
 from fedsim.errors import ClientFailedError, FedsimError
+from fedsim.method.contract import register_algorithm
 from fedsim.results.tables import load
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
@@ -86,3 +88,68 @@ def test_a_run_stopped_after_a_failure_resumes_to_the_tables_of_an_uninterrupted
     assert_one_failure_reported(resumed)
     for name in ("rounds", "clients"):
         pd.testing.assert_frame_equal(deterministic(resumed[name]), deterministic(whole[name]), obj=name)
+
+
+@register_algorithm
+class NaNUploadFedAvg(FedAvg):
+    """FedAvg whose client 1 uploads a NaN weight with a finite loss, as a method without fedsim's local training
+    might: only the upload says it diverged."""
+
+    name = "fedavg_nan_upload"
+
+    def client_step(self, phase, state, msg, ctx):
+        res = super().client_step(phase, state, msg, ctx)
+        if ctx.client_id == 1:
+            first = next(k for k, v in res.payload.items() if v.is_floating_point() and v.dim() > 0)
+            res.payload[first] = res.payload[first].clone().fill_(float("nan"))
+        return res
+
+
+@pytest.mark.parametrize("overrides, failed, reason", [
+    (("train.weight_decay=1e12",), [0, 1, 2, 3], "diverged: non-finite train_loss (nan)"),  # fedavg's training
+    (("algorithm.name=scaffold", "train.weight_decay=1e12"), [0, 1, 2, 3], "diverged: non-finite train_loss (nan)"),
+    (("algorithm.name=fedavg_nan_upload",), [1], "diverged: non-finite update (payload['cnn/"),
+])
+def test_a_client_that_diverges_fails_alone_with_the_reason(make_config, overrides, failed, reason):
+    """A diverging client is a failed client in clients.parquet, whatever its method: SCAFFOLD's NaN used to be
+    summed into the global model, and a method's NaN upload too; the lead's all-failed rule then stops the run."""
+    cfg = make_config("data.num_clients=4", "participation.clients_per_round=4", *overrides, rounds=1)
+    clients = load(run(cfg, LocalBackend(num_workers=2)))["clients"]
+    bad = clients[clients["status"] == "failed"]
+    assert bad["client"].tolist() == failed, clients[["client", "status", "error"]]
+    assert (bad["error_type"] == "FloatingPointError").all()
+    assert all(m.startswith(reason) for m in bad["error_message"]), bad["error_message"].tolist()
+
+
+@register_algorithm
+class OutOfMemoryFedAvg(FedAvg):
+    """FedAvg whose client 1 asks torch's CPU allocator for 256 TiB in round 1: a real allocation failure (no address
+    space holds it), as a model or batch too large for the machine gives."""
+
+    name = "fedavg_out_of_memory"
+
+    def client_step(self, phase, state, msg, ctx):
+        if (ctx.client_id, ctx.round) == (1, 1):
+            import torch
+
+            torch.empty(2**46)
+        return super().client_step(phase, state, msg, ctx)
+
+
+def test_a_client_out_of_memory_stops_the_run_in_one_line_keeping_the_finished_rounds(make_config, capsys):
+    """It used to count as one failed client, the next one failing alike; the run stops now, exit 1."""
+    from fedsim.configure import save_config
+    from jobs.cli import main
+
+    cfg = make_config("algorithm.name=fedavg_out_of_memory", "data.num_clients=4", "participation.clients_per_round=4",
+                      "results.run_id=oom", rounds=3)
+    path = cfg.results.root + "/../oom.yaml"
+    save_config(cfg, path)
+    assert main(["run", path, "--quiet", "--backend", "local"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "fedsim: error: round 1: client 1 ran out of memory training model 'cnn' (phase 'train': RuntimeError: "
+        "[enforce fail at alloc_cpu.cpp"), err
+    assert "the run stops, its finished rounds kept" in err
+    res = load(cfg.results.root + "/oom")
+    assert res["rounds"]["round"].tolist() == [0] and res["meta"]["status"] == "failed"
