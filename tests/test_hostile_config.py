@@ -191,7 +191,7 @@ VALUES = ("more than 20,000 values, aliases expanded (fedsim.config.limits.MAX_C
 def test_a_config_too_large_once_parsed_is_refused_before_anything_is_built(tmp_path, monkeypatch, text, line,
                                                                             message):
     """Counted from the parser's events: no value is constructed (the long list took 29 s at 10 MB)."""
-    import fedsim.strict_yaml
+    import fedsim.config.yaml_dialect
 
     path = tmp_path / "c.yaml"
     path.write_text(text)

@@ -254,9 +254,9 @@ def test_a_run_in_a_store_resumes_with_its_own_plugin_copy_when_trusted(memory_r
     twice (to start the backend, then to run), and a second download was another module file of the same name."""
     import sys
 
-    from fedsim import plugins
+    from fedsim import registry
 
-    before = plugins._registries()
+    before = registry.snapshot()
     plugin = tmp_path / "store_plug.py"
     plugin.write_text("from fedsim.models.registry import register_model\n"
                       "register_model('store_plug_model')(lambda **kw: None)\n")
@@ -266,7 +266,7 @@ def test_a_run_in_a_store_resumes_with_its_own_plugin_copy_when_trusted(memory_r
     assert main(["run", str(config), "--quiet", "-o", f"results.root={memory_root}", "-o", "results.run_id=r"]) == 0
     plugin.unlink()
     sys.modules.pop("store_plug")  # as in a new process
-    plugins._restore(before)
+    registry.restore(before)
     run_dir = f"{memory_root}/r"
     capsys.readouterr()
     assert main(["run", "--resume", run_dir, "--quiet"]) == 2

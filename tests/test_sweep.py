@@ -511,7 +511,7 @@ def test_an_interrupted_run_is_continued_only_when_its_checkpoints_can_be_verifi
     """A folder without run.json or checkpoints/manifest.json (written before fedsim kept them) would fail its
     resume: the sweep runs it again instead."""
     from fedsim.configure import save_config
-    from jobs.sweep import interrupted
+    from jobs.cached_runs import interrupted
 
     cfg = make_config()
     folder = tmp_path / "run"

@@ -423,9 +423,7 @@ def test_a_damaged_or_foreign_checkpoint_is_refused_in_one_line_before_it_loads(
 def test_a_save_killed_before_its_rename_leaves_a_checkpoint_the_manifest_vouches_for(tmp_path, monkeypatch):
     """The manifest lists the new file beside the old before the rename, and alone after: a run killed between the
     two writes, or in the rename, is still resumable."""
-    import fedsim.io
-
-    from fedsim.persist import checkpoint as ck
+    import fedsim.persist.io
     from fedsim.persist.checkpoint import read_manifest, save_run_checkpoint, start_manifest, verify_checkpoint
 
     folder = tmp_path / "checkpoints"
@@ -449,6 +447,6 @@ def test_a_save_killed_before_its_rename_leaves_a_checkpoint_the_manifest_vouche
     monkeypatch.undo()
     assert [e["round"] for e in read_manifest(folder)["checkpoints"]] == [0, 1]
     assert verify_checkpoint(folder, read_manifest(folder)) == 0  # the old file, still vouched for
-    save_run_checkpoint(folder / "last.pt", ck.checkpoint_bytes({"round": 1, "w": torch.ones(3)}), 1)
+    save_run_checkpoint(folder / "last.pt", {"round": 1, "w": torch.ones(3)}, 1)
     assert [e["round"] for e in read_manifest(folder)["checkpoints"]] == [1]
     assert verify_checkpoint(folder, read_manifest(folder)) == 1
