@@ -152,7 +152,7 @@ class KeepCheckpoints(Callback):
 def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
     nodes = worker_nodes(cluster, 3, gpus=0)
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
-                      "runtime.placement=spread", "train.epochs=6", "train.keep_optimizer_state=true",
+                      "runtime.placement=spread", "train.keep_optimizer_state=true",
                       "participation.clients_per_round=10", rounds=4)
     backend = RayBackend()
     original = backend.run_phase
