@@ -7,10 +7,11 @@ plugins when it loads the config; Ray workers get the files through their runtim
 (`actors/plugins.py`) and import them by module name before they build anything. Checkpoints never
 import anything: a plugin's state classes load because the plugin registered them.
 
-A run folder is data, never code. A new run records each file plugin's SHA-256 and keeps a copy of it in the
-folder (`record`); a resumed run imports only what the user has, with the SHA-256 the run recorded: the file at
-the recorded absolute path, a file the user names (`--plugins FILE`), or an installed module; the run folder's
-own copy only when the user says so (`--trust-run-plugins`). See `for_resume` and docs/trust.md.
+A run folder is data, never code. A new run records each plugin's module name and SHA-256 (its identity, never
+its path) and keeps a copy of it in the folder (`record`); a resumed run imports only what the user has, with the
+SHA-256 the run recorded: an installed module, a file the user names (`--plugins FILE`), the file at the recorded
+path, or one of its name in the current folder; the run folder's own copy only when the user says so
+(`--trust-run-plugins`). See `for_resume` and docs/trust.md.
 """
 
 from __future__ import annotations
@@ -282,23 +283,40 @@ def record(entries: object, run_dir: Location) -> dict[str, dict[str, str]]:
 
     out = {}
     for plugin in parse_resolved(entries):
-        if plugin.path is None or not plugin.path.exists():
+        source = plugin.path if plugin.path is not None else _origin(plugin.module)
+        if source is None or not source.exists():
             continue
-        copy = f"{RUN_COPIES}/{plugin.path.name}"
-        files = [plugin.path] if plugin.path.is_file() else _package_files(plugin.path)
+        copy = f"{RUN_COPIES}/{source.name}"
+        files = [source] if source.is_file() else _package_files(source)
         for f in files:
-            atomic_write_bytes(run_dir / (copy if f == plugin.path else f"{copy}/{f.relative_to(plugin.path)}"),
-                               f.read_bytes())
-        out[plugin.entry] = {"module": plugin.module, "sha256": source_sha256(plugin.path), "copy": copy}
+            atomic_write_bytes(run_dir / (copy if f == source else f"{copy}/{f.relative_to(source)}"), f.read_bytes())
+        out[plugin.entry] = {"module": plugin.module, "sha256": source_sha256(source), "copy": copy}
     return out
+
+
+def _origin(module: str) -> Path | None:
+    """An installed module's source: its .py file, or its package folder (None for a built-in or namespace one)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    origin = Path(spec.origin)
+    return origin.parent if origin.name == "__init__.py" else origin
+
+
+def short(sha256: str) -> str:
+    """A SHA-256 as people compare it: its first 12 hex digits."""
+    return sha256[:12]
 
 
 def for_resume(entries: object, recorded: dict, run_dir: Location, sources: PluginSources) -> list[str]:
     """The plugins a resumed run imports for the `plugins` its folder names: each a module installed here (not
     inside the run folder), or a file whose SHA-256 is the one the run recorded: the user's own (`sources.files`),
-    the run folder's copy (only with `sources.trust_run_copies`), or the file at the recorded absolute path
-    (outside the run folder). Anything else is a ConfigError naming the plugin and how to allow it; nothing is
-    imported here."""
+    the run folder's copy (only with `sources.trust_run_copies`), the file at the recorded absolute path (outside
+    the run folder), or one of its name in the current folder or installed. Anything else is a ConfigError naming
+    the plugin (and both SHA-256s) and how to allow it; nothing is imported here."""
     if not isinstance(entries, list) or not all(isinstance(e, str) and e.strip() for e in entries):
         raise ConfigError(f"plugins: expected a list of module names or .py paths, got {entries!r}"[:300])
     given = {_module_name(str(f), f.stem if f.suffix == ".py" else f.name): f for f in sources.files}
@@ -310,7 +328,7 @@ def for_resume(entries: object, recorded: dict, run_dir: Location, sources: Plug
     chosen = []
     for entry in entries:
         if not _is_path(entry):
-            chosen.append(_installed(entry, run_dir))
+            chosen.append(_installed(entry, run_dir, recorded.get(entry)))
             continue
         if not Path(entry).is_absolute():
             raise ConfigError(f"plugins: {entry!r} is a relative path, which a run never records (its configs name "
@@ -319,39 +337,42 @@ def for_resume(entries: object, recorded: dict, run_dir: Location, sources: Plug
         if not isinstance(kept, dict) or not all(isinstance(kept.get(k), str) for k in ("module", "sha256", "copy")):
             raise ConfigError(f"plugins: {entry!r}: the run recorded no SHA-256 for it, so it is not a plugin the run "
                               "started with; nothing imported")
-        path, where = _source(entry, kept, given, run_dir, sources)
-        if source_sha256(path) != kept["sha256"]:
-            raise ConfigError(f"plugins: {entry!r}: {where} {path} is not the file the run started with (its SHA-256 "
-                              f"differs from the one recorded); {_how_to_allow(kept)}")
-        chosen.append(str(path))
+        chosen.append(str(_source(entry, kept, given, run_dir, sources)))
     return chosen
+
+
+def _changed(entry: str, where: str, path: Path, found: str, kept: dict) -> ConfigError:
+    return ConfigError(f"plugins: {entry!r}: {where} {path} is not the file the run started with (SHA-256 "
+                       f"{short(found)}, the run recorded {short(kept['sha256'])}); {_how_to_allow(kept)}")
 
 
 def _is_path(entry: str) -> bool:
     return entry.endswith(".py") or "/" in entry or "\\" in entry
 
 
-def _installed(entry: str, run_dir: Location) -> str:
-    """A module-name entry, found where the config loader will look for it, and never inside the run folder."""
-    found = _locate(entry, Path.cwd())
-    origin = found.path
-    if origin is None:
-        spec = importlib.util.find_spec(entry)
-        origin = Path(spec.origin) if spec is not None and spec.origin else None
+def _installed(entry: str, run_dir: Location, kept: object) -> str:
+    """A module-name entry, found where the config loader will look for it, never inside the run folder, and with
+    the SHA-256 the run recorded for it (if it recorded one)."""
+    origin = _locate(entry, Path.cwd()).path or _origin(entry)
     if origin is not None and isinstance(run_dir, Path) and origin.resolve().is_relative_to(run_dir.resolve()):
         raise ConfigError(f"plugins: {entry!r} would be imported from inside the run folder ({origin}); a run's files "
                           "are data, not code; nothing imported")
+    if origin is not None and isinstance(kept, dict) and isinstance(kept.get("sha256"), str):
+        found = source_sha256(origin)
+        if found != kept["sha256"]:
+            raise ConfigError(f"plugins: {entry!r}: module {entry} here ({origin}) is not the one the run started with "
+                              f"(SHA-256 {short(found)}, the run recorded {short(kept['sha256'])}); install that "
+                              "version, or start a new run")
     return entry
 
 
-def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location,
-            sources: PluginSources) -> tuple[Path, str]:
-    """(the file to import for a recorded plugin, what it is) by the order in `for_resume`."""
+def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location, sources: PluginSources) -> Path:
+    """The file to import for a recorded plugin, by the order in `for_resume`, checked for the recorded SHA-256."""
     if kept["module"] in given:
         mine = given[kept["module"]].resolve()
         if not mine.exists():
             raise ConfigError(f"--plugins {given[kept['module']]}: no such file or package folder")
-        return mine, "--plugins"
+        return _checked(entry, "--plugins", mine, kept)
     if sources.trust_run_copies:
         parts = Path(kept["copy"]).parts
         if len(parts) != 2 or parts[0] != RUN_COPIES or parts[1] in ("..", "."):  # a copy fedsim made, nothing else
@@ -360,14 +381,31 @@ def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location,
         copy = run_dir / kept["copy"]
         if not copy.exists():
             raise ConfigError(f"plugins: {entry!r}: --trust-run-plugins: the run folder has no copy of it ({copy})")
-        return _local(copy), "the run folder's copy"
+        return _checked(entry, "the run folder's copy", _local(copy), kept)
     path = Path(entry)
     if isinstance(run_dir, Path) and path.resolve().is_relative_to(run_dir.resolve()):
         raise ConfigError(f"plugins: {entry!r} lies inside the run folder; a run's files are data, not code: "
                           f"{_how_to_allow(kept)}")
-    if not path.exists():
-        raise ConfigError(f"plugins: {entry!r}: no such file here; {_how_to_allow(kept)}")
-    return path, "the file at"
+    # where a moved or job-submitted run's plugin may be now: its recorded path (a job's is Ray's temporary copy,
+    # gone after the job), a file of that name in the current folder, an installed module of that name
+    found = [(where, p) for where, p in (("the file at", path), ("the file", Path.cwd() / path.name),
+                                         ("installed module", _origin(kept["module"])))
+             if p is not None and p.exists()]
+    for _, p in found:
+        if source_sha256(p) == kept["sha256"]:
+            return p
+    if found:
+        where, p = found[0]
+        raise _changed(entry, where, p, source_sha256(p), kept)
+    raise ConfigError(f"plugins: {entry!r}: no such file here, nor {path.name} in the current folder, nor an installed "
+                      f"module {kept['module']}; {_how_to_allow(kept)}")
+
+
+def _checked(entry: str, where: str, path: Path, kept: dict) -> Path:
+    found = source_sha256(path)
+    if found != kept["sha256"]:
+        raise _changed(entry, where, path, found, kept)
+    return path
 
 
 def _how_to_allow(kept: dict) -> str:

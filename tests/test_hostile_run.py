@@ -5,6 +5,7 @@ or 143 for SIGTERM), never a traceback, and leave no folder behind."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -195,8 +196,6 @@ def plugged(plugged_origin, tmp_path):
 def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
     """Both configs name `entry` as the run's plugin; with `recorded`, the manifest records its SHA-256 too (all of
     it what anyone who can edit the folder can write)."""
-    import hashlib
-
     for name in ("config.yaml", str(STARTED)):
         raw = yaml.safe_load((run_dir / name).read_text())
         raw["plugins"] = [entry]
@@ -217,12 +216,17 @@ def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
      None),
     ("a name found inside the run folder", [], 2, "plugins: 'evil' would be imported from inside the run folder",
      None),
-    ("plugin changed since", [], 2, "src/plug.py is not the file the run started with (its SHA-256 differs", None),
+    ("plugin changed since", [], 2, "src/plug.py is not the file the run started with (SHA-256 CHANGED, the run "
+                                    "recorded ORIGINAL)", None),
     ("plugin changed since", ["--plugins", "KEPT"], 0, None, "kept/plug.py"),
-    ("plugin gone", [], 2, "src/plug.py': no such file here; to allow it, pass --plugins FILE (your copy of plug, as "
-                           "the run started with it) or --trust-run-plugins (import the run folder's copy, "
-                           "plugins/plug.py)", None),
+    ("plugin gone", [], 2, "src/plug.py': no such file here, nor plug.py in the current folder, nor an installed "
+                           "module plug; to allow it, pass --plugins FILE (your copy of plug, as the run started "
+                           "with it) or --trust-run-plugins (import the run folder's copy, plugins/plug.py)", None),
     ("plugin gone", ["--trust-run-plugins"], 0, None, "plugged/plugins/plug.py"),
+    ("plugin gone, a copy in the current folder", [], 0, None, "kept/plug.py"),
+    ("plugin gone, another plug.py in the current folder", [], 2,
+     "plug.py': the file KEPT/plug.py is not the file the run started with (SHA-256 CHANGED, the run recorded "
+     "ORIGINAL)", None),
     ("plugin gone", ["--plugins", "OTHER"], 2, "kept/other.py: names no plugin of this run (its plugins: ", None),
     ("plugin gone", ["--plugins", "MISSING"], 2, "kept/gone/plug.py: no such file or package folder", None),
     ("a copy recorded outside plugins/", ["--trust-run-plugins"], 2,
@@ -252,8 +256,11 @@ def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, a
         cwd = str(run_dir)  # where `python -m` would find it
     elif case == "plugin changed since":
         plugin.write_text(PLUGIN + "X = 1\n")
-    elif case == "plugin gone":
+    elif case.startswith("plugin gone"):
         plugin.unlink()
+        cwd = str(kept) if "current folder" in case else cwd
+        if "another" in case:
+            (kept / "plug.py").write_text(PLUGIN + "X = 1\n")
     elif case == "the run folder's copy changed":
         plugin.unlink()
         (run_dir / "plugins" / "plug.py").write_text(EVIL)
@@ -264,6 +271,10 @@ def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, a
         (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
     args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py"),
              "MISSING": str(kept / "gone" / "plug.py")}.get(a, a) for a in args]
+    digests = {"ORIGINAL": hashlib.sha256(PLUGIN.encode()).hexdigest()[:12], "KEPT": str(kept),
+               "CHANGED": hashlib.sha256((PLUGIN + "X = 1\n").encode()).hexdigest()[:12]}
+    for name, value in digests.items():
+        fragment = fragment and fragment.replace(name, value)
     before = tree(run_dir)
     proc = run_module("jobs.cli", ["run", "--resume", str(run_dir), "--quiet", *args], cwd=cwd,
                       env={**ENV, "FEDSIM_TEST_MARKER": str(marker)})

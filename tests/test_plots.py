@@ -7,6 +7,7 @@ The runs are written here directly (config.yaml and rounds.parquet), not simulat
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -148,6 +149,28 @@ def test_settings_that_differ_in_more_than_the_seed_stay_apart(tmp_path):
     assert groups.of_run == {"a": "fedavg, lr=0.05", "b": "fedavg, lr=0.1", "c": "fedprox, lr=0.05, mu=0.01",
                              "d": "fedprox, lr=0.05, mu=0.1"}
     assert set(curves(fedsim.collect(root))["runs"]) == {1}
+
+
+def test_plugins_are_told_apart_by_module_and_sha256_never_by_path(tmp_path):
+    """One plugin submitted from two folders (a job's temporary copy, the user's checkout) is one setting; a plugin
+    of the same name whose file changed is another, though its path is the same."""
+    root = tmp_path / "results"
+
+    def run(name: str, seed: int, path: str, sha256: str) -> None:
+        folder = write_run(root / name, {"name": "plugged"}, seed, [path])
+        (folder / "checkpoints").mkdir()
+        (folder / "checkpoints" / "manifest.json").write_text(json.dumps(
+            {"plugins": {path: {"module": "plug", "sha256": sha256, "copy": "plugins/plug.py"}}}))
+
+    run("job", 0, "/tmp/ray/session/_ray_pkg_1a/plug.py", "a" * 64)
+    run("mine", 1, "/home/me/plug.py", "a" * 64)
+    run("edited", 2, "/home/me/plug.py", "b" * 64)
+    df = fedsim.collect(root)
+    assert df.groupby("run")["config.plugins"].first().to_dict() == {
+        "job": '["plug@aaaaaaaaaaaa"]', "mine": '["plug@aaaaaaaaaaaa"]', "edited": '["plug@bbbbbbbbbbbb"]'}
+    groups = settings(df)
+    assert groups.of_run == {"job": "plugins=plug@aaaaaaaaaaaa", "mine": "plugins=plug@aaaaaaaaaaaa",
+                             "edited": "plugins=plug@bbbbbbbbbbbb"}
 
 
 @pytest.mark.parametrize("x, expected", [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import fedsim
 from fedsim import plugins, registry
 from fedsim.configure import load_config
 from fedsim.errors import ConfigError
@@ -238,6 +239,23 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
         assert on_ray["meta"]["backend"] == "RayBackend" and len(on_ray["meta"]["placement"]) == 2
         assert len({p["pid"] for p in on_ray["meta"]["placement"]}) == 2
         pd_equal(deterministic(on_ray["rounds"]), local)
+    # the job's plugin was Ray's temporary copy (…/_ray_pkg_<hash>/examples/my_method.py); one plugin from two
+    # folders is one setting, compared by module and SHA-256
+    submitted_path = load(tmp_path / "submitted")["config"]["plugins"][0]
+    assert "_ray_pkg_" in submitted_path and not Path(submitted_path).exists()  # gone with the head's temp folder
+    collected = fedsim.collect([tmp_path / r for r in ("ray", "submitted", "local")])
+    assert collected["config.plugins"].nunique() == 1
+    assert collected["config.plugins"].iloc[0].startswith('["my_method@')
+    # resumed from another machine's view: the run folder moved, the plugin beside the user in the current folder
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(EXAMPLE.with_suffix(".py"), elsewhere)
+    moved = shutil.move(tmp_path / "submitted", elsewhere / "submitted")
+    config = yaml.safe_load((moved / "config.yaml").read_text())
+    (moved / "config.yaml").write_text(yaml.safe_dump({**config, "rounds": 3}))  # resume-safe: one round more
+    resumed = _cli("run", "--resume", str(moved), "--quiet", "--backend", "local", cwd=elsewhere)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert list(load(moved)["rounds"]["round"].unique()) == [0, 1, 2]
 
 
 def test_the_job_runtime_env_carries_every_plugin_once_and_keeps_a_submitted_jobs_modules(isolated, tmp_path,

@@ -445,7 +445,8 @@ def unfinished(res: RunTables) -> str | None:
 
 def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds",
             incomplete: bool = False) -> pd.DataFrame:
-    """Concatenate one table of many runs, with a `run` column (run_names) and every config key as `config.<key>`.
+    """Concatenate one table of many runs, with a `run` column (run_names) and every config key as `config.<key>`
+    (`config.plugins` as `module@sha256` identities: see plugin_identities).
 
     `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a
     run started in but that hold no rounds.parquet, runs whose files are unreadable and, unless `incomplete`,
@@ -474,6 +475,8 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         df.insert(0, "run", name)
         for k, v in flatten(res["config"]).items():
             df[f"config.{k}"] = v
+        if res["config"].get("plugins"):
+            df["config.plugins"] = json.dumps(plugin_identities(path, res["config"]["plugins"]))
         frames.append(df)
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     for c in out.columns:  # a key one run's config lacks and another's sets to null: one missing value, None
@@ -483,6 +486,26 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         warnings.warn(f"fedsim.collect skipped {len(skipped)} folder(s): " + "; ".join(skipped), SkippedRuns,
                       stacklevel=2)
     out.attrs["skipped"] = skipped
+    return out
+
+
+def plugin_identities(run: Location, entries: Any) -> list[str]:
+    """A run's plugins as runs are compared by them: `module@sha256` (its first 12 digits, as the run's manifest
+    recorded it), never the path, which differs between two submissions of one plugin; a plugin the manifest does
+    not record is its entry as written."""
+    from fedsim.persist.checkpoint import MANIFEST
+
+    try:
+        recorded = json.loads((run / "checkpoints" / MANIFEST).read_text()).get("plugins", {})
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    out = []
+    for entry in entries if isinstance(entries, list) else [entries]:
+        kept = recorded.get(entry) if isinstance(recorded, dict) and isinstance(entry, str) else None
+        if isinstance(kept, dict) and isinstance(kept.get("module"), str) and isinstance(kept.get("sha256"), str):
+            out.append(f"{kept['module']}@{kept['sha256'][:12]}")
+        else:
+            out.append(str(entry))
     return out
 
 
