@@ -28,7 +28,7 @@ from actors.placement import WorkerPlacement, alive_nodes, cluster_nodes, size_p
 from actors.plugins import job_runtime_env
 from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
-from fedsim.errors import FedsimError, OutOfMemory, ResourceError
+from fedsim.errors import ConfigError, FedsimError, OutOfMemory, ResourceError
 from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
@@ -200,6 +200,25 @@ def driver_server_device(client_gpus: float) -> str:
         return "cpu"
 
 
+def check_gpus(rt: Any, placement: list[dict], server: dict) -> None:
+    """Say once, before round 0, that GPUs the run reserves from Ray are not used (torch sees no CUDA device where
+    Ray placed the actor: a CPU-only torch, a node without drivers, logical GPUs), so training quietly on the CPU is
+    never mistaken for a GPU run; with runtime.require_gpu it is a ConfigError instead."""
+    lacking = []
+    if rt.client_gpus > 0:
+        on_cpu = [p for p in placement if p.get("device") != "cuda"]
+        if on_cpu:
+            lacking.append(f"runtime.client_gpus={rt.client_gpus}: {len(on_cpu)} of {len(placement)} client workers")
+    if rt.server_gpus > 0 and server.get("device") != "cuda":
+        lacking.append(f"runtime.server_gpus={rt.server_gpus}: the server")
+    if not lacking:
+        return
+    text = f"GPUs reserved but torch sees no CUDA device ({'; '.join(lacking)}): they compute on the CPU"
+    if rt.require_gpu:
+        raise ConfigError(f"runtime.require_gpu: {text}")
+    log.warning("%s (runtime.require_gpu: true stops the run instead)", text)
+
+
 class RayBackend:
     """Workers as Ray actors pinned to CPU/GPU fractions, and a ServerActor."""
 
@@ -259,6 +278,7 @@ class RayBackend:
         self.placement = self._attach(list(range(n)))
         self.server_placement = self.server.ping()
         self._note_server_node(run_dir)
+        check_gpus(rt, self.placement, self.server_placement)
 
     def _create(self, i: int) -> Any:
         rt = self.cfg.runtime

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.backend import make_backend
+from actors.plugins import JOB_CONFIG_VAR
 from fedsim.config.limits import MAX_WORKERS
 from fedsim.errors import ConfigError, FedsimError
 from fedsim.persist.storage import Location, location
@@ -41,7 +42,17 @@ def print_summary(run_dir: Location) -> None:
         best = ev.groupby("model", sort=False)["accuracy"].agg(["max", "last"])
         for model, row in best.iterrows():
             print(f"{model or 'global'}: best accuracy {row['max']:.4f}, final {row['last']:.4f}")
-    print(f"results: {run_dir}")
+    print(f"results: {run_dir.resolve() if isinstance(run_dir, Path) else run_dir}")
+
+
+def say_where_a_job_writes(root: str) -> None:
+    """Inside a submitted Ray job the working folder is Ray's unpacked copy of the user's, on the head: a relative
+    results.root lands there, out of sight and deleted when Ray trims its cache. Say so at the start, in one line."""
+    if JOB_CONFIG_VAR not in os.environ or "://" in root or Path(root).expanduser().is_absolute():
+        return
+    print(f"fedsim: in a Ray job, results.root {root!r} is inside Ray's copy of the working folder on the head: "
+          f"results go to {Path(root).resolve()}, which Ray deletes when it trims its cache; set results.root to a "
+          "folder every node mounts or a bucket (s3://...)", file=sys.stderr)
 
 
 def _resume_conflicts(args: argparse.Namespace) -> None:
@@ -93,6 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             flag = f"--plugins {args.plugins[0]}" if args.plugins else "--trust-run-plugins"
             raise ConfigError(f"{flag} goes with --resume RUN; a new run names its plugins in its config (plugins:)")
         cfg = load_config(args.config, args.override)
+        say_where_a_job_writes(cfg.results.root)
     if args.backend:
         cfg.runtime.backend = args.backend
     started = _Started()

@@ -18,7 +18,7 @@ import yaml
 import actors.pool as pool_module
 from actors.node_loss import node_gone
 from actors.pool import RayBackend, RemoteServer, size_pool
-from fedsim.errors import ResourceError
+from fedsim.errors import ConfigError, ResourceError
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
@@ -39,8 +39,15 @@ def test_pool_sizing_counts_node_by_node(make_config):
         size_pool(make_config("runtime.client_cpus=4"), [{"CPU": 2}])
 
 
-def test_fractional_gpu_placement(ray_local, make_config, monkeypatch):
+def test_fractional_gpu_placement(ray_local, make_config, monkeypatch, caplog):
     cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
+    # GPUs reserved where torch sees none: runtime.require_gpu stops the run before round 0, in one line
+    strict = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25",
+                         "runtime.require_gpu=true", "results.run_id=strict", rounds=1)
+    with pytest.raises(ConfigError, match=r"^runtime.require_gpu: GPUs reserved but torch sees no CUDA device "
+                       r"\(runtime.client_gpus=0.5: 4 of 4 client workers\): they compute on the CPU$"):
+        run(strict, RayBackend())
+    assert not (Path(strict.results.root) / "strict").exists()  # its claim given back
     backend = RayBackend()
     asked: list[int] = []  # workers asked for personal states, per checkpoint
     get = RayBackend._get
@@ -54,6 +61,9 @@ def test_fractional_gpu_placement(ray_local, make_config, monkeypatch):
     run_dir = run(cfg, backend)
     assert asked == []  # FedAvg's clients keep nothing: its checkpoint collects no client states
 
+    said = [r.getMessage() for r in caplog.records if "GPUs reserved" in r.getMessage()]
+    assert said == ["GPUs reserved but torch sees no CUDA device (runtime.client_gpus=0.5: 4 of 4 client workers): "
+                    "they compute on the CPU (runtime.require_gpu: true stops the run instead)"]  # once, not per round
     placement = json.loads((run_dir / "meta.json").read_text())["placement"]
     assert len(placement) == 4
     assert sorted(p["gpu_ids"][0] for p in placement) == ["0", "0", "1", "1"]

@@ -21,6 +21,7 @@ from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.loop import run
 from jobs.cli import main
 from tests.conftest import free_port, small_config
+from tests.runtime.test_tracking import read_scalars
 
 RUN_FILES = ["run.json", "config.yaml", "meta.json", "rounds.parquet", "clients.parquet", "checkpoints/config.yaml",
              "checkpoints/last.pt"]
@@ -188,7 +189,7 @@ def s3_server():
     server.stop()
 
 
-def test_s3_store_run_resumes_and_collects(s3_server, config_file, reference, elsewhere, capsys):
+def test_s3_store_run_resumes_and_collects(s3_server, config_file, reference, elsewhere, capsys, tmp_path):
     root = f"{s3_server}/team/runs"
     _run_resume_collect(config_file, root, reference, capsys)
     assert isinstance(location(root), StorePath)
@@ -199,14 +200,52 @@ def test_s3_store_run_resumes_and_collects(s3_server, config_file, reference, el
     other = s3fs.S3FileSystem(skip_instance_cache=True)
     other.copy(f"{root}/r", f"{root}/r2", recursive=True)
     assert sorted(fedsim.collect(root)["run"].unique()) == ["r", "r2"]
+    # TensorBoard with a bucket root: the event files are uploaded beside the run's tables after every round
+    assert main(["run", str(config_file), "--quiet", "-o", f"results.root={root}", "-o", "results.run_id=tb",
+                 "-o", "tracking.tensorboard=true"]) == 0
+    events = tmp_path / "events"
+    events.mkdir()
+    for f in (location(root) / "tb" / "tensorboard").iterdir():
+        (events / f.name).write_bytes(f.read_bytes())
+    rounds = fedsim.load(f"{root}/tb")["rounds"]
+    accuracy = read_scalars(events)["accuracy/" + rounds["model"].iloc[0]]
+    assert accuracy == pytest.approx(dict(zip(rounds["round"], rounds["accuracy"])), rel=1e-6)
+    assert list(elsewhere.iterdir()) == []
+    # a figure of a store run is the reader's: written in the current folder, never into the bucket
+    assert main(["plot", f"{root}/tb"]) == 0
+    assert [p.name for p in elsewhere.iterdir()] == ["tb-accuracy.png"]
+    assert not (location(root) / "tb" / "accuracy.png").exists()
 
 
 def test_s3_missing_bucket_is_one_line_and_exit_2(s3_server, config_file, elsewhere, capsys):
     assert main(["run", str(config_file), "--quiet", "-o", "results.root=s3://no-such-bucket/runs"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["fedsim: error: results.root: s3://no-such-bucket/runs: no bucket 'no-such-bucket' "
-                   "(or no access to it); create it first"], err
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    assert err == [f"fedsim: error: results.root: s3://no-such-bucket/runs: no bucket 'no-such-bucket' at endpoint "
+                   f"{endpoint}; create it first"], err
     assert list(elsewhere.iterdir()) == []
+
+
+def test_s3_without_credentials_is_told_apart_from_a_missing_bucket(s3_server, config_file, elsewhere, capsys,
+                                                                     monkeypatch):
+    """The bucket exists, but the job's environment lacks the credentials: the line says what to set, not 'no
+    bucket'."""
+    import s3fs
+
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(elsewhere / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(elsewhere / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert main(["run", str(config_file), "--quiet", "-o", f"results.root={s3_server}/runs"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"fedsim: error: results.root: {s3_server}/runs: cannot reach the store at endpoint "
+                          f"{os.environ['AWS_ENDPOINT_URL']} (NoCredentialsError: "), err
+    assert err.endswith("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and AWS_ENDPOINT_URL for a store that is not "
+                        "AWS (MinIO, Ceph, moto); in a Ray job, in the runtime env's env_vars"), err
+    assert list(elsewhere.iterdir()) == []
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 def test_a_store_out_of_reach_is_one_line_naming_the_uri_once(monkeypatch, capsys):

@@ -137,6 +137,8 @@ class RuntimeConfig:
                               doc="GPU fraction per client worker (0.25 gives 4 workers per GPU)")
     server_cpus: float = knob(0.0, ge=0, le=MAX_CPUS, doc="CPUs reserved for the server actor")
     server_gpus: float = knob(0.0, ge=0, le=MAX_GPUS, doc="GPU fraction of the server actor")
+    require_gpu: bool = knob(False, doc="on Ray, stop before round 0 when GPUs are reserved (client_gpus, "
+                             "server_gpus) but torch sees no CUDA device there; false: one warning, and the CPU")
     threads: int | None = knob(None, ge=1, le=MAX_THREADS,
                                doc="torch threads per worker, on either backend (the numbers depend on it: PyTorch's "
                                    "CPU kernels may sum in a thread-count-dependent order); default: its CPU share")

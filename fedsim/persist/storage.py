@@ -9,6 +9,7 @@ written locally, then uploaded in one put, which an object store shows whole or 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,17 +178,36 @@ def location(text: str | Path | StorePath, key: str = "path") -> Location:
 
 
 def check_reachable(root: Location, key: str) -> None:
-    """Refuse a store root whose bucket is missing or out of reach, before a run writes anything there."""
+    """Refuse a store root whose bucket is missing or out of reach, before a run writes anything there; the line
+    tells a missing bucket from a store that refused or could not be reached (credentials, endpoint)."""
     if not isinstance(root, StorePath) or not root.bucketed:
         return
     bucket = root.path.lstrip("/").partition("/")[0]
+    where = store_endpoint(root)
     try:
-        found = root.fs.exists(bucket)
-    except Exception as exc:  # credentials, network, endpoint: one line naming the key
-        raise ConfigError(f"{key}: {root}: cannot reach the store ({type(exc).__name__}: {_first_line(exc)})") \
-            from None
-    if not found:
-        raise ConfigError(f"{key}: {root}: no bucket {bucket!r} (or no access to it); create it first")
+        root.fs.info(bucket)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {root}: no bucket {bucket!r} at {where}; create it first") from None
+    except PermissionError as exc:
+        raise ConfigError(f"{key}: {root}: {where} refused access to bucket {bucket!r} ({_first_line(exc)}); check "
+                          "the credentials") from None
+    except Exception as exc:  # no credentials, no endpoint, network: one line naming the key and what to set
+        hint = ("; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, and AWS_ENDPOINT_URL for a store that is not AWS "
+                "(MinIO, Ceph, moto); in a Ray job, in the runtime env's env_vars") if root.scheme in ("s3", "s3a") \
+            else ""
+        raise ConfigError(f"{key}: {root}: cannot reach the store at {where} ({type(exc).__name__}: "
+                          f"{_first_line(exc)}){hint}") from None
+
+
+def store_endpoint(root: StorePath) -> str:
+    """Where a store root's requests go, as a person would check it: an S3-compatible store's endpoint URL (AWS's
+    when none is set), else the scheme."""
+    if root.scheme not in ("s3", "s3a"):
+        return f"{root.scheme}://"
+    kwargs = getattr(root.fs, "client_kwargs", None) or {}
+    endpoint = kwargs.get("endpoint_url") or getattr(root.fs, "endpoint_url", None) or \
+        os.environ.get("AWS_ENDPOINT_URL")
+    return f"endpoint {endpoint}" if endpoint else "AWS (no AWS_ENDPOINT_URL set)"
 
 
 def instead_of_a_file(path: Location) -> str | None:

@@ -282,12 +282,13 @@ def started_at(run: Location) -> float:
 
 
 def default_out(runs: Sequence[Any], x: str, metrics: Sequence[str]) -> Any:
-    """RUN/<metrics>.png for one run (accuracy.png by default), else the same name in the runs' common folder (in
-    the current folder for runs kept in a store, or with no common folder but the root)."""
+    """RUN/<metrics>.png for one local run (accuracy.png by default), else the same name in the runs' common folder;
+    in the current folder for runs kept in a store (a figure is the reader's, never written into a bucket: one
+    store run's is <run>-<metrics>.png) or with no common folder but the root."""
     name = "-".join(metrics) + ("" if x == "round" else f"-vs-{x}")
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".png"
     if len(runs) == 1:
-        return runs[0] / name
+        return runs[0] / name if isinstance(runs[0], Path) else Path(f"{runs[0].name}-{name}")
     if all(isinstance(p, Path) for p in runs):
         import os
 

@@ -16,12 +16,15 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedsim.config.schema import RunConfig, config_to_dict
-from fedsim.errors import ConfigError
+from fedsim.persist.io import atomic_write_bytes
 from fedsim.results.tables import flatten, model_metric
 from fedsim.runtime.callbacks import Callback, RoundRows, RunInfo, RunStatus
+
+if TYPE_CHECKING:
+    from fedsim.persist.storage import Location
 
 TRACKING_IDS = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -72,23 +75,31 @@ def _keep_id(run: RunInfo, key: str, value: str) -> None:
 
 
 class TensorBoardLogger(Callback):
-    """Event files in `<run folder>/tensorboard`, flushed every round (`tensorboard --logdir results`)."""
+    """Event files in `<run folder>/tensorboard`, flushed every round (`tensorboard --logdir results`). A run kept in
+    a store writes them to a local temporary folder and uploads them after every round (TensorBoard reads
+    `s3://`/`gs://` log folders itself), so the events sit beside the run's tables wherever those are."""
 
     def __init__(self) -> None:
         from tensorboardX import SummaryWriter
 
         self._writer_class = SummaryWriter
         self.writer: Any = None
+        self.local: Path | None = None  # where the writer writes
+        self.upload_to: Location | None = None  # the store folder its files are copied to (None: a local run)
 
     def on_setup_end(self, run: RunInfo) -> None:
+        import tempfile
+
         import yaml
 
-        if not isinstance(run.run_dir, Path):
-            raise ConfigError(f"tracking.tensorboard: writes event files into the run folder, which must be local or "
-                              f"on a shared file system ({run.run_dir} is not); turn it off for this results.root")
-        # a resumed run drops the events of rounds it runs again (those after its last checkpoint)
-        self.writer = self._writer_class(logdir=str(run.run_dir / TENSORBOARD_DIR),
-                                         purge_step=run.first_round or None)
+        if isinstance(run.run_dir, Path):
+            self.local = run.run_dir / TENSORBOARD_DIR
+        else:
+            self.local = Path(tempfile.mkdtemp(prefix="fedsim-tensorboard-"))
+            self.upload_to = run.run_dir / TENSORBOARD_DIR
+        # a resumed run drops the events of rounds it runs again (those after its last checkpoint): TensorBoard
+        # applies the new event file's purge step to every file of the folder
+        self.writer = self._writer_class(logdir=str(self.local), purge_step=run.first_round or None)
         if run.first_round == 0:
             self.writer.add_text("config", "```\n" + yaml.safe_dump(config_to_dict(run.cfg), sort_keys=False)
                                  + "```", 0)
@@ -97,10 +108,23 @@ class TensorBoardLogger(Callback):
         for tag, value in round_metrics(rows).items():
             self.writer.add_scalar(tag, value, round)
         self.writer.flush()
+        self._upload()
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
         if self.writer is not None:
             self.writer.close()
+            self._upload()
+        if self.upload_to is not None and self.local is not None:
+            import shutil
+
+            shutil.rmtree(self.local, ignore_errors=True)
+
+    def _upload(self) -> None:
+        """Copy this run's event files (each written whole, atomically) to the store folder."""
+        if self.upload_to is None or self.local is None:
+            return
+        for f in sorted(self.local.iterdir()):
+            atomic_write_bytes(self.upload_to / f.name, f.read_bytes())
 
 
 _MLFLOW_KEY = re.compile(r"[^A-Za-z0-9_\-. /]")
