@@ -95,6 +95,9 @@ def validate(cfg: RunConfig) -> None:
     if s.deadline == "quantile" and not 0 < s.deadline_value <= 1:
         raise ConfigError(f"stragglers.deadline_value: with deadline: quantile it is a quantile in (0, 1], "
                           f"got {s.deadline_value}")
+    if cfg.participation.sampling == "poisson" and s.enabled and s.over_select > 0:
+        raise ConfigError("stragglers.over_select: with participation.sampling: poisson the cohort is kept whole; "
+                          "set it to 0")
     check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
     if cfg.results.run_id is not None:
         check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
@@ -111,9 +114,25 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: with it {cfg.algorithm.name}'s server reads the clients' pooled training data, "
                               "which generated shards (data.partition.kind: generated) do not hold; change it or use "
                               "a fixed dataset")
+    if cfg.privacy.level != "none":
+        from fedsim.transforms import check_chain
+
+        check_chain(cfg, uploads_model_update(cfg))
     cfg.data.options = check_options(cfg.data.name, cfg.data.options)
     for arch, key in ([(a, "model.mix") for a in cfg.model.mix] or [(cfg.model.name, "model.name")]):
         cfg.model.options = check_model_options(arch, cfg.model.options, key=key)
+
+
+def uploads_model_update(cfg: RunConfig) -> bool | None:
+    """Whether the method's round-0 phases upload a model update to a sum (None when its phases cannot be read
+    before the run builds its environment)."""
+    from fedsim.method.contract import get_algorithm
+
+    try:
+        phases = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, None).phases(0)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a method whose phases need its environment: checked when it runs
+        return None
+    return any(p.reduce == "sum" and p.model_update for p in phases)
 
 
 def save_config(cfg: RunConfig, path: str | Path | StorePath) -> None:

@@ -59,7 +59,7 @@ class FedAvg(Algorithm):
         return GlobalModels(models=init_global_models(env))
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "sum", local_training=True)]
+        return [Phase("train", "sum", local_training=True, model_update=True)]
 
     def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
         return Broadcast(common=state.models)

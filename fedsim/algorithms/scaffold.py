@@ -99,7 +99,15 @@ class Scaffold(Algorithm):
         return ScaffoldState(models=models, controls=controls)
 
     def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "sum")]
+        return [Phase("train", "sum", model_update=True)]
+
+    def upload_reference(self, phase: Phase, common: ScaffoldRound, arch: str) -> dict[str, torch.Tensor]:
+        """The model and control deltas are differences already (zeros); the buffers are the broadcast's."""
+        names = self.trainable[arch]
+        out = {f"dy/{n}": torch.zeros_like(v) for n, v in common.models[arch].items() if n in names}
+        out.update({f"buf/{k}": v for k, v in common.models[arch].items() if k not in names})
+        out.update({f"dc/{n}": torch.zeros_like(v) for n, v in common.controls[arch].items()})
+        return out
 
     def broadcast(self, phase: Phase, state: ScaffoldState, info: RoundInfo) -> Broadcast:
         return Broadcast(common=ScaffoldRound(state.models, state.controls))

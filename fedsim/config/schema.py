@@ -97,6 +97,10 @@ class ParticipationConfig:
     clients_per_round: int | None = knob(None, ge=1, le=MAX_CLIENTS, doc="clients sampled per round")
     fraction: float | None = knob(None, gt=0, le=1, doc="fraction of clients sampled per round")
     availability: float = knob(1.0, gt=0, le=1, doc="probability that a client is available in a round")
+    sampling: Literal["fixed", "poisson"] = knob(
+        "fixed", doc="fixed: exactly clients_per_round (or fraction) clients, drawn without replacement; poisson: "
+        "each client joins independently with probability fraction (or clients_per_round / num_clients), as "
+        "DP-FedAvg's accounting assumes")
 
     def __post_init__(self) -> None:
         if self.clients_per_round is not None and self.fraction is not None:
@@ -227,6 +231,29 @@ class AlgorithmConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    level: Literal["none", "client"] = knob(
+        "none", doc="none, or client: client-level DP-FedAvg (McMahan et al. 2018): each client's update clipped in "
+        "its worker, Gaussian noise added once to the round's sum (fedsim.transforms, docs/privacy.md)")
+    clip: float = knob(1.0, gt=0, nonfinite=True, doc="L2 norm each client's model update is clipped to (C); "
+                       ".inf clips nothing")
+    noise_multiplier: float | None = knob(None, ge=0, le=1e6, doc="z: the noise on the sum has std z * clip; "
+                                          "unset: solved from target_epsilon")
+    target_epsilon: float | None = knob(None, gt=0, le=1e6, doc="solve noise_multiplier before round 0 so that the "
+                                        "planned rounds spend at most this epsilon at delta")
+    delta: float | None = knob(None, gt=0, lt=1, doc="the delta of (epsilon, delta); default 1 / num_clients^1.1")
+    accountant: Literal["pld", "rdp", "prv"] = knob(
+        "pld", doc="dp-accounting's privacy-loss-distribution (pld) or Renyi (rdp) accountant, or prv-accountant's "
+        "upper bound (prv); fixed-size cohorts need rdp")
+    max_epsilon: float | None = knob(None, gt=0, le=1e6, doc="stop the run cleanly before a round would take "
+                                     "epsilon past this")
+
+    def __post_init__(self) -> None:
+        if self.level == "client" and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("level client: set noise_multiplier or target_epsilon (one of them)")
+
+
+@dataclass
 class RunConfig:
     name: str = knob("run", doc="run name, used in the run folder")
     seed: int = knob(0, ge=0, le=MAX_SEED,
@@ -241,6 +268,7 @@ class RunConfig:
     train: TrainConfig = knob(factory=TrainConfig)
     participation: ParticipationConfig = knob(factory=ParticipationConfig)
     stragglers: StragglerConfig = knob(factory=StragglerConfig)
+    privacy: PrivacyConfig = knob(factory=PrivacyConfig)
     runtime: RuntimeConfig = knob(factory=RuntimeConfig)
     eval: EvalConfig = knob(factory=EvalConfig)
     results: ResultsConfig = knob(factory=ResultsConfig)
@@ -335,6 +363,12 @@ def config_to_dict(cfg: RunConfig) -> dict:
     algo = {"name": cfg.algorithm.name, **(to_dict(cfg.algorithm.params) or {})}
     out["algorithm"] = algo
     return out
+
+
+def sampling_rate(cfg: RunConfig) -> float:
+    """q, the probability that a client joins a round under Poisson sampling: fraction, else K / num_clients."""
+    p = cfg.participation
+    return p.fraction if p.fraction is not None else min(1.0, clients_per_round(cfg) / cfg.data.num_clients)
 
 
 def clients_per_round(cfg: RunConfig) -> int:

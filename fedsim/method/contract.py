@@ -44,6 +44,9 @@ class Phase:
     plan, which the worker may train together with other clients of one architecture (`runtime.batch_clients`).
     Such a phase names no client handler, and the class keeps Algorithm's `client_step`: a variant that wraps the
     client step declares its phase without `local_training` (check_phase refuses the mix).
+
+    `model_update=True` (with `reduce="sum"`) says the payload is a model or a model update, relative to what
+    `Algorithm.upload_reference` gives: the update chain (fedsim.transforms: DP clipping and noise) then applies to it.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Phase:
     client: str | None = None  # (state, msg, ctx) -> ClientResult
     server: str | None = None  # (state, updates, info) -> (state, metrics)
     local_training: bool = False  # the client step is `Algorithm.local_training(...)`, batchable
+    model_update: bool = False  # a "sum" payload that is a model (update): the update chain may clip and noise it
 
 
 @dataclass
@@ -259,6 +263,12 @@ class Algorithm:
         phase names no client handler, `client_step` runs it; where the phase declares `local_training=True`, the
         worker may instead train many clients of one architecture together (`runtime.batch_clients`)."""
         return None
+
+    def upload_reference(self, phase: Phase, common: Any, arch: str) -> dict[str, torch.Tensor]:
+        """For a `model_update` phase: what a client of `arch` uploads relative to, by payload key (without the
+        `<arch>/` prefix): the client's update is upload − reference. Default: the broadcast model, `common[arch]`;
+        a method whose upload holds differences already gives zeros for those entries."""
+        return dict(common[arch])
 
     def server_step(self, phase: Phase, state: Any, updates: Any, info: RoundInfo) -> tuple[Any, dict[str, Any]]:
         """Fold a phase's `updates` into the state. They are one of `Updates`, as `phase.reduce` says; `Any` here so

@@ -7,7 +7,7 @@ dataclass with named fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -37,6 +37,7 @@ class StepReply:
 
     metrics: dict[str, Any]
     seconds: float
+    round_columns: dict[str, Any] = field(default_factory=dict)  # the update chain's (privacy/epsilon, ...), as named
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsim import rng as streams
-from fedsim.config.schema import DistConfig, RunConfig, clients_per_round
+from fedsim.config.schema import DistConfig, RunConfig, clients_per_round, sampling_rate
 from fedsim.errors import DataError
 
 
@@ -143,6 +143,9 @@ def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
     # all available: draw from range(n) without building it (the same draw as from np.arange(n))
     avail: np.ndarray | int = np.flatnonzero(rng.random(n) < profiles.availability) \
         if (profiles.availability < 1).any() else n
+    if cfg.participation.sampling == "poisson":  # each available client joins with probability q
+        joins = rng.random(n) < sampling_rate(cfg)
+        return np.flatnonzero(joins) if isinstance(avail, int) else avail[joins[avail]]
     size = avail if isinstance(avail, int) else len(avail)
     k = clients_per_round(cfg)
     if cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
@@ -184,7 +187,8 @@ def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
     by_id = {int(c): float(d) for c, d in zip(sampled, dur)}
     if not s.enabled:
         return Schedule(sampled, np.array([], int), np.array([], int), math.inf, by_id)
-    k = min(clients_per_round(cfg), len(sampled))
+    poisson = cfg.participation.sampling == "poisson"  # a Poisson cohort is kept whole: its size is the draw's
+    k = len(sampled) if poisson else min(clients_per_round(cfg), len(sampled))
     order = np.lexsort((sampled, dur))  # fastest first, ties by id
     kept = np.sort(sampled[order[:k]])
     extra = np.sort(sampled[order[k:]])

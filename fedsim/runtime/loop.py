@@ -249,6 +249,7 @@ class Simulation:
                                        RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
             server_s += step.seconds
             rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
+            rec.metrics.update(step.round_columns)
         evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
         late_kept = sum(rec.status.get((0, c)) != "failed" for c in late)  # a late client that raised is a failure

@@ -302,4 +302,8 @@ def resume_config(run_dir: Location, sources: PluginSources | None = None) -> Ru
         shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in diff)
         raise ConfigError(f"{path}: {shown} changed since the run started ({started_path}); a resumed run keeps "
                           f"them (only {', '.join(RESUME_SAFE)} may change); start a new run instead")
+    if cfg.privacy.level != "none" and cfg.privacy.target_epsilon is not None and cfg.rounds != started.rounds:
+        raise ConfigError(f"{path}: rounds ({started.rounds} -> {cfg.rounds}) changed, but privacy.target_epsilon "
+                          f"solved the run's noise for {started.rounds} rounds, and other rounds would spend another "
+                          "epsilon; start a new run instead")
     return cfg

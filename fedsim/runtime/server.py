@@ -19,6 +19,7 @@ from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import WorkerReply, pick_device
+from fedsim.transforms import build_chain
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -44,6 +45,8 @@ class Server:
         self.x_test = as_tensor(arrays["x_test"], self.device)
         self.y_test = as_tensor(arrays["y_test"], self.device)
         self.state = self.algorithm.init_server(self.env)
+        self.chain = build_chain(cfg, solve=True)  # the update chain's server side (fedsim.transforms): noise
+        self.sent: dict[str, Any] = {}  # each chain phase's broadcast, what its clients' updates are relative to
 
     def ping(self) -> dict[str, Any]:
         import os
@@ -57,6 +60,8 @@ class Server:
         """The phase's broadcast, its common size in bytes, per-client extra bytes, and seconds taken."""
         t0 = time.perf_counter()
         bc = self.algorithm.broadcast(phase, self.state, info)
+        if self.chain.applies(phase):
+            self.sent[phase.name] = bc.common
         per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
         return BroadcastReply(bc, state_nbytes(bc.common), per, time.perf_counter() - t0)
 
@@ -76,8 +81,14 @@ class Server:
                     if o.status == "ok" and o.result is not None:
                         got[o.client_id] = o.result
             updates = dict(sorted(got.items()))
+        columns: dict[str, Any] = {}
+        if self.chain.applies(phase):
+            assert isinstance(updates, SummedUpdate)
+            common = self.sent.pop(phase.name)
+            references = {a: self.algorithm.upload_reference(phase, common, a) for a in self.env.archs}
+            updates, columns = self.chain.server(updates, references, info.round, phase.name)
         self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
-        return StepReply(dict(metrics or {}), time.perf_counter() - t0)
+        return StepReply(dict(metrics or {}), time.perf_counter() - t0, columns)
 
     def evaluate(self) -> EvalReply:
         """Rows of test metrics, one per global model; and seconds taken."""
@@ -86,7 +97,7 @@ class Server:
         return EvalReply(list(rows or []), time.perf_counter() - t0)
 
     def finished(self, round: int) -> bool:
-        return bool(self.algorithm.finished(self.state, round))
+        return bool(self.algorithm.finished(self.state, round)) or self.chain.finished(round)
 
     def get_state(self) -> Any:
         return self.state

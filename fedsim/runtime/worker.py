@@ -27,6 +27,7 @@ from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_env, client_data, client_seed
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 from fedsim.training.local import DROPOUT_STREAM
+from fedsim.transforms import build_chain
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -124,6 +125,7 @@ class ClientWorker:
         self.exact_sum = rt.exact_sum
         self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
         self.kept_state: list[int] = []  # clients whose state a phase committed (checked for a stateless method)
+        self.chain = build_chain(cfg)  # the update chain's client side (fedsim.transforms): clipping
 
     def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
@@ -149,6 +151,7 @@ class ClientWorker:
                                  env=self.env, phase_index=phase_index)
 
         outcomes: dict[int, ClientOutcome] = {}
+        transform = self._chain_for(phase, common)
         batched_before = self.batcher.trained
         self.kept_state = []
         if self.batcher.on:  # clients trained together, settled chunk by chunk
@@ -156,7 +159,7 @@ class ClientWorker:
                     lambda c: self.algorithm.local_training(phase, self.store.get(c), _merge(common, per_client, c),
                                                             context(c)))):
                 outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc,
-                                             time.perf_counter() - seconds, summed, round, phase.name)
+                                             time.perf_counter() - seconds, summed, round, phase.name, transform)
         for cid in ids:
             if cid in outcomes:
                 continue
@@ -169,19 +172,40 @@ class ClientWorker:
             except Exception as err:  # one client's failure must not sink the round
                 res, exc = None, err
             outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,
-                                         phase.name)
+                                         phase.name, transform)
         return WorkerReply([outcomes[cid] for cid in ids], summed.to_cpu() if summed is not None else None,
                            time.perf_counter() - start,
                            info={"cache_bytes": self.store.memory_bytes, "spills": self.store.spills,
                                  "states": len(self.store), "batched": self.batcher.trained - batched_before,
                                  "kept_state": self.kept_state[:1]})
 
+    def _chain_for(self, phase: Phase, common: Any) -> Callable[[int, ClientResult], ClientResult] | None:
+        """The update chain's client side for this phase (None where it does not apply), each architecture's
+        reference taken from the broadcast once."""
+        if not self.chain.applies(phase):
+            return None
+        references: dict[str, dict[str, torch.Tensor]] = {}
+
+        def transform(cid: int, res: ClientResult) -> ClientResult:
+            arch = self.env.client_archs[cid]
+            if arch not in references:
+                references[arch] = self.algorithm.upload_reference(phase, common, arch)
+            return self.chain.client(res, arch, references[arch])
+
+        return transform
+
     def _settle(self, cid: int, status: str, res: ClientResult | None, exc: BaseException | None, t0: float,
-                summed: WeightedSum | None, round: int, phase: str) -> ClientOutcome:
-        """A client's outcome from its result (or error): checked, pre-summed and its state committed unless late."""
+                summed: WeightedSum | None, round: int, phase: str,
+                transform: Callable[[int, ClientResult], ClientResult] | None = None) -> ClientOutcome:
+        """A client's outcome from its result (or error): checked, pre-summed and its state committed unless late;
+        `transform`: the update chain's client side."""
+        sent = 0
         if exc is None:
             try:
                 assert res is not None
+                sent = state_nbytes(res.payload)  # what the client uploads (the chain's float64 sum entries aside)
+                if transform is not None:
+                    res = transform(cid, res)
                 _check_weight(res, cid)
                 _check_finite_upload(res)  # before the sum: one client's NaN would spoil every other's
                 if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
@@ -197,7 +221,7 @@ class ClientWorker:
         if exc is not None or res is None:
             return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
-        up = state_nbytes(res.payload)
+        up = sent
         lent: set[int] | None = None  # a result may view the pooled models: what the worker keeps is copied
         if status == "ok" and res.state is not None:
             lent = self.models.storages()

@@ -1,0 +1,75 @@
+"""The configured update chain, applied by the runtime on both sides of a `model_update` phase."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedsim.method.contract import ClientResult, Phase, SummedUpdate
+from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
+
+if TYPE_CHECKING:
+    from fedsim.config.schema import RunConfig
+
+log = logging.getLogger("fedsim")
+
+
+@dataclass
+class UpdateChain:
+    """The stages a run's config turns on (none: every method runs as written)."""
+
+    privacy: ClientLevelDP | None = None
+    stopped_after: int | None = None  # the round after which privacy.max_epsilon stops the run
+
+    def applies(self, phase: Phase) -> bool:
+        return self.privacy is not None and phase.reduce == "sum" and phase.model_update
+
+    def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor]) -> ClientResult:
+        """A client's result as its worker sums it: the clipped update, weight 1, its norm among its metrics."""
+        assert self.privacy is not None
+        payload, norm = self.privacy.clip_upload(res.payload, arch, reference)
+        return ClientResult(payload=payload, weight=1.0, metrics={**res.metrics, "privacy/update_norm": norm},
+                            state=res.state, probe=res.probe)
+
+    def server(self, updates: SummedUpdate, references: Mapping[str, Mapping[str, torch.Tensor]], round: int,
+               phase: str) -> tuple[SummedUpdate, dict[str, float]]:
+        """The round's sum as the method's server step reads it, and the chain's round columns."""
+        assert self.privacy is not None
+        arrived = int(round_count(updates.total))
+        total, metrics = self.privacy.noisy_mean(updates.total, arrived, references, round, phase)
+        return SummedUpdate(total, self.privacy.expected_cohort, updates.count), metrics
+
+    def finished(self, round: int) -> bool:
+        """Whether the run stops after `round` because the next round would spend more than privacy.max_epsilon."""
+        if self.privacy is None or not self.privacy.stop_before(round + 1):
+            return False
+        if self.stopped_after != round:  # asked more than once a round: said once
+            self.stopped_after = round
+            log.warning("privacy.max_epsilon=%g: the run stops after round %d (round %d would spend epsilon %.4g)",
+                        self.privacy.max_epsilon, round, round + 1, self.privacy.epsilon_after(round + 2))
+        return True
+
+
+def round_count(total: Mapping[str, torch.Tensor]) -> float:
+    """How many clients a chain's sum holds (each adds its weight-1 counter)."""
+    counters = [v for k, v in total.items() if k.endswith("/__weight__")]
+    return float(sum(float(v) for v in counters))
+
+
+def build_chain(cfg: RunConfig, solve: bool = False) -> UpdateChain:
+    """The chain of `cfg` (`solve`: the server's, which solves target_epsilon's noise)."""
+    if cfg.privacy.level == "none":
+        return UpdateChain()
+    return UpdateChain(privacy=ClientLevelDP.from_config(cfg, solve))
+
+
+def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
+    """Refuse, in one line, a chain the rest of the config cannot take (fedsim.configure.validate)."""
+    check_privacy(cfg, uploads_model_update)
+
+
+__all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_chain"]

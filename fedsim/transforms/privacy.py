@@ -1,0 +1,162 @@
+"""Client-level DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018), as two stages of the update chain.
+
+- In the worker, each client's update Δ_k (upload − reference) is clipped to L2 norm C before the worker's partial
+  sum: Δ̂_k = Δ_k · min(1, C / ‖Δ_k‖).
+- On the server, Gaussian noise of std z·C is added once to the round's sum, from the named stream
+  `privacy-noise/<phase>` (the same draw on 1 or N workers), and the sum is divided by the *expected* cohort size
+  (q·N under Poisson sampling, m for a fixed cohort), not by how many arrived: the fixed denominator that keeps the
+  sensitivity at C / (qN).
+- Every client weighs the same (algorithm.params.weighting: uniform): with sample weights one client's share of
+  the mean is n_k / Σn, not 1/m, and the noise would be miscalibrated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedsim import rng
+from fedsim.config.schema import clients_per_round, sampling_rate
+from fedsim.errors import ConfigError
+from fedsim.method.aggregate import WEIGHT_KEY
+from fedsim.transforms.accounting import Mechanism, calibrate, check_accountable, epsilon
+from fedsim.transforms.updates import l2_norm, update_of
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from fedsim.config.schema import RunConfig
+
+CLIPPED_KEY = "__privacy_clipped__"
+"""A summed entry beside the update: how many of the round's clients were clipped."""
+
+
+def default_delta(num_clients: int) -> float:
+    """delta = N^-1.1: below 1/N, as the convention asks (a mechanism that publishes one client's data whole would
+    meet delta = 1/N)."""
+    return float(num_clients) ** -1.1
+
+
+def cohort_mechanism(cfg: RunConfig, noise_multiplier: float) -> Mechanism:
+    """The round's release as the accountant sees it: the cohort's sampling (over-selection counts the clients drawn,
+    of which the fastest are kept: a draw that does not look at anyone's data)."""
+    k = clients_per_round(cfg)
+    if cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
+        k = min(math.ceil(k * (1 + cfg.stragglers.over_select)), cfg.data.num_clients)
+    return Mechanism(noise_multiplier, cfg.participation.sampling, sampling_rate(cfg), cfg.data.num_clients, k)
+
+
+def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
+    """The privacy section against the rest of the config, in one line per problem (ConfigError): what the accountant
+    cannot model is refused, never reported as a number. `uploads_model_update`: whether the method's phases upload a
+    model update to a sum (None: not known before the run builds it)."""
+    p = cfg.privacy
+    if p.level == "none":
+        return
+    name = cfg.algorithm.name
+    if uploads_model_update is False:
+        raise ConfigError(f"privacy.level: client-level DP clips and noises a model update summed over clients; "
+                          f"{name} uploads none (no phase declares model_update), so it would not be private")
+    if getattr(cfg.algorithm.params, "weighting", "uniform") != "uniform":
+        raise ConfigError(f"privacy.level client weighs every client alike (its sensitivity bound needs it): set "
+                          f"algorithm.params.weighting: uniform (it is {cfg.algorithm.params.weighting!r})")
+    if len(set(cfg.model.mix) or {cfg.model.name}) > 1:
+        raise ConfigError("privacy.level: clients of several architectures (model.mix) are not supported with DP")
+    n = cfg.data.num_clients
+    if p.delta is not None and p.delta >= 1 / n:
+        raise ConfigError(f"privacy.delta: {p.delta:g} is not below 1/data.num_clients = {1 / n:.3g}: a mechanism "
+                          "that publishes one client's data whole meets it; the convention is delta < 1/N (the "
+                          "default is N^-1.1)")
+    if cfg.participation.availability < 1:
+        raise ConfigError("privacy.level: participation.availability < 1 makes who joins depend on availability, "
+                          "which no accountant here models; set it to 1")
+    if cfg.participation.sampling == "poisson" and cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
+        raise ConfigError("stragglers.over_select: a Poisson cohort is kept whole; set it to 0")
+    check_accountable(cohort_mechanism(cfg, 1.0), p.accountant)
+
+
+@dataclass
+class ClientLevelDP:
+    """Clipping in the workers, noise and the fixed denominator on the server, and the accountant's epsilon."""
+
+    clip: float
+    mechanism: Mechanism
+    delta: float
+    accountant: str
+    expected_cohort: float  # the fixed denominator
+    max_epsilon: float | None
+    seed: int
+    spent: dict[int, float] = field(default_factory=dict)  # epsilon after so many rounds (each computed once)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, solve: bool) -> ClientLevelDP:
+        """The stages of `cfg.privacy`; `solve`: solve target_epsilon's noise multiplier (the server; a worker only
+        clips) and refuse a max_epsilon that round 0 would exceed."""
+        p = cfg.privacy
+        delta = p.delta if p.delta is not None else default_delta(cfg.data.num_clients)
+        mech = cohort_mechanism(cfg, p.noise_multiplier or 0.0)
+        if solve and p.target_epsilon is not None:
+            mech = cohort_mechanism(cfg, calibrate(mech, cfg.rounds, delta, p.accountant, p.target_epsilon))
+        poisson = cfg.participation.sampling == "poisson"
+        expected = sampling_rate(cfg) * cfg.data.num_clients if poisson else float(clients_per_round(cfg))
+        dp = cls(p.clip, mech, delta, p.accountant, expected, p.max_epsilon, cfg.seed)
+        if solve and p.max_epsilon is not None and dp.epsilon_after(1) > p.max_epsilon:
+            raise ConfigError(f"privacy.max_epsilon: {p.max_epsilon:g} is spent by round 0 alone (epsilon "
+                              f"{dp.epsilon_after(1):.4g} at delta {delta:.3g})")
+        return dp
+
+    @property
+    def noise_std(self) -> float:
+        return self.mechanism.noise_multiplier * self.clip if math.isfinite(self.clip) else \
+            (math.inf if self.mechanism.noise_multiplier > 0 else 0.0)
+
+    def epsilon_after(self, rounds: int) -> float:
+        if rounds not in self.spent:
+            self.spent[rounds] = epsilon(self.mechanism, rounds, self.delta, self.accountant)
+        return self.spent[rounds]
+
+    def clip_upload(self, payload: Mapping[str, torch.Tensor], arch: str,
+                    reference: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """The client's clipped update, summable with weight 1 (plus a count of whether it was clipped), and the
+        update's norm before clipping."""
+        update = update_of(payload, arch, reference)
+        norm = l2_norm(update)
+        scale = self.clip / norm if norm > self.clip else 1.0
+        out = {k: v * scale for k, v in update.items()} if scale != 1.0 else update
+        device = next(iter(update.values())).device if update else None
+        out[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), dtype=torch.float64, device=device)
+        out[CLIPPED_KEY] = torch.tensor(float(norm > self.clip), dtype=torch.float64, device=device)
+        return out, norm
+
+    def noisy_mean(self, total: Mapping[str, torch.Tensor], arrived: int,
+                   references: Mapping[str, Mapping[str, torch.Tensor]], round: int,
+                   phase: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The round's release: noise on the sum of clipped updates, in the upload's form for the method's server
+        step: entries m̃·(reference) + (Σ Δ̂_k + noise), weight m̃, so the method's mean is reference + that / m̃."""
+        m = self.expected_cohort
+        gen = rng.torch_generator(self.seed, f"privacy-noise/{phase}", round)
+        out: dict[str, torch.Tensor] = {}
+        for arch in sorted(references):
+            for name, ref in references[arch].items():
+                key = f"{arch}/{name}"
+                if not ref.is_floating_point():
+                    out[key] = m * ref.to(torch.float64)
+                    continue
+                summed = total[key].to("cpu", torch.float64) if key in total else \
+                    torch.zeros(ref.shape, dtype=torch.float64)
+                if self.mechanism.noise_multiplier > 0:
+                    summed = summed + self.noise_std * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+                out[key] = m * ref.to("cpu", torch.float64) + summed
+            out[f"{arch}/{WEIGHT_KEY}"] = torch.tensor(m, dtype=torch.float64)
+        clipped = float(total[CLIPPED_KEY]) if CLIPPED_KEY in total else 0.0
+        metrics = {"privacy/epsilon": self.epsilon_after(round + 1), "privacy/delta": self.delta,
+                   "privacy/noise_multiplier": self.mechanism.noise_multiplier, "privacy/noise_std": self.noise_std,
+                   "privacy/clip": self.clip, "privacy/clipped_fraction": clipped / arrived if arrived else 0.0}
+        return out, metrics
+
+    def stop_before(self, round: int) -> bool:
+        """Whether round `round` would take epsilon past max_epsilon."""
+        return self.max_epsilon is not None and self.epsilon_after(round + 1) > self.max_epsilon
