@@ -293,6 +293,22 @@ def record(entries: object, run_dir: Location) -> dict[str, dict[str, str]]:
     return out
 
 
+def identities(entries: object, recorded: dict | None = None) -> list[str]:
+    """What resolved `plugins` entries are, wherever their files now lie: 'module sha256:<hex>' for a file or package
+    (the SHA-256 a run's manifest `recorded` for the entry, else its file's), the module name for an installed module,
+    and the entry itself for a file neither recorded nor here."""
+    out = []
+    for plugin in parse_resolved(entries):
+        kept = (recorded or {}).get(plugin.entry)
+        if isinstance(kept, dict) and isinstance(kept.get("module"), str) and isinstance(kept.get("sha256"), str):
+            out.append(f"{kept['module']} sha256:{kept['sha256']}")
+        elif plugin.path is not None and plugin.path.exists():
+            out.append(f"{plugin.module} sha256:{source_sha256(plugin.path)}")
+        else:
+            out.append(plugin.entry)
+    return out
+
+
 def for_resume(entries: object, recorded: dict, run_dir: Location, sources: PluginSources) -> list[str]:
     """The plugins a resumed run imports for the `plugins` its folder names: each a module installed here (not
     inside the run folder), or a file whose SHA-256 is the one the run recorded: the user's own (`sources.files`),

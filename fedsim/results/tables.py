@@ -370,7 +370,8 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
     """Run folders named by `paths` and the incomplete ones skipped (as "path: reason").
 
     `paths` is one path, URI or glob pattern (a str or Path is one item, never its letters) or an iterable of
-    them; a folder that is not itself a run but holds run folders (a results root) stands for its runs."""
+    them; a folder that is not itself a run but holds run folders (a results root) stands for its runs, and a sweep's
+    folder (`fedsim sweep --output-dir`) for the runs in its runs/."""
     import glob
 
     items = path_items(paths)
@@ -396,7 +397,7 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
             elif _looks_like_run(p):
                 skipped.append(f"{p}: incomplete (no rounds.parquet)")
             else:
-                children = sorted((c for c in p.iterdir() if c.is_dir() and _looks_like_run(c)), key=str)
+                children = _runs_in(p) or _runs_in(p / SWEEP_RUNS)
                 if not children and len(matches) == 1 and not glob.has_magic(text):
                     raise CheckpointError(f"{p}: neither a run folder nor a folder of runs")
                 for c in children:
@@ -405,6 +406,16 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
     for run in runs:
         unique.setdefault(run.resolve() if isinstance(run, Path) else str(run), run)
     return list(unique.values()), skipped
+
+
+SWEEP_RUNS = "runs"  # a sweep's folder keeps its runs in this subfolder
+
+
+def _runs_in(folder: Location) -> list[Location]:
+    """The folders in `folder` that a run started in, sorted (none if it is no folder)."""
+    if not folder.is_dir():
+        return []
+    return sorted((c for c in folder.iterdir() if c.is_dir() and _looks_like_run(c)), key=str)
 
 
 def run_names(runs: Sequence[Location]) -> list[str]:
