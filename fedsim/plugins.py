@@ -311,6 +311,23 @@ def short(sha256: str) -> str:
     return sha256[:12]
 
 
+def identities(entries: object, recorded: dict | None = None) -> list[str]:
+    """What resolved `plugins` entries are, wherever their files now lie: 'module@<sha256, 12 digits>' (the SHA-256 a
+    run's manifest `recorded` for the entry, else that of its file, package or installed module), and the entry
+    itself for a file neither recorded nor here. Runs are compared by these, never by path (collect, sweeps)."""
+    out = []
+    for plugin in parse_resolved(entries):
+        kept = (recorded or {}).get(plugin.entry)
+        if isinstance(kept, dict) and isinstance(kept.get("module"), str) and isinstance(kept.get("sha256"), str):
+            out.append(f"{kept['module']}@{short(kept['sha256'])}")
+        elif (source := plugin.path if plugin.path is not None else _origin(plugin.module)) is not None and \
+                source.exists():
+            out.append(f"{plugin.module}@{short(source_sha256(source))}")
+        else:
+            out.append(plugin.entry)
+    return out
+
+
 def for_resume(entries: object, recorded: dict, run_dir: Location, sources: PluginSources) -> list[str]:
     """The plugins a resumed run imports for the `plugins` its folder names: each a module installed here (not
     inside the run folder), or a file whose SHA-256 is the one the run recorded: the user's own (`sources.files`),

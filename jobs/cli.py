@@ -260,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config field in every run, e.g. -o rounds=5")
     sw.add_argument("--backend", choices=["ray", "local"], help="override runtime.backend in every run")
-    sw.add_argument("--output-dir", metavar="DIR", help="the sweep's folder: its runs, Tune's state, table.md and "
-                                                        "table.parquet (default results/sweeps/<title>)")
+    sw.add_argument("--output-dir", metavar="DIR", help="the sweep's folder, a path or a URI (s3://...): its runs, "
+                                                        "Tune's state, table.md and table.parquet (default "
+                                                        "results/sweeps/<title>)")
     sw.add_argument("--resume", action="store_true", help="continue the sweep in DIR after its driver stopped")
     sw.add_argument("--parallel", type=count(1), metavar="N", help="at most N trials at once (default: all that fit)")
     sw.add_argument("--out", help="markdown output path (default DIR/table.md)")

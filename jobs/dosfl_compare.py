@@ -26,13 +26,14 @@ import numpy as np
 import pandas as pd
 
 from fedsim.config.limits import MAX_ROUNDS
+from fedsim.persist.storage import Location
 from jobs.args import OneLineParser, count
 
 COMMAND = "python -m jobs.dosfl_compare"
 
 
 def _runs(raw: dict, seeds: list[int], overrides: list[str], fresh: bool = False,
-          jobs: int = 1) -> list[tuple[Path, pd.DataFrame]]:
+          jobs: int = 1) -> list[tuple[Location, pd.DataFrame]]:
     """Run (or reuse) `raw` once per seed; returns each run's folder and rounds (best-accuracy model per round)."""
     from fedsim.config.schema import apply_overrides
     from fedsim.configure import build_config

@@ -8,9 +8,9 @@ by side as the cluster fits them, a failed one is recorded without stopping the 
 continues a sweep whose driver died. The table is built from the runs' result DataFrames: best and final
 accuracy (mean ± std over seeds, population std), rounds to reach the target accuracy, and accuracy at fixed
 round budgets (empty past the rounds a run made). It is printed, and written to DIR (default
-results/sweeps/<title>/) as table.md and table.parquet, with one row per run in runs.parquet. Runs are named
-by a hash of their resolved config, so a rerun reuses the runs that finished and redoes only the rest
-(--fresh redoes all).
+results/sweeps/<title>/; a folder or a URI such as s3://bucket/sweep) as table.md and table.parquet, with one
+row per run in runs.parquet. Runs are named by a hash of their resolved config, so a rerun reuses the runs that
+finished and redoes only the rest (--fresh redoes all).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import pandas as pd
 from fedsim.config.knobs import from_dict, knob, shown
 from fedsim.config.limits import MAX_ROUNDS, MAX_SEED, MAX_SWEEP_RUNS
 from fedsim.errors import ConfigError
-from jobs.cached_runs import FINISHED, run_cached, run_folder
+from fedsim.persist.storage import Location, location
+from jobs.cached_runs import FINISHED, KILLED, run_cached, run_folder, run_key, unfinished_status
 
 
 @dataclass
@@ -291,13 +292,13 @@ def _run_one(job: tuple[Any, bool, str]) -> str:
     return str(run_cached(cfg, fresh))
 
 
-def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1) -> list[Path]:
+def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1) -> list[Location]:
     """run_cached for every config, `jobs` at a time in separate processes (each run is deterministic on its
     own, so the numbers do not depend on `jobs`); Ray-backed configs run one by one in this process."""
     todo = [(cfg, fresh, label) for cfg, label in zip(configs, labels)]
     if jobs <= 1 or len(todo) <= 1 or any(c.runtime.backend == "ray" for c in configs):
         with ray_session(configs):
-            return [Path(_run_one(job)) for job in todo]
+            return [location(_run_one(job)) for job in todo]
     import multiprocessing
 
     pool = multiprocessing.get_context("spawn").Pool(min(jobs, len(todo)), maxtasksperchild=1)
@@ -309,7 +310,7 @@ def run_all(configs: list, labels: list[str], fresh: bool = False, jobs: int = 1
         raise
     finally:
         pool.join()
-    return [Path(d) for d in done]
+    return [location(d) for d in done]
 
 
 @contextlib.contextmanager
@@ -349,12 +350,14 @@ def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, job
 
 def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str]) -> pd.DataFrame:
     """One row per planned run: its setting, arm, seed, folder, how it ended and its scores (NaN if it made no
-    round): finished, failed (with the error), stopped (early, by ASHA or by hand) or not run."""
+    round): finished, failed (with the error), killed (its process, without an error from Tune; recorded in its
+    meta.json too), stopped (early, by ASHA or by hand) or not run."""
     from fedsim.results.tables import load
 
     rows = []
     for i, (r, cfg) in enumerate(zip(runs, configs)):
         folder = run_folder(cfg)
+        ended = unfinished_status(folder)
         row: dict[str, Any] = {**r["grid"], **r.get("space", {}), "arm": r["arm"], "seed": r["seed"],
                                "run": str(folder), "error": errors.get(i, "")}
         scores: dict[str, Any] = {}
@@ -363,7 +366,8 @@ def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str
             if len(c):
                 scores = {"rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)}
         finished = (folder / FINISHED).is_file() and i not in errors
-        row["status"] = "finished" if finished else "failed" if i in errors else "stopped" if scores else "not run"
+        row["status"] = "finished" if finished else "failed" if i in errors else KILLED if ended == KILLED else \
+            "stopped" if scores else "not run"
         rows.append({**row, **scores})
     df = pd.DataFrame(rows)
     for col in ["rounds_run", "best", "final", *(["rounds_to_target"] if sw.target is not None else []),
@@ -373,9 +377,9 @@ def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str
     return df
 
 
-def output_dir(sw: Sweep, given: str | None) -> Path:
-    """The sweep's folder: `given`, or results/sweeps/<title>."""
-    return Path(given) if given else Path("results") / "sweeps" / _slug(sw.title)
+def output_dir(sw: Sweep, given: str | None) -> Location:
+    """The sweep's folder: `given` (a path or a URI), or results/sweeps/<title>."""
+    return location(given, "--output-dir") if given else Path("results") / "sweeps" / _slug(sw.title)
 
 
 def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = False, fresh: bool = False,
@@ -395,20 +399,21 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     runs = plan(sw, sweep_file)
     dest_dir = output_dir(sw, out_dir)
     dest = table_path(dest_dir, out, sw.out)
-    extra = [f"results.root={(dest_dir / 'runs').resolve()}", *overrides,
+    runs_root = dest_dir / "runs"
+    extra = [f"results.root={runs_root.resolve() if isinstance(runs_root, Path) else runs_root}", *overrides,
              *([f"runtime.backend={backend}"] if backend else [])]
     for r in runs:
         r["config"] = str(Path(r["config"]).resolve())
         r["overrides"] = [*r["overrides"], *extra]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]  # validate everything before running
-    _local_only(out_dir, configs)
     check_scoring(sw, configs)
     if dry_run:
         return "\n".join(f"{r['arm']} {r['grid']}{' ' + str(r['space']) if 'space' in r else ''} seed={r['seed']}: "
                          f"{r['config']} {r['overrides']} share={trial_bundles(c)}" for r, c in zip(runs, configs))
     metrics = [sw.metric] + ([sw.early_stop.metric] if sw.early_stop and sw.early_stop.metric != sw.metric else [])
     specs = [{"index": i, "config": r["config"], "overrides": r["overrides"], "cwd": os.getcwd(), "fresh": fresh,
-              "metrics": metrics, "bundles": trial_bundles(c)} for i, (r, c) in enumerate(zip(runs, configs))]
+              "metrics": metrics, "bundles": trial_bundles(c), "key": run_key(c)}
+             for i, (r, c) in enumerate(zip(runs, configs))]
     if resume:
         check_resume(dest_dir, specs)
     check_replaceable(dest_dir)
@@ -424,16 +429,19 @@ def run_sweep(sweep_file: str | Path, out: str | None = None, dry_run: bool = Fa
     failed = [f"  {r.arm} seed={r.seed} ({r.run}): {r.error}" for r in df.itertuples() if r.status == "failed"]
     if failed:
         md += "\nFailed runs:\n" + "\n".join(failed) + "\n"
-    if (df["status"] == "not run").any():
-        md += f"\n{(df['status'] == 'not run').sum()} runs did not run (the sweep was stopped): continue with " \
-              f"`{command}{f' --output-dir {out_dir}' if out_dir else ''} --resume`\n"
+    counts = df["status"].value_counts()
+    if counts.get("not run", 0) or counts.get(KILLED, 0):
+        told = [f"{counts[s]} runs {what}" for s, what in (("not run", "did not run (the sweep was stopped)"),
+                                                           (KILLED, "were killed")) if counts.get(s, 0)]
+        md += f"\n{' and '.join(told)}: continue with `{command}{f' --output-dir {out_dir}' if out_dir else ''} " \
+              "--resume`\n"
     atomic_write(dest_dir / "table.parquet", lambda tmp: summary_frame(df, sw).to_parquet(tmp, index=False))
     atomic_write(dest_dir / "runs.parquet", lambda tmp: df.to_parquet(tmp, index=False))
     atomic_write_text(dest, md)
     return md
 
 
-def table_path(dest_dir: Path, out: str | None, sweep_out: str | None) -> Path:
+def table_path(dest_dir: Location, out: str | None, sweep_out: str | None) -> Location:
     """Where the markdown table goes (--out, the sweep file's out:, or DIR/table.md), checked before any run so
     that a bad path cannot lose the table at the end: a file path in a folder that exists, and DIR a folder."""
     if dest_dir.exists() and not dest_dir.is_dir():
@@ -482,20 +490,6 @@ def check_scoring(sw: Sweep, configs: list) -> None:
     if models and named and sw.model not in models:
         raise ConfigError(f"model: {sw.model!r} is not best, macro or a global model the runs evaluate "
                           f"({', '.join(models)})")
-
-
-def _local_only(out_dir: str | None, configs: list) -> None:
-    """A sweep reads its runs' tables back to tabulate them and keeps Tune's state beside them, on a file system:
-    a URI (s3://, gs://, ...) for the sweep's folder or its runs is refused before anything starts."""
-    from fedsim.persist.storage import is_uri
-
-    if out_dir and is_uri(out_dir):
-        raise ConfigError(f"--output-dir {out_dir}: a sweep's folder must be a local or shared file-system path, "
-                          "not a URI")
-    for cfg in configs:
-        if is_uri(cfg.results.root):
-            raise ConfigError(f"results.root={cfg.results.root}: a sweep keeps its runs in its own folder; give "
-                              "--output-dir a local or shared file-system path instead of a URI")
 
 
 def _slug(text: str) -> str:

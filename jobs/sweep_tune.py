@@ -5,22 +5,24 @@ A trial's share is a placement group: for the Ray backend, one bundle per client
 server (runtime.server_cpus/server_gpus), the trial itself reserving nothing, like `fedsim run`'s driver; for
 the local backend, runtime.threads CPUs (default 1) for the trial that runs everything. Trials run side by
 side as the cluster fits them; a failed trial is recorded and the others go on; ASHA stops weak trials early if
-asked. Tune keeps its bookkeeping in OUTPUT_DIR/tune, beside the plan of the sweep's runs. A sweep whose driver
-died resumes from its runs' own folders, never from Tune's pickled state (a sweep folder is data: nothing in it
-is unpickled or imported): finished runs are reused, interrupted ones continue from their checkpoints (fedsim's
-own resume), runs stopped early stay stopped, and the rest start.
+asked. Tune keeps its bookkeeping in OUTPUT_DIR/tune, beside the plan of the sweep's runs; OUTPUT_DIR may be a
+URI (s3://, gs://, ...), which is Tune's storage_path then. A sweep whose driver died resumes from its runs' own
+folders, never from Tune's pickled state (a sweep folder is data: nothing in it is unpickled or imported):
+finished runs are reused, interrupted ones continue from their checkpoints (fedsim's own resume), runs stopped
+early stay stopped, and the rest start. The plan is the runs' experiments (jobs.cached_runs.run_key: config
+content, plugins by SHA-256), so a sweep resumes after its working folder moved.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from fedsim.errors import ConfigError
 from fedsim.persist.io import atomic_write_text
+from fedsim.persist.storage import Location, StorePath, check_reachable, remove_tree
 from fedsim.runtime.callbacks import Callback, RoundRows
 
 EXPERIMENT = "tune"  # the Tune experiment's folder inside the sweep's output folder
@@ -122,15 +124,15 @@ def scheduler(early_stop: Any, max_rounds: int) -> Any:
                          reduction_factor=early_stop.reduction_factor)
 
 
-def experiment_dir(out_dir: Path) -> Path:
+def experiment_dir(out_dir: Location) -> Location:
     """out_dir/tune, refused if something other than a folder is there (it is removed and made again)."""
-    path = out_dir.resolve() / EXPERIMENT
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    path = (out_dir.resolve() if isinstance(out_dir, Path) else out_dir) / EXPERIMENT
+    if (isinstance(path, Path) and path.is_symlink()) or (path.exists() and not path.is_dir()):
         raise ConfigError(f"--output-dir {out_dir}: {path} is not a folder of a sweep's state")
     return path
 
 
-def check_replaceable(out_dir: Path) -> None:
+def check_replaceable(out_dir: Location) -> None:
     """Refuse, before Ray starts, an out_dir/tune that is not a sweep's bookkeeping: run_trials replaces it."""
     path = experiment_dir(out_dir)
     if path.exists() and not (path / PLAN).is_file():
@@ -138,9 +140,13 @@ def check_replaceable(out_dir: Path) -> None:
                           "replaces that folder; move it or choose another --output-dir")
 
 
-def make_output_dir(out_dir: Path) -> None:
-    """Create the sweep's folder before Ray starts, so a place that refuses it (read-only, /proc, a file's name) is
-    one line naming --output-dir rather than a failure inside Tune."""
+def make_output_dir(out_dir: Location) -> None:
+    """Create the sweep's folder before Ray starts, so a place that refuses it (read-only, /proc, a file's name, a
+    bucket out of reach) is one line naming --output-dir rather than a failure inside Tune."""
+    if isinstance(out_dir, StorePath):
+        check_reachable(out_dir, "--output-dir")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".fedsim-probe-{os.getpid()}"
@@ -151,7 +157,7 @@ def make_output_dir(out_dir: Path) -> None:
             from None
 
 
-def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
+def check_resume(out_dir: Location, specs: list[dict[str, Any]]) -> None:
     """--resume: out_dir must hold the plan of the runs this sweep file gives now (read as JSON, nothing else)."""
     path = experiment_dir(out_dir)
     if not (path / PLAN).is_file():
@@ -165,15 +171,14 @@ def check_resume(out_dir: Path, specs: list[dict[str, Any]]) -> None:
                           "fedsim version planned them); start it again without --resume (finished runs are reused)")
 
 
-def run_trials(specs: list[dict[str, Any]], out_dir: Path, resume: bool, max_parallel: int | None,
+def run_trials(specs: list[dict[str, Any]], out_dir: Location, resume: bool, max_parallel: int | None,
                early_stop: Any, max_rounds: int) -> dict[int, str]:
     """Run every spec as a trial, its run resumed from its folder if `resume` (check_resume first); each trial's
     error line, by index. Tune starts afresh either way: its saved state is pickles, never loaded."""
     from ray import tune
 
     path = experiment_dir(out_dir)
-    if path.exists():
-        shutil.rmtree(path)  # Tune's bookkeeping only: the runs themselves are kept, and reused or resumed
+    remove_tree(path)  # Tune's bookkeeping only: the runs themselves are kept, and reused or resumed
     path.mkdir(parents=True)
     atomic_write_text(path / PLAN, json.dumps(runs_of(specs)) + "\n")
     trials = [{**s, "resume": resume} for s in specs]
@@ -182,7 +187,7 @@ def run_trials(specs: list[dict[str, Any]], out_dir: Path, resume: bool, max_par
         tune_config=tune.TuneConfig(scheduler=scheduler(early_stop, max_rounds),
                                     max_concurrent_trials=max_parallel, trial_dirname_creator=trial_dirname,
                                     reuse_actors=True),  # a trial after another skips the process start
-        run_config=tune.RunConfig(name=EXPERIMENT, storage_path=str(out_dir.resolve()), verbose=1,
+        run_config=tune.RunConfig(name=EXPERIMENT, verbose=1, **tune_storage(out_dir),
                                   failure_config=tune.FailureConfig(max_failures=0, fail_fast=False)))
     results = tuner.fit()
     errors = {}
@@ -193,12 +198,23 @@ def run_trials(specs: list[dict[str, Any]], out_dir: Path, resume: bool, max_par
     return errors
 
 
-def runs_of(specs: list[dict[str, Any]]) -> list[list[Any]]:
-    """What identifies a sweep's runs: each one's config file and overrides, in order."""
-    return [[s["config"], s["overrides"]] for s in specs]
+def tune_storage(out_dir: Location) -> dict[str, Any]:
+    """The sweep's folder as Tune's storage: an absolute path, or a URI's path on the fsspec filesystem that fedsim
+    writes the runs with (any scheme fsspec knows, with the same settings, e.g. AWS_ENDPOINT_URL), through pyarrow."""
+    if isinstance(out_dir, Path):
+        return {"storage_path": str(out_dir.resolve())}
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return {"storage_path": out_dir.path, "storage_filesystem": PyFileSystem(FSSpecHandler(out_dir.fs))}
 
 
-def planned(path: Path) -> list[list[Any]] | None:
+def runs_of(specs: list[dict[str, Any]]) -> list[str]:
+    """What identifies a sweep's runs: each one's experiment (jobs.cached_runs.run_key), in order; not the paths of
+    its files, so a sweep whose working folder moved is the same sweep."""
+    return [s["key"] for s in specs]
+
+
+def planned(path: Location) -> list[Any] | None:
     """The runs the sweep in `path` was started with (None if it holds no readable plan)."""
     try:
         return json.loads((path / PLAN).read_text())

@@ -60,6 +60,26 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def s3_server():
+    """A local S3-compatible server (moto) with one bucket of its own (moto keeps every server's buckets in one
+    process-wide store); s3fs reaches it through AWS_ENDPOINT_URL."""
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    s3fs = pytest.importorskip("s3fs", reason="s3fs is in the s3 and dev extras")
+    port = free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
+            env.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem().mkdir(f"fedsim-bucket-{port}")
+        yield f"s3://fedsim-bucket-{port}"
+        s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()
+
+
 def small_config(tmp_path, *overrides: str, rounds: int = 3):
     """A fast digits config writing into tmp_path."""
     from fedsim.configure import load_config

@@ -170,25 +170,6 @@ def test_bad_uri_is_one_line_and_exit_2(root, message, config_file, elsewhere, m
     assert capsys.readouterr().err.startswith(f"fedsim: error: --resume: {root}/r: ")
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    """A local S3-compatible server (moto) with one bucket; s3fs reaches it through AWS_ENDPOINT_URL."""
-    server_mod = pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
-    s3fs = pytest.importorskip("s3fs", reason="s3fs is in the s3 and dev extras")
-    port = free_port()
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
-            env.setenv(key, value)
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem().mkdir("fedsim-bucket")
-        yield "s3://fedsim-bucket"
-        s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
-
-
 def test_s3_store_run_resumes_and_collects(s3_server, config_file, reference, elsewhere, capsys, tmp_path):
     root = f"{s3_server}/team/runs"
     _run_resume_collect(config_file, root, reference, capsys)

@@ -1,6 +1,6 @@
 """Sweeps as Ray Tune trials: search spaces from YAML, each run's share of the cluster, trials side by side with
-the numbers of runs made one by one, a failed trial recorded, a sweep resumed after its driver was killed, and
-two runs sharing one Ray."""
+the numbers of runs made one by one, a failed trial recorded, a sweep in a bucket resumed after its driver was
+killed and its working folder moved, a killed run's status, and two runs sharing one Ray."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import math
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ import pytest
 import yaml
 
 from fedsim.errors import ConfigError, ResourceError
+from fedsim.runtime.callbacks import Callback
 from jobs.cached_runs import run_key
 from jobs.sweep import load_sweep, plan
 from jobs.sweep_tune import trial_bundles
@@ -30,6 +30,9 @@ from tests.runtime.test_loop import deterministic
 BASE = {"name": "t", "rounds": 2, "model": {"name": "cnn"}, "participation": {"clients_per_round": 4},
         "data": {"name": "digits", "num_clients": 10, "partition": {"alpha": 0.5, "min_samples": 5}},
         "train": {"epochs": 1, "batch_size": 32}, "runtime": {"backend": "local", "threads": 1}}
+
+PLUGIN = "from fedsim.models.registry import register_model\nregister_model('sweep_net')(lambda **kw: None)\n"
+STORE_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
 
 
 def write_sweep(folder: Path, **sweep) -> Path:
@@ -177,15 +180,12 @@ def test_a_table_path_that_cannot_be_written_is_refused_before_any_trial(tmp_pat
 
 # ---- a run's share of the cluster ----
 
-@pytest.mark.parametrize("args, message", [
-    ({"overrides": ["results.root=memory://bucket/runs"]}, "results.root=memory://bucket/runs: a sweep keeps"),
-    ({"out_dir": "s3://bucket/sweep"}, "--output-dir s3://bucket/sweep: a sweep's folder must be"),
-])
-def test_a_sweep_refuses_a_uri_for_its_runs_before_starting(tmp_path, args, message) -> None:
+def test_a_sweep_folder_may_be_a_uri(tmp_path) -> None:
+    """As Tune's storage_path may: the runs go under <uri>/runs, and nothing is written locally."""
     from jobs.sweep import run_sweep
 
-    with pytest.raises(ConfigError, match=message):
-        run_sweep(write_sweep(tmp_path, seeds=[0]), dry_run=True, **args)
+    plan_text = run_sweep(write_sweep(tmp_path, seeds=[0, 1]), dry_run=True, out_dir="memory://bucket/sweep")
+    assert plan_text.count("results.root=memory://bucket/sweep/runs") == 2
     assert not (tmp_path / "results").exists()
 
 
@@ -195,6 +195,19 @@ def test_the_run_key_ignores_where_a_run_goes_but_not_what_it_computes(make_conf
              "runtime.autoscale_timeout_s=0", "results.root=/tmp/other", "data.root=/tmp/data")
     assert all(run_key(make_config(o)) == base for o in where)
     assert all(run_key(make_config(o)) != base for o in ("seed=1", "train.lr=0.5", "runtime.exact_sum=false"))
+
+
+def test_the_run_key_knows_a_plugin_by_its_content_not_its_path(make_config, isolated, tmp_path) -> None:
+    here, there, edited = (tmp_path / d / "my_plugin.py" for d in ("here", "there", "edited"))
+    for path, text in ((here, PLUGIN), (there, PLUGIN), (edited, PLUGIN + "# edited\n")):
+        path.parent.mkdir()
+        path.write_text(text)
+    cfg = make_config(f"plugins=[{here}]")
+    keys = []
+    for path in (here, there, edited):
+        cfg.plugins = [str(path)]  # a config naming the file there (imported once: one module name)
+        keys.append(run_key(cfg))
+    assert keys[0] == keys[1] != keys[2]
 
 
 def test_a_trial_asks_for_what_its_config_reserves(make_config) -> None:
@@ -358,41 +371,86 @@ def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_sweep_whose_driver_was_killed_resumes(ray_local, tmp_path) -> None:
-    from jobs.cached_runs import FINISHED
+def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_local, s3_server, isolated,
+                                                                          tmp_path) -> None:
+    """`fedsim sweep` as a job runs it (the CLI joins the cluster; the store's settings come in the job's runtime env,
+    as `ray job submit --runtime-env-json` gives them), its folder in a bucket. Killed mid-trial, it resumes after
+    its working folder (sweep file, config, plugin) moved: the finished run is not run again, the killed one goes on
+    from its checkpoint, and a changed plan (or plugin) is refused."""
+    import s3fs
+
+    import fedsim
     from jobs.sweep import run_sweep
 
-    # the second run trains 15x longer (seconds, against the loop's 0.05 s poll): two one-epoch runs finished 0.1 s
-    # apart (the trial's process is reused), inside one poll of the loop below, so the kill could find both done
-    path = write_sweep(tmp_path, seeds=[0], grid={"train.epochs": [1, 15]})
-    out = tmp_path / "out"
-    with pytest.raises(ConfigError, match="holds no sweep to resume"):
-        run_sweep(path, out_dir=str(out), resume=True)
+    # the second run trains 15x longer (seconds a round): the kill comes after its first checkpoint, mid-run
+    work = tmp_path / "work"
+    write_sweep(work, seeds=[0], grid={"train.epochs": [1, 15]}, overrides=["rounds=3"])
+    (work / "my_plugin.py").write_text(PLUGIN)
+    (work / "base.yaml").write_text(yaml.safe_dump({**BASE, "plugins": ["my_plugin.py"]}))
+    out = f"{s3_server}/sweep"
+    store = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    runs = f"{out.removeprefix('s3://')}/runs"
+    job_env = {"env_vars": {**{k: os.environ[k] for k in STORE_ENV}, "PYTHONPATH": ROOT}}
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address, "PYTHONPATH": ROOT,
-           "OMP_NUM_THREADS": "1"}
-    driver = subprocess.Popen([sys.executable, "-m", "jobs.cli", "sweep", str(path), "--output-dir", str(out),
-                               "--parallel", "1"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+           "OMP_NUM_THREADS": "1", "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": job_env})}
+
+    def sweep(folder: Path, log: str, *args: str) -> subprocess.Popen:
+        with open(tmp_path / log, "w") as sink:
+            return subprocess.Popen([sys.executable, "-m", "jobs.cli", "sweep", "sweep.yaml", "--output-dir", out,
+                                     "--parallel", "1", *args], cwd=folder, env=env, stdout=sink,
+                                    stderr=subprocess.STDOUT)
+
+    driver = sweep(work, "first.log")
     try:
         deadline = time.monotonic() + 240
-        while not list(out.glob(f"runs/*/{FINISHED}")) and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(0.05)
-        first = list(out.glob(f"runs/*/{FINISHED}"))
-        assert len(first) == 1 and driver.poll() is None, "the sweep should have one run done and go on"
+        while time.monotonic() < deadline and driver.poll() is None:
+            done, saved = store.glob(f"{runs}/*/finished.json"), store.glob(f"{runs}/*/checkpoints/last.pt")
+            if len(done) == 1 and len(saved) == 2:
+                break
+            time.sleep(0.1)
+        mid_trial = driver.poll() is None and len(done) == 1 and len(saved) == 2
+        assert mid_trial, (tmp_path / "first.log").read_text()[-3000:]
     finally:
-        driver.send_signal(signal.SIGKILL)
+        driver.kill()
         driver.wait(30)
-    stamp = first[0].stat().st_mtime_ns
+    finished = Path(done[0]).parent.name
+    killed = next(Path(f).parent.parent.name for f in saved if Path(f).parent.parent.name != finished)
+    before = {name: store.cat(f"{runs}/{name}/run.json") for name in (finished, killed)}
+    stamp = store.cat(f"{runs}/{finished}/finished.json")
+    with store.open(f"{runs}/{killed}/rounds.parquet") as f:
+        first_round = pd.read_parquet(f).query("round == 0")
+    assert not store.exists(f"{runs}/{killed}/finished.json")
+
+    moved = tmp_path / "elsewhere" / "work"
+    moved.parent.mkdir()
+    work.rename(moved)
     with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
-        run_sweep(path, out_dir=str(out), resume=True, overrides=["rounds=3"])
+        run_sweep(moved / "sweep.yaml", out_dir=out, resume=True, overrides=["rounds=4"])
+    (moved / "my_plugin.py").write_text(PLUGIN + "# edited\n")
+    with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
+        run_sweep(moved / "sweep.yaml", out_dir=out, resume=True)
+    (moved / "my_plugin.py").write_text(PLUGIN)
     marker = tmp_path / "pwned"
-    (out / "tune" / "tuner.pkl").write_bytes(pickle.dumps(_Touch(marker)))  # crafted: a resume never loads it
-    md = run_sweep(path, out_dir=str(out), resume=True)
-    runs = pd.read_parquet(out / "runs.parquet")
-    assert (runs["status"] == "finished").all() and len(runs) == 2 and runs["best"].notna().all()
-    assert first[0].stat().st_mtime_ns == stamp  # the run that finished before the kill was not run again
+    store.pipe(f"{out}/tune/tuner.pkl", pickle.dumps(_Touch(marker)))  # crafted: a resume never loads it
+    resumed = sweep(moved, "resumed.log", "--resume")
+    assert resumed.wait(300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+    log = (tmp_path / "resumed.log").read_text()
+    assert f"reusing {out}/runs/{finished}" in log and f"resuming {out}/runs/{killed} (killed)" in log
+    with store.open(f"{out}/runs.parquet") as f:
+        table = pd.read_parquet(f)
+    assert (table["status"] == "finished").all() and len(table) == 2 and table["best"].notna().all()
+    assert store.cat(f"{runs}/{finished}/finished.json") == stamp  # the finished run was not run again
+    assert all(store.cat(f"{runs}/{name}/run.json") == before[name] for name in before)  # nor the killed one anew
+    with store.open(f"{runs}/{killed}/rounds.parquet") as f:
+        rounds = pd.read_parquet(f)
+    assert sorted(rounds["round"].unique()) == [0, 1, 2]
+    pd.testing.assert_frame_equal(rounds.query("round == 0").reset_index(drop=True),
+                                  first_round.reset_index(drop=True))  # kept from before the kill, not trained again
+    reported = store.cat(f"{out}/tune/trial_0001/result.json").decode().splitlines()  # Tune's state: in the bucket
+    rounds_reported = [json.loads(line)["round"] for line in reported]
+    assert rounds_reported[0] > 1 and rounds_reported[-1] == 3  # resumed after round 1 (Tune's rounds count from 1)
     assert not marker.exists()
-    assert "| base |" in md
+    assert sorted(fedsim.collect(out)["run"].unique()) == sorted([finished, killed])
 
 
 class _Touch:
@@ -405,9 +463,9 @@ class _Touch:
         return Path.touch, (self.path,)
 
 
-def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, monkeypatch) -> None:
-    """Tune's saved state is pickles: a resume reads the sweep's plan (JSON) and its runs' folders instead, so a
-    crafted tuner.pkl is never loaded; Tune starts afresh (its fit stubbed here: no trial runs)."""
+@pytest.fixture
+def no_trials(monkeypatch) -> list[dict]:
+    """Tune's fit stubbed (no trial runs, nor Ray): one entry per fit."""
     from ray import tune
 
     import jobs.sweep
@@ -415,6 +473,15 @@ def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, monkey
     monkeypatch.setattr(jobs.sweep, "ray_session", lambda configs, always=False: contextlib.nullcontext())
     fits: list[dict] = []
     monkeypatch.setattr(tune.Tuner, "fit", lambda self: fits.append({}) or [])
+    return fits
+
+
+def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, no_trials) -> None:
+    """Tune's saved state is pickles: a resume reads the sweep's plan (JSON) and its runs' folders instead, so a
+    crafted tuner.pkl is never loaded; Tune starts afresh (its fit stubbed here: no trial runs)."""
+    import jobs.sweep
+
+    fits = no_trials
     path, out = write_sweep(tmp_path, seeds=[0, 1]), tmp_path / "out"
     jobs.sweep.run_sweep(path, out_dir=str(out))
     marker = tmp_path / "pwned"
@@ -430,17 +497,47 @@ def test_resuming_a_sweep_never_unpickles_what_its_folder_holds(tmp_path, monkey
     assert len(fits) == 2
 
 
+def test_a_killed_run_is_recorded_as_killed_and_collected_from_the_sweep_folder(tmp_path, no_trials) -> None:
+    """A run whose process was killed records no status; the sweep, once no trial runs, records 'killed' in its
+    meta.json and runs.parquet, and says how to go on. fedsim.collect on the sweep's folder reads its runs/."""
+    import fsspec
+
+    import fedsim
+    from fedsim.configure import load_config
+    from jobs.cached_runs import FINISHED, run_cached
+    from jobs.sweep import run_sweep
+
+    path, out = write_sweep(tmp_path, seeds=[0, 1]), tmp_path / "out"
+    r = plan(load_sweep(path), path)[0]
+    folder = run_cached(load_config(r["config"], [*r["overrides"], f"results.root={(out / 'runs').resolve()}"]),
+                        callbacks=[StopAfterFirstRound()])
+    (folder / FINISHED).unlink()  # as a trial killed after its first round leaves its run
+    meta = json.loads((folder / "meta.json").read_text())
+    (folder / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "status"}))
+    md = run_sweep(path, out_dir=str(out))
+    assert json.loads((folder / "meta.json").read_text())["status"] == "killed"
+    assert pd.read_parquet(out / "runs.parquet")["status"].tolist() == ["killed", "not run"]
+    assert "1 runs did not run (the sweep was stopped) and 1 runs were killed: continue with" in md
+    assert fedsim.collect(out, incomplete=True)["run"].unique().tolist() == [folder.name]
+    store = fsspec.filesystem("memory")
+    store.put(str(out), "/sweeps/out", recursive=True)  # the same sweep folder in a store
+    try:
+        assert fedsim.collect("memory://sweeps/out", incomplete=True)["run"].unique().tolist() == [folder.name]
+    finally:
+        store.rm("/sweeps", recursive=True)
+
+
+class StopAfterFirstRound(Callback):
+    def on_round_end(self, round, rows) -> bool:
+        return True
+
+
 def test_a_resumed_sweep_continues_its_runs_from_their_folders(tmp_path, capsys) -> None:
     """With resume, a run stopped early stays so, an interrupted one continues from its checkpoint to the tables
     of an uninterrupted run, and one whose saved config is another experiment's is run again from scratch (the
     plugin its config.yaml names is never imported)."""
     from fedsim.results.tables import load
-    from fedsim.runtime.callbacks import Callback
     from jobs.cached_runs import FINISHED, run_cached, run_folder
-
-    class StopAfterFirstRound(Callback):
-        def on_round_end(self, round, rows) -> bool:
-            return True
 
     whole = deterministic(load(run_cached(small_config(tmp_path / "whole")))["rounds"])
     cfg = small_config(tmp_path / "cut")
@@ -511,6 +608,7 @@ def test_an_interrupted_run_is_continued_only_when_its_checkpoints_can_be_verifi
     """A folder without run.json or checkpoints/manifest.json (written before fedsim kept them) would fail its
     resume: the sweep runs it again instead."""
     from fedsim.configure import save_config
+    from fedsim.persist.checkpoint import start_manifest
     from jobs.cached_runs import interrupted
 
     cfg = make_config()
@@ -518,8 +616,9 @@ def test_an_interrupted_run_is_continued_only_when_its_checkpoints_can_be_verifi
     for name in ("config.yaml", "checkpoints/config.yaml"):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         save_config(cfg, folder / name)
-    for name in ("rounds.parquet", "run.json", "checkpoints/last.pt", "checkpoints/manifest.json"):
+    for name in ("rounds.parquet", "run.json", "checkpoints/last.pt"):
         (folder / name).write_text("{}")
+    start_manifest(folder / "checkpoints", "id", 0, "config.yaml")
     (folder / "meta.json").write_text(json.dumps({"status": "interrupted"}))
     assert interrupted(folder, cfg) == "interrupted"
     for name in ("checkpoints/manifest.json", "run.json"):

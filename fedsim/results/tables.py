@@ -22,6 +22,7 @@ import pandas as pd
 from fedsim.errors import CheckpointError, ConfigError
 from fedsim.persist.io import atomic_write, atomic_write_text
 from fedsim.persist.storage import Location, StorePath, glob_folders, location
+from fedsim.plugins import identities
 
 ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived", "stragglers", "failures",
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
@@ -370,7 +371,8 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
     """Run folders named by `paths` and the incomplete ones skipped (as "path: reason").
 
     `paths` is one path, URI or glob pattern (a str or Path is one item, never its letters) or an iterable of
-    them; a folder that is not itself a run but holds run folders (a results root) stands for its runs."""
+    them; a folder that is not itself a run but holds run folders (a results root) stands for its runs, and a sweep's
+    folder (`fedsim sweep --output-dir`) for the runs in its runs/."""
     import glob
 
     items = path_items(paths)
@@ -396,7 +398,7 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
             elif _looks_like_run(p):
                 skipped.append(f"{p}: incomplete (no rounds.parquet)")
             else:
-                children = sorted((c for c in p.iterdir() if c.is_dir() and _looks_like_run(c)), key=str)
+                children = _runs_in(p) or _runs_in(p / SWEEP_RUNS)
                 if not children and len(matches) == 1 and not glob.has_magic(text):
                     raise CheckpointError(f"{p}: neither a run folder nor a folder of runs")
                 for c in children:
@@ -405,6 +407,16 @@ def find_runs(paths: str | Path | StorePath | Iterable[str | Path | StorePath]) 
     for run in runs:
         unique.setdefault(run.resolve() if isinstance(run, Path) else str(run), run)
     return list(unique.values()), skipped
+
+
+SWEEP_RUNS = "runs"  # a sweep's folder keeps its runs in this subfolder
+
+
+def _runs_in(folder: Location) -> list[Location]:
+    """The folders in `folder` that a run started in, sorted (none if it is no folder)."""
+    if not folder.is_dir():
+        return []
+    return sorted((c for c in folder.iterdir() if c.is_dir() and _looks_like_run(c)), key=str)
 
 
 def run_names(runs: Sequence[Location]) -> list[str]:
@@ -446,7 +458,7 @@ def unfinished(res: RunTables) -> str | None:
 def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "clients"] = "rounds",
             incomplete: bool = False) -> pd.DataFrame:
     """Concatenate one table of many runs, with a `run` column (run_names) and every config key as `config.<key>`
-    (`config.plugins` as `module@sha256` identities: see plugin_identities).
+    (`config.plugins` as `module@sha256` identities: fedsim.plugins.identities).
 
     `paths`: run folders, folders of runs (e.g. "results") or glob patterns ("results/demo-*"). Folders a
     run started in but that hold no rounds.parquet, runs whose files are unreadable and, unless `incomplete`,
@@ -476,7 +488,7 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
         for k, v in flatten(res["config"]).items():
             df[f"config.{k}"] = v
         if res["config"].get("plugins"):
-            df["config.plugins"] = json.dumps(plugin_identities(path, res["config"]["plugins"]))
+            df["config.plugins"] = json.dumps(identities(res["config"]["plugins"], _recorded_plugins(path)))
         frames.append(df)
     out = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     for c in out.columns:  # a key one run's config lacks and another's sets to null: one missing value, None
@@ -489,24 +501,13 @@ def collect(paths: str | Path | Iterable[str | Path], table: Literal["rounds", "
     return out
 
 
-def plugin_identities(run: Location, entries: Any) -> list[str]:
-    """A run's plugins as runs are compared by them: `module@sha256` (its first 12 digits, as the run's manifest
-    recorded it), never the path, which differs between two submissions of one plugin; a plugin the manifest does
-    not record is its entry as written."""
-    from fedsim.persist.checkpoint import MANIFEST
-
+def _recorded_plugins(run: Location) -> dict:
+    """What a run's manifest recorded of its plugins ({} when it has none or it is unreadable)."""
     try:
-        recorded = json.loads((run / "checkpoints" / MANIFEST).read_text()).get("plugins", {})
+        recorded = json.loads((run / "checkpoints" / "manifest.json").read_text()).get("plugins", {})
     except (OSError, ValueError, AttributeError):
-        recorded = {}
-    out = []
-    for entry in entries if isinstance(entries, list) else [entries]:
-        kept = recorded.get(entry) if isinstance(recorded, dict) and isinstance(entry, str) else None
-        if isinstance(kept, dict) and isinstance(kept.get("module"), str) and isinstance(kept.get("sha256"), str):
-            out.append(f"{kept['module']}@{kept['sha256'][:12]}")
-        else:
-            out.append(str(entry))
-    return out
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def summary(rounds: pd.DataFrame) -> pd.DataFrame:
