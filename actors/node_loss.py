@@ -61,11 +61,14 @@ def await_marked_dead(node_id: str, limit_s: float) -> None:
         time.sleep(0.2)
 
 
-def node_lost_failure(worker: int, node_id: str) -> WorkerFailure:
-    """What each client of a worker whose node left mid-phase is recorded with (status failed)."""
+def node_lost_failure(worker: int, node_id: str, reason: BaseException | None = None) -> WorkerFailure:
+    """What each client of a worker whose node left mid-phase is recorded with (status failed); its traceback
+    column holds Ray's error that told of the loss (ActorDiedError, NodeDiedError, ...: which one depends on when
+    the node went)."""
+    told = f"{type(reason).__name__}: {str(reason).strip()}"[:4000] if reason is not None else ""
     return WorkerFailure("NodeLost", f"node {node_id[:12]} of worker {worker} left the cluster during the phase; "
                                      "this phase's update of the client is lost, its state comes back from the last "
-                                     "checkpoint")
+                                     "checkpoint", told)
 
 
 def pick_host(hosts: list[int], candidates: list[int], lost: int) -> int:

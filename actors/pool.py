@@ -30,7 +30,7 @@ from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
 from fedsim.errors import ConfigError, FedsimError, OutOfMemory, ResourceError
 from fedsim.method.contract import Broadcast, Phase, RoundInfo
-from fedsim.runtime.backend import BroadcastReply, EvalReply, ServerAPI, StepReply, WorkerFailure
+from fedsim.runtime.backend import BroadcastReply, EvalReply, Restarted, ServerAPI, StepReply, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
@@ -355,32 +355,54 @@ class RayBackend:
                 failed[w] = self._node_failure(w, exc) or WorkerFailure(type(exc).__name__, _short(exc))
         return replies, failed
 
-    def restart_workers(self, indices: list[int]) -> list[int]:
-        """Workers on live nodes start again side by side (each start imports torch: seconds); those of a lost node
-        one by one, since each takes room that the next one's placement must see."""
-        slots, fresh = set(indices), []
-        for i in sorted(indices):
-            if self._node_failure(i, None) is not None:
-                slots.update(self._replace_lost(i))
-                continue
-            ray.kill(self.workers[i], no_restart=True)
-            self.workers[i], self._holds[i] = self._create(i), True
-            fresh.append(i)
+    def restart_workers(self, indices: list[int]) -> Restarted:
+        """The actors that served the failed slots start again: those of a lost node one by one (each takes room
+        that the next one's placement must see), one event per node; those on live nodes side by side (each start
+        imports torch: seconds), one event for all."""
+        actors = sorted({self._host[i] for i in indices})
+        by_node: dict[str, list[int]] = {}
+        fresh = []
+        for a in actors:
+            if self._node_failure(a, None) is not None:
+                by_node.setdefault(self.placement[a].get("node_id", ""), []).append(a)
+            else:
+                fresh.append(a)
+        slots, events = set(indices), []
+        for node, lost in by_node.items():
+            outcomes = []
+            for a in lost:
+                served, outcome = self._replace_lost(a)
+                slots.update(served)
+                outcomes.append(outcome)
+            events.append(f"node {node[:12]} left the cluster: {'; '.join(outcomes)}")
+        for a in fresh:
+            ray.kill(self.workers[a], no_restart=True)
+            self.workers[a], self._holds[a] = self._create(a), True
         if fresh:
-            for i, facts in zip(fresh, self._attach(fresh), strict=True):
-                self.placement[i] = facts
-        return sorted(slots)
+            for a, facts in zip(fresh, self._attach(fresh), strict=True):
+                self.placement[a] = facts
+                served = [i for i, h in enumerate(self._host) if h == a]
+                self._serve(served, a)
+                slots.update(served)
+            events.append(f"worker{'s' if len(fresh) > 1 else ''} {', '.join(map(str, fresh))} started again")
+        return Restarted(sorted(slots), events)
+
+    def worker_of(self, slot: int) -> int:
+        """The slot whose actor serves `slot`: itself, or the survivor that took its clients over."""
+        return self._host[slot] if slot < len(self._host) else slot
 
     def _node_failure(self, index: int, exc: BaseException | None) -> WorkerFailure | None:
-        """The failure of worker `index` when its node has left the cluster (None while the node is alive)."""
+        """The failure of worker `index` when its node has left the cluster (None while the node is alive), with
+        Ray's error that told of it."""
         node = self.placement[index].get("node_id", "") if index < len(self.placement) else ""
         if node_gone(node, str(exc) if exc is not None else ""):
-            return node_lost_failure(index, node)
+            return node_lost_failure(self.worker_of(index), node, exc)
         return None
 
-    def _replace_lost(self, index: int) -> list[int]:
+    def _replace_lost(self, index: int) -> tuple[list[int], str]:
         """A worker whose node left: started again where a node has room, else its clients move to a surviving
-        worker (the pool shrinks). Returns every slot the lost actor served, whose clients' states must come back."""
+        worker (the pool shrinks). Returns every slot the lost actor served, whose clients' states must come back,
+        and what became of it."""
         lost = self._host[index]
         slots = [i for i, h in enumerate(self._host) if h == lost]
         node = self.placement[index].get("node_id", "")
@@ -388,30 +410,35 @@ class RayBackend:
         # one wait per lost node, not per lost worker: once Ray has had the grace to re-place the node's bundles,
         # its other workers are only looked up (two workers of one node took 10 s each before)
         room_by = self._room_by.setdefault(node, time.monotonic() + min(self.cfg.runtime.startup_timeout_s, 10.0))
-        node = node[:12]
         assert self._where is not None
         if self._where.fits(index, max(0.0, room_by - time.monotonic())):
             self.workers[index], self._host[index] = self._create(index), index
             self.placement[index] = self._attach([index])[0]
             host = index
-            log.warning("worker %d's node %s left the cluster: worker %d started again on node %s", index, node,
-                        index, self.placement[index].get("node_id", "")[:12])
+            outcome = f"worker {index} started again on node {self.placement[index].get('node_id', '')[:12]}"
         else:
             alive = alive_nodes()
             host = pick_host(self._host, sorted(h for h in set(self._host) if h != lost and
                                                 self.placement[h].get("node_id") in alive), index)
-            log.warning("worker %d's node %s left the cluster and no node has room for it: its clients move to "
-                        "worker %d (the pool shrinks to %d workers)", index, node, host,
-                        len(set(self._host) - {lost}))
+            outcome = (f"no node has room for worker {index}: its clients move to worker {host} (the pool shrinks to "
+                       f"{len(set(self._host) - {lost})} workers)")
+        self._serve(slots, host)
+        return slots, outcome
+
+    def _serve(self, slots: list[int], host: int) -> None:
+        """Slots `slots` are served by the actor of slot `host`: their handles and placement (as meta.json records
+        it: the host's node and process, `hosted_by` the host) follow it."""
         for i in slots:
             self.workers[i], self._host[i] = self.workers[host], host
             if i != host:
                 self.placement[i] = {**self.placement[host], "index": i, "hosted_by": host}
-        return slots
 
     def _actors(self) -> list[Any]:
-        """Each live worker actor once (after a shrink, one actor serves several slots)."""
-        return [self.workers[i] for i in sorted(set(self._host))] if self._host else list(self.workers)
+        """Each live worker actor once (after a shrink, one actor serves several slots); before the pool is whole
+        (a start that failed half-way, or after shutdown), every handle there is."""
+        if len(self._host) != len(self.workers):
+            return list(self.workers)
+        return [self.workers[i] for i in sorted(set(self._host))]
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         """ray.get with the round timeout: a hung or dead actor is one FedsimError naming `what`, not a hang."""
@@ -453,8 +480,8 @@ class RayBackend:
             + [psutil.Process().memory_info().rss]
 
     def _share(self) -> dict[str, float]:
-        """The CPUs and GPUs this pool's actors hold."""
-        rt, n = self.cfg.runtime, len(self.workers)
+        """The CPUs and GPUs this pool's actors hold (after a node loss, fewer actors than slots)."""
+        rt, n = self.cfg.runtime, len(self._actors())
         server = isinstance(self._server, RemoteServer)
         return {"CPU": n * rt.client_cpus + (rt.server_cpus if server else 0.0),
                 "GPU": n * rt.client_gpus + (rt.server_gpus if server else 0.0)}
@@ -466,9 +493,10 @@ class RayBackend:
         stopping = self._boot is not None and self._boot.started_ray
         share = self._share() if self.workers and group_bundles() is None and not stopping else {}
         before = ray.available_resources() if share else {}
-        if self.workers:  # each removes its spilled states, on its own node; a hung one does not hold the stop up
-            ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=CLOSE_WAIT_S)
-        for actor in self.workers + server_actor:
+        actors = self._actors()  # each once: after a node loss, one actor may serve several slots
+        if actors:  # each removes its spilled states, on its own node; a hung one does not hold the stop up
+            ray.wait([w.close.remote() for w in actors], num_returns=len(actors), timeout=CLOSE_WAIT_S)
+        for actor in actors + server_actor:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone

@@ -47,13 +47,21 @@ def cluster():
     with unpublished():  # a run that another test process starts meanwhile must not join this cluster
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                          "_system_config": FAST_NODE_DEATH})
-    ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    connect(c)
     yield c
     ray.shutdown()
     with unpublished():
         c.shutdown()
     if was_up:
         start_local_ray()
+
+
+def connect(c) -> None:
+    """This process joins the cluster (again), as a driver."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
 
 
 def worker_nodes(c, count: int, cpus: int = 2, gpus: int = 2) -> list:
@@ -149,11 +157,31 @@ class KeepCheckpoints(Callback):
         self.states[ck["round"]] = ck["client_states"]
 
 
+def timed_shutdown(backend: RayBackend) -> list[float]:
+    """The seconds a run takes to leave the cluster, once it has: the backend's shutdown, then the driver's
+    `ray.shutdown` (what a job's driver does at its end; the test connects again afterwards)."""
+    import ray
+
+    took: list[float] = []
+    real = backend.shutdown
+
+    def shutdown() -> None:
+        t0 = time.monotonic()
+        try:
+            real()
+            ray.shutdown()
+        finally:
+            took.append(time.monotonic() - t0)
+
+    backend.shutdown = shutdown
+    return took
+
+
 def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
     nodes = worker_nodes(cluster, 3, gpus=0)
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
-                      "runtime.placement=spread", "train.keep_optimizer_state=true",
-                      "participation.clients_per_round=10", rounds=4)
+    base = ["runtime.backend=ray", "runtime.client_cpus=1", "runtime.placement=spread",
+            "train.keep_optimizer_state=true"]
+    cfg = make_config(*base, "runtime.num_workers=4", "participation.clients_per_round=10", rounds=4)
     backend = RayBackend()
     original = backend.run_phase
     removed: dict[int, str] = {}
@@ -170,9 +198,19 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
         return original(round, *args, **kw)
 
     backend.run_phase = run_phase
+    lost_shutdown = timed_shutdown(backend)
     kept = KeepCheckpoints()
     with caplog.at_level(logging.WARNING, logger="fedsim"):
-        res = load(run(cfg, backend, callbacks=[kept]))
+        try:
+            res = load(run(cfg, backend, callbacks=[kept]))
+            # the reference: a clean run's, on the node left, with as many workers as the shrunk pool has
+            connect(cluster)
+            clean = RayBackend()
+            clean_shutdown = timed_shutdown(clean)
+            run(make_config(*base, "runtime.num_workers=2", "participation.clients_per_round=2",
+                            "results.run_id=clean", rounds=1), clean)
+        finally:
+            connect(cluster)
     rounds, clients = res["rounds"].set_index("round"), res["clients"]
     table = clients.pivot_table(index="round", columns="status", values="client", aggfunc="count", fill_value=0)
     print("\nstatuses per round:\n" + table.to_string())
@@ -182,6 +220,8 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
         lost = clients[(clients["round"] == r) & (clients["status"] == "failed")]
         assert len(lost) >= 1 and (lost["error_type"] == "NodeLost").all(), lost
         assert lost["error"].str.contains(f"node {removed[r][:12]} of worker .* left the cluster").all()
+        # the reason is Ray's own error that told of the loss (ActorDiedError, ...), type and text
+        assert lost["error_traceback"].str.match(r"^\w+Error: \S").all(), lost["error_traceback"]
         assert rounds.loc[r, "failures"] == len(lost) and rounds.loc[r, "arrived"] == 10 - len(lost)
         # the lost clients' states are the ones of the checkpoint before: restored, not reset, not missing
         before, after = kept.states[r - 1], kept.states[r]
@@ -192,10 +232,39 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
         assert not any(_states_equal(after[c], before[c]) for c in trained)
     assert set(clients[clients["status"] != "ok"]["round"]) == {1, 2}
     assert (clients[clients["round"] == 3]["status"] == "ok").all()  # the shrunk pool serves every client
-    log = caplog.text
-    assert f"node {removed[1][:12]} left the cluster: worker" in log and "started again on node" in log
-    assert f"node {removed[2][:12]} left the cluster and no node has room for it" in log
-    assert "the pool shrinks to" in log and "come back from round 1's checkpoint" in log
+
+    # meta.json says where the workers are now: no lost node, and round 2's lost slots served by survivors
+    meta = res["meta"]
+    placed = {p["index"]: p for p in meta["placement"]}
+    moved = {i: p["hosted_by"] for i, p in placed.items() if "hosted_by" in p}
+    assert not {p["node_id"] for p in placed.values()} & set(removed.values())
+    assert sorted(meta["workers_per_node"].values()) == [2] and len(moved) == 2  # one node, two actors, four slots
+    assert all(placed[i]["node_id"] == placed[h]["node_id"] and "hosted_by" not in placed[h]
+               for i, h in moved.items())
+    # the worker column names the worker that trained the client: round 2's lost clients, the lost slot; then
+    # the survivor that took them over
+    lost2 = clients[(clients["round"] == 2) & (clients["status"] == "failed")].set_index("client")["worker"]
+    assert set(lost2 % 4) == set(moved) and (lost2 == lost2.index % 4).all()
+    third = clients[clients["round"] == 3].set_index("client")["worker"]
+    assert (third == [placed[c % 4].get("hosted_by", c % 4) for c in third.index]).all(), third
+    assert set(third[lost2.index]) == set(moved.values())
+
+    # one line per lost node, saying what became of its workers
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("fedsim")]
+    print("\n".join(lines))
+    about = [m for m in lines if "left the cluster" in m or "started again" in m or "replaced" in m]
+    assert len(about) == 2, about
+    assert about[0].startswith(f"node {removed[1][:12]} left the cluster: worker ") and \
+        "started again on node" in about[0] and about[0].endswith("come back from round 0's checkpoint")
+    assert about[1].startswith(f"node {removed[2][:12]} left the cluster: no node has room for worker ") and \
+        about[1].endswith("the pool shrinks to 2 workers); their clients' personal states come back from round 1's "
+                          "checkpoint")
+    assert all(f"no node has room for worker {i}: its clients move to worker {h}" in about[1] for i, h in moved.items())
+
+    # leaving the cluster after the loss (workers stopped, resources given back, `ray.shutdown`) costs no more
+    # than after a clean run
+    print(f"shutdown after the loss {lost_shutdown[0]:.2f} s, after a clean run {clean_shutdown[0]:.2f} s")
+    assert lost_shutdown[0] <= clean_shutdown[0] + 1.0
     shutil.rmtree(tmp_path / "results", ignore_errors=True)
     del nodes
 

@@ -42,8 +42,10 @@ def lost_node_backend(monkeypatch, make_config, nodes: list[str]) -> tuple[RayBa
 
 def test_the_workers_of_one_lost_node_wait_for_room_once(monkeypatch, make_config):
     backend, where = lost_node_backend(monkeypatch, make_config, ["dead" * 4, "dead" * 4, "live" * 4])
-    assert backend._replace_lost(0) == [0]
-    assert backend._replace_lost(1) == [1]
+    assert backend._replace_lost(0) == ([0], "no node has room for worker 0: its clients move to worker 2 (the pool "
+                                             "shrinks to 2 workers)")
+    assert backend._replace_lost(1) == ([1], "no node has room for worker 1: its clients move to worker 2 (the pool "
+                                             "shrinks to 1 workers)")
     assert where.graces == [10.0, 0.0]  # min(startup_timeout_s, 10 s), then the same wait, over: a look-up
     assert backend._host == [2, 2, 2] and backend.workers == ["actor2"] * 3  # both slots served by the survivor
     assert backend.placement[0]["hosted_by"] == 2 and backend.placement[1]["hosted_by"] == 2
@@ -77,10 +79,16 @@ def test_workers_on_live_nodes_start_again_together_and_a_lost_nodes_alone(monke
         return [{"index": i, "node_id": "live" * 4, "pid": 100 + i} for i in indices]
 
     monkeypatch.setattr(backend, "_attach", attach)
-    assert backend.restart_workers([3, 0, 1]) == [0, 1, 3]
+    restarted = backend.restart_workers([3, 0, 1])
+    assert restarted.slots == [0, 1, 3]
     assert killed == ["actor1", "actor3"] and created == [1, 3] and attached == [[1, 3]]
     assert backend.workers[1:] == ["new1", "actor2", "new3"] and backend.placement[3]["pid"] == 103
-    assert backend._host[0] != 0  # worker 0's node had no room: its clients moved to a survivor
+    # worker 0's node had no room: its clients moved to worker 1, which then started again itself: slot 0 follows
+    # the new actor (not the killed one), and meta.json's placement of slot 0 names the new process
+    assert backend._host[0] == 1 and backend.workers[0] == "new1" and backend.worker_of(0) == 1
+    assert backend.placement[0] == {"index": 0, "node_id": "live" * 4, "pid": 101, "hosted_by": 1}
+    assert restarted.events == [f"node {'dead' * 3} left the cluster: no node has room for worker 0: its clients "
+                                "move to worker 1 (the pool shrinks to 3 workers)", "workers 1, 3 started again"]
 
 
 class Cluster:

@@ -182,6 +182,21 @@ def write_meta(run_dir: Location, extra: dict) -> None:
     atomic_write_text(run_dir / "meta.json", json.dumps({**run_meta(), **extra}, indent=2, default=str))
 
 
+def update_meta(run_dir: Location, changes: dict) -> None:
+    """Rewrite meta.json (atomically) with `changes` over what it holds: the workers' placement after a replacement,
+    the run's status at its end. A meta.json damaged since the run wrote it keeps only the changes; a missing one
+    stays missing."""
+    path = run_dir / "meta.json"
+    if not path.is_file():
+        return
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, RecursionError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    atomic_write_text(path, json.dumps({**meta, **changes}, indent=2, default=str))
+
+
 def read_table(path: Location) -> pd.DataFrame:
     """A parquet table of a run (with its tail file's rows while a long run is on: TableWriter), with a one-line
     CheckpointError naming the file if it is missing or corrupt."""

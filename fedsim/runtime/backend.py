@@ -57,6 +57,15 @@ class WorkerFailure:
     traceback: str = ""
 
 
+@dataclass(frozen=True)
+class Restarted:
+    """What `Backend.restart_workers` did: the slots whose clients' states were lost, and one line per event (a
+    worker started again; a node lost and where its workers' clients went), for the loop to log once each."""
+
+    slots: list[int]
+    events: list[str]
+
+
 class ServerAPI(Protocol):
     """The server as the loop calls it, in order: phases, then per phase broadcast and step; evaluate, finished."""
 
@@ -90,9 +99,14 @@ class Backend(Protocol):
                   timeout: float) -> tuple[dict[int, WorkerReply], dict[int, WorkerFailure]]:
         """Run a phase on the assigned workers; replies by worker, and the workers that returned none."""
 
-    def restart_workers(self, indices: list[int]) -> list[int]:
-        """Start workers `indices` again, together where the backend can; the slots whose clients' states were
-        lost: `indices`, and after a node loss every slot that a lost actor served."""
+    def restart_workers(self, indices: list[int]) -> Restarted:
+        """Start workers `indices` again, together where the backend can. The slots whose clients' states were
+        lost are `indices`, and after a node loss every slot that a lost actor served."""
+
+    def worker_of(self, slot: int) -> int:
+        """The worker that serves slot `slot` now: the slot's own, or after a node loss the survivor that took its
+        clients over (clients.parquet's `worker` column)."""
+
     def export_states(self) -> dict[int, Any]: ...
     def load_states(self, states: dict[int, Any], workers: list[int] | None = None) -> None: ...
     def shutdown(self) -> None: ...

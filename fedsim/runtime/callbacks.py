@@ -127,8 +127,9 @@ class Callbacks:
 
 
 class MetaWriter(Callback):
-    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up); at
-    the end, how the run ended (`status`), so readers tell a finished run from a running or killed one."""
+    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up; the loop
+    rewrites it when workers are replaced); at the end, how the run ended (`status`), so readers tell a finished run
+    from a running or killed one."""
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.results.tables import write_meta
@@ -136,18 +137,9 @@ class MetaWriter(Callback):
         write_meta(run.run_dir, run.backend)
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
-        import json
+        from fedsim.results.tables import update_meta
 
-        from fedsim.persist.io import atomic_write_text
-
-        path = run.run_dir / "meta.json"
-        if path.is_file():
-            try:
-                meta = json.loads(path.read_text())
-            except (ValueError, RecursionError):  # damaged since the run wrote it: the status is still worth keeping
-                meta = {}
-            meta = meta if isinstance(meta, dict) else {}
-            atomic_write_text(path, json.dumps({**meta, "status": status}, indent=2, default=str))
+        update_meta(run.run_dir, {"status": status})
 
 
 class ResultsWriter(Callback):

@@ -14,7 +14,7 @@ import numpy as np
 
 from fedsim.errors import OutOfMemory
 from fedsim.method.contract import Broadcast, Phase
-from fedsim.runtime.backend import WorkerFailure
+from fedsim.runtime.backend import Restarted, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import ClientWorker, WorkerReply
@@ -81,10 +81,15 @@ class LocalBackend:
                     failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))
         return replies, failed
 
-    def restart_workers(self, indices: list[int]) -> list[int]:
+    def restart_workers(self, indices: list[int]) -> Restarted:
         for i in indices:
             self.workers[i] = self._make(i)
-        return sorted(indices)
+        named = ", ".join(map(str, sorted(indices)))
+        return Restarted(sorted(indices), [f"worker{'s' if len(indices) > 1 else ''} {named} started again"])
+
+    def worker_of(self, slot: int) -> int:
+        """Every slot is served by its own worker here."""
+        return slot
 
     def export_states(self) -> dict[int, Any]:
         out: dict[int, Any] = {}

@@ -34,7 +34,7 @@ from fedsim.persist.checkpoint import (
 )
 from fedsim.persist.storage import Location, StorePath, location
 from fedsim.plugins import PluginSources
-from fedsim.results.tables import failure_columns, read_table, table_rows
+from fedsim.results.tables import failure_columns, read_table, table_rows, update_meta
 from fedsim.runtime.backend import Backend, BroadcastReply, owner
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
@@ -300,8 +300,9 @@ class Simulation:
             rec.failures += status == "failed"
             up = bytes_up if status == "ok" else 0
             rec.bytes_up += up
-            return {"round": rec.round, "phase": phase.name, "client": c, "worker": w, "arch": self.archs[c],
-                    "samples": rec.num_samples.get(c, 0), "status": status,
+            # the worker that served the slot: after a node loss, the survivor that took its clients over
+            return {"round": rec.round, "phase": phase.name, "client": c, "worker": self.backend.worker_of(w),
+                    "arch": self.archs[c], "samples": rec.num_samples.get(c, 0), "status": status,
                     "virtual_duration": rec.schedule.duration.get(c, math.nan), "bytes_up": up,
                     "bytes_down": common_b + per_b.get(c, 0), "wall_s": wall, **extra}
 
@@ -345,21 +346,21 @@ class Simulation:
     def replace_workers(self, ws: list[int]) -> None:
         """Restart dead workers, together; their clients get their states back from the last checkpoint, if any
         (the clients of every slot the backend says the dead workers served: after a node loss, one worker may
-        serve several)."""
-        slots = self.backend.restart_workers(ws)
-        named = f"worker{'s' if len(ws) > 1 else ''} {', '.join(map(str, ws))}"
+        serve several). Each event is logged once, and meta.json's placement is rewritten to where workers are now."""
+        restarted = self.backend.restart_workers(ws)
         if self.ckpt_path.exists():
             ck = load_run_checkpoint(self.ckpt_path)
-            n, lost = self.backend.num_workers, set(slots)
+            n, lost = self.backend.num_workers, set(restarted.slots)
             self.backend.load_states({c: s for c, s in ck["client_states"].items() if owner(c, n) in lost},
-                                     workers=slots)
-            log.warning("%s replaced: their clients' personal states come back from round %d's checkpoint", named,
-                        ck["round"])
+                                     workers=restarted.slots)
+            states = f"their clients' personal states come back from round {ck['round']}'s checkpoint"
         elif self.cfg.results.checkpoint_every:
-            log.warning("%s replaced before the first checkpoint: their clients' personal states start afresh", named)
+            states = "before the first checkpoint: their clients' personal states start afresh"
         else:
-            log.warning("%s replaced and results.checkpoint_every=0: their clients' personal states start afresh",
-                        named)
+            states = "results.checkpoint_every=0: their clients' personal states start afresh"
+        for event in restarted.events:
+            log.warning("%s; %s", event, states)
+        update_meta(self.run_dir, self.describe())
 
 
 def resume_tables(run_dir: Location) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -250,8 +250,9 @@ def test_workers_failing_in_one_phase_are_restarted_together_and_restored_from_o
     assert failed_once == {0, 1} and restarts == [[0, 1]] and len(reads) == 1
     assert len(loads) == 1 and loads[0][0] == [0, 1] and len(loads[0][1]) > 0  # every held client, in one call
     assert rounds.loc[2, "arrived"] == 0 and rounds.loc[3, "failures"] == 0
-    warned = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
-    assert warned == ["workers 0, 1 replaced: their clients' personal states come back from round 1's checkpoint"]
+    warned = [r.getMessage() for r in caplog.records if "started again" in r.getMessage()]
+    assert warned == ["workers 0, 1 started again; their clients' personal states come back from round 1's "
+                      "checkpoint"]
 
 
 def test_results_load_collect_show_plot(make_config, tmp_path):
