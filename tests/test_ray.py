@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import psutil
@@ -39,15 +40,22 @@ def test_pool_sizing_counts_node_by_node(make_config):
         size_pool(make_config("runtime.client_cpus=4"), [{"CPU": 2}])
 
 
+def test_gpus_reserved_where_torch_sees_none_warn_or_stop_the_run(caplog):
+    rt = SimpleNamespace(client_gpus=0.5, server_gpus=0.25, require_gpu=False)
+    placement = [{"device": "cuda"}, {"device": "cpu"}, {"device": "cpu"}]
+    pool_module.check_gpus(rt, placement, {"device": "cuda"})
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPUs reserved but torch sees no CUDA device (runtime.client_gpus=0.5: 2 of 3 client workers): they compute "
+        "on the CPU (runtime.require_gpu: true stops the run instead)"]
+    rt.require_gpu = True
+    with pytest.raises(ConfigError, match=r"^runtime.require_gpu: GPUs reserved but torch sees no CUDA device "
+                       r"\(runtime.server_gpus=0.25: the server\): they compute on the CPU$"):
+        pool_module.check_gpus(rt, [{"device": "cuda"}], {"device": "cpu"})
+    pool_module.check_gpus(SimpleNamespace(client_gpus=0.0, server_gpus=0.0, require_gpu=True), placement, {})
+
+
 def test_fractional_gpu_placement(ray_local, make_config, monkeypatch, caplog):
     cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
-    # GPUs reserved where torch sees none: runtime.require_gpu stops the run before round 0, in one line
-    strict = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25",
-                         "runtime.require_gpu=true", "results.run_id=strict", rounds=1)
-    with pytest.raises(ConfigError, match=r"^runtime.require_gpu: GPUs reserved but torch sees no CUDA device "
-                       r"\(runtime.client_gpus=0.5: 4 of 4 client workers\): they compute on the CPU$"):
-        run(strict, RayBackend())
-    assert not (Path(strict.results.root) / "strict").exists()  # its claim given back
     backend = RayBackend()
     asked: list[int] = []  # workers asked for personal states, per checkpoint
     get = RayBackend._get

@@ -317,7 +317,16 @@ def _trial_spans(out: Path) -> list[tuple[float, float]]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path) -> None:
+def test_one_sweep_runs_trials_side_by_side_records_its_failures_and_leaves_budgets_past_its_rounds_empty(
+        swept, tmp_path) -> None:
+    """One sweep (the `swept` fixture, a minute of trials) and three checks of it, in one test: a module fixture is
+    built again on each pytest-xdist worker that runs a test of it."""
+    _trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path)
+    _a_failed_trial_is_recorded_and_the_others_finish(swept)
+    _budgets_past_the_rounds_run_are_empty(swept)
+
+
+def _trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path) -> None:
     from fedsim.configure import load_config
     from fedsim.results.tables import load
     from jobs.cached_runs import run_cached
@@ -341,9 +350,7 @@ def test_trials_side_by_side_give_the_numbers_of_runs_one_by_one(swept, tmp_path
             pd.testing.assert_frame_equal(deterministic(load(trial)["rounds"]), deterministic(alone), obj=arm)
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_a_failed_trial_is_recorded_and_the_others_finish(swept) -> None:
+def _a_failed_trial_is_recorded_and_the_others_finish(swept) -> None:
     where, _, md = swept
     runs = pd.read_parquet(where / "out" / "runs.parquet")
     broken = runs[runs["arm"] == "broken"]
@@ -355,9 +362,7 @@ def test_a_failed_trial_is_recorded_and_the_others_finish(swept) -> None:
     assert "Failed runs:" in md and (where / "out" / "table.md").read_text() == md
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_budgets_past_the_rounds_run_are_empty(swept) -> None:
+def _budgets_past_the_rounds_run_are_empty(swept) -> None:
     where, _, md = swept
     table = pd.read_parquet(where / "out" / "table.parquet").set_index("arm")
     assert table.loc["local", "at_2_mean"] == table.loc["local", "final_mean"]
