@@ -232,13 +232,15 @@ class AlgorithmConfig:
 
 @dataclass
 class PrivacyConfig:
-    level: Literal["none", "client"] = knob(
-        "none", doc="none, or client: client-level DP-FedAvg (McMahan et al. 2018): each client's update clipped in "
-        "its worker, Gaussian noise added once to the round's sum (fedsim.transforms, docs/privacy.md)")
+    level: Literal["none", "client", "local"] = knob(
+        "none", doc="none; client: client-level DP-FedAvg (McMahan et al. 2018): each client's update clipped in "
+        "its worker, Gaussian noise added once to the round's sum; local: each client adds its own noise to its "
+        "clipped update before it leaves (fedsim.transforms, docs/privacy.md)")
     clip: float = knob(1.0, gt=0, nonfinite=True, doc="L2 norm each client's model update is clipped to (C); "
                        ".inf clips nothing")
-    noise_multiplier: float | None = knob(None, ge=0, le=1e6, doc="z: the noise on the sum has std z * clip; "
-                                          "unset: solved from target_epsilon")
+    noise_multiplier: float | None = knob(None, ge=0, le=1e6, doc="z: the noise on the sum has std z * clip (level "
+                                          "client); on each update, 2 * z * clip (level local: two clipped updates "
+                                          "differ by up to 2 clip); unset: solved from target_epsilon")
     target_epsilon: float | None = knob(None, gt=0, le=1e6, doc="solve noise_multiplier before round 0 so that the "
                                         "planned rounds spend at most this epsilon at delta")
     delta: float | None = knob(None, gt=0, lt=1, doc="the delta of (epsilon, delta); default 1 / num_clients^1.1")
@@ -249,8 +251,8 @@ class PrivacyConfig:
                                      "epsilon past this")
 
     def __post_init__(self) -> None:
-        if self.level == "client" and (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("level client: set noise_multiplier or target_epsilon (one of them)")
+        if self.level != "none" and (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(f"level {self.level}: set noise_multiplier or target_epsilon (one of them)")
 
 
 @dataclass

@@ -151,7 +151,7 @@ class ClientWorker:
                                  env=self.env, phase_index=phase_index)
 
         outcomes: dict[int, ClientOutcome] = {}
-        transform = self._chain_for(phase, common)
+        transform = self._chain_for(phase, common, round)
         batched_before = self.batcher.trained
         self.kept_state = []
         if self.batcher.on:  # clients trained together, settled chunk by chunk
@@ -179,7 +179,7 @@ class ClientWorker:
                                  "states": len(self.store), "batched": self.batcher.trained - batched_before,
                                  "kept_state": self.kept_state[:1]})
 
-    def _chain_for(self, phase: Phase, common: Any) -> Callable[[int, ClientResult], ClientResult] | None:
+    def _chain_for(self, phase: Phase, common: Any, round: int) -> Callable[[int, ClientResult], ClientResult] | None:
         """The update chain's client side for this phase (None where it does not apply), each architecture's
         reference taken from the broadcast once."""
         if not self.chain.applies(phase):
@@ -190,7 +190,7 @@ class ClientWorker:
             arch = self.env.client_archs[cid]
             if arch not in references:
                 references[arch] = self.algorithm.upload_reference(phase, common, arch)
-            return self.chain.client(res, arch, references[arch])
+            return self.chain.client(res, arch, references[arch], round, cid)
 
         return transform
 

@@ -28,20 +28,22 @@ class UpdateChain:
     def applies(self, phase: Phase) -> bool:
         return self.privacy is not None and phase.reduce == "sum" and phase.model_update
 
-    def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor]) -> ClientResult:
-        """A client's result as its worker sums it: the clipped update, weight 1, its norm among its metrics."""
+    def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor], round: int,
+               client: int) -> ClientResult:
+        """A client's result as its worker sums it: the clipped (locally noised) update, its norm among its metrics;
+        weight 1 under client-level DP, the method's own under local DP."""
         assert self.privacy is not None
-        payload, norm = self.privacy.clip_upload(res.payload, arch, reference)
-        return ClientResult(payload=payload, weight=1.0, metrics={**res.metrics, "privacy/update_norm": norm},
-                            state=res.state, probe=res.probe)
+        payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client)
+        return ClientResult(payload=payload, weight=res.weight if self.privacy.local else 1.0,
+                            metrics={**res.metrics, "privacy/update_norm": norm}, state=res.state, probe=res.probe)
 
     def server(self, updates: SummedUpdate, references: Mapping[str, Mapping[str, torch.Tensor]], round: int,
                phase: str) -> tuple[SummedUpdate, dict[str, float]]:
         """The round's sum as the method's server step reads it, and the chain's round columns."""
         assert self.privacy is not None
-        arrived = int(round_count(updates.total))
-        total, metrics = self.privacy.noisy_mean(updates.total, arrived, references, round, phase)
-        return SummedUpdate(total, self.privacy.expected_cohort, updates.count), metrics
+        total, metrics = self.privacy.noisy_mean(updates.total, updates.count, references, round, phase)
+        weight = sum(float(v) for k, v in total.items() if k.endswith("/__weight__"))
+        return SummedUpdate(total, weight, updates.count), metrics
 
     def finished(self, round: int) -> bool:
         """Whether the run stops after `round` because the next round would spend more than privacy.max_epsilon."""
@@ -52,12 +54,6 @@ class UpdateChain:
             log.warning("privacy.max_epsilon=%g: the run stops after round %d (round %d would spend epsilon %.4g)",
                         self.privacy.max_epsilon, round, round + 1, self.privacy.epsilon_after(round + 2))
         return True
-
-
-def round_count(total: Mapping[str, torch.Tensor]) -> float:
-    """How many clients a chain's sum holds (each adds its weight-1 counter)."""
-    counters = [v for k, v in total.items() if k.endswith("/__weight__")]
-    return float(sum(float(v) for v in counters))
 
 
 def build_chain(cfg: RunConfig, solve: bool = False) -> UpdateChain:

@@ -8,6 +8,10 @@
   sensitivity at C / (qN).
 - Every client weighs the same (algorithm.params.weighting: uniform): with sample weights one client's share of
   the mean is n_k / Σn, not 1/m, and the noise would be miscalibrated.
+
+Local DP (`privacy.level: local`): each client adds noise of std 2·z·C to its own clipped update before it leaves
+(any two clipped updates differ by up to 2C), from its own named stream; the server averages what arrives with the
+method's weights. Epsilon is then one client's, over every round it could have joined: no sampling amplifies it.
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     if p.level == "none":
         return
     name = cfg.algorithm.name
+    local = p.level == "local"
     if uploads_model_update is False:
         raise ConfigError(f"privacy.level: client-level DP clips and noises a model update summed over clients; "
                           f"{name} uploads none (no phase declares model_update), so it would not be private")
-    if getattr(cfg.algorithm.params, "weighting", "uniform") != "uniform":
+    if not local and getattr(cfg.algorithm.params, "weighting", "uniform") != "uniform":
         raise ConfigError(f"privacy.level client weighs every client alike (its sensitivity bound needs it): set "
                           f"algorithm.params.weighting: uniform (it is {cfg.algorithm.params.weighting!r})")
     if len(set(cfg.model.mix) or {cfg.model.name}) > 1:
@@ -70,6 +75,8 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
         raise ConfigError(f"privacy.delta: {p.delta:g} is not below 1/data.num_clients = {1 / n:.3g}: a mechanism "
                           "that publishes one client's data whole meets it; the convention is delta < 1/N (the "
                           "default is N^-1.1)")
+    if local:  # each client's release is private on its own: how the cohort is drawn does not enter
+        return
     if cfg.participation.availability < 1:
         raise ConfigError("privacy.level: participation.availability < 1 makes who joins depend on availability, "
                           "which no accountant here models; set it to 1")
@@ -89,6 +96,7 @@ class ClientLevelDP:
     expected_cohort: float  # the fixed denominator
     max_epsilon: float | None
     seed: int
+    local: bool = False  # each client noises its own update (level local) instead of the server the sum
     spent: dict[int, float] = field(default_factory=dict)  # epsilon after so many rounds (each computed once)
 
     @classmethod
@@ -97,12 +105,18 @@ class ClientLevelDP:
         clips) and refuse a max_epsilon that round 0 would exceed."""
         p = cfg.privacy
         delta = p.delta if p.delta is not None else default_delta(cfg.data.num_clients)
-        mech = cohort_mechanism(cfg, p.noise_multiplier or 0.0)
-        if solve and p.target_epsilon is not None:
-            mech = cohort_mechanism(cfg, calibrate(mech, cfg.rounds, delta, p.accountant, p.target_epsilon))
+        local = p.level == "local"
+        n = cfg.data.num_clients
+
+        def mechanism(z: float) -> Mechanism:  # a local release is one client's own, every round it may join
+            return Mechanism(z, "poisson", 1.0, n, n) if local else cohort_mechanism(cfg, z)
+
+        mech = mechanism(p.noise_multiplier or 0.0)
+        if p.target_epsilon is not None and (solve or local):  # a local worker noises with the solved z too
+            mech = mechanism(calibrate(mech, cfg.rounds, delta, p.accountant, p.target_epsilon))
         poisson = cfg.participation.sampling == "poisson"
-        expected = sampling_rate(cfg) * cfg.data.num_clients if poisson else float(clients_per_round(cfg))
-        dp = cls(p.clip, mech, delta, p.accountant, expected, p.max_epsilon, cfg.seed)
+        expected = sampling_rate(cfg) * n if poisson else float(clients_per_round(cfg))
+        dp = cls(p.clip, mech, delta, p.accountant, expected, p.max_epsilon, cfg.seed, local)
         if solve and p.max_epsilon is not None and dp.epsilon_after(1) > p.max_epsilon:
             raise ConfigError(f"privacy.max_epsilon: {p.max_epsilon:g} is spent by round 0 alone (epsilon "
                               f"{dp.epsilon_after(1):.4g} at delta {delta:.3g})")
@@ -110,22 +124,29 @@ class ClientLevelDP:
 
     @property
     def noise_std(self) -> float:
-        return self.mechanism.noise_multiplier * self.clip if math.isfinite(self.clip) else \
-            (math.inf if self.mechanism.noise_multiplier > 0 else 0.0)
+        """The std of the noise on the round's sum (client) or on each client's update (local: sensitivity 2C)."""
+        z = self.mechanism.noise_multiplier
+        if z == 0:
+            return 0.0
+        return z * self.clip * (2 if self.local else 1) if math.isfinite(self.clip) else math.inf
 
     def epsilon_after(self, rounds: int) -> float:
         if rounds not in self.spent:
             self.spent[rounds] = epsilon(self.mechanism, rounds, self.delta, self.accountant)
         return self.spent[rounds]
 
-    def clip_upload(self, payload: Mapping[str, torch.Tensor], arch: str,
-                    reference: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-        """The client's clipped update, summable with weight 1 (plus a count of whether it was clipped), and the
-        update's norm before clipping."""
+    def clip_upload(self, payload: Mapping[str, torch.Tensor], arch: str, reference: Mapping[str, torch.Tensor],
+                    round: int, client: int) -> tuple[dict[str, torch.Tensor], float]:
+        """The client's clipped update (noised by the client itself under local DP), summable with a weight counter
+        of 1 (plus a count of whether it was clipped), and the update's norm before clipping."""
         update = update_of(payload, arch, reference)
         norm = l2_norm(update)
         scale = self.clip / norm if norm > self.clip else 1.0
         out = {k: v * scale for k, v in update.items()} if scale != 1.0 else update
+        if self.local and self.noise_std > 0:
+            gen = rng.torch_generator(self.seed, "privacy-local-noise", round, client)
+            out = {k: v + self.noise_std * torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
+                   for k, v in sorted(out.items())}
         device = next(iter(update.values())).device if update else None
         out[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), dtype=torch.float64, device=device)
         out[CLIPPED_KEY] = torch.tensor(float(norm > self.clip), dtype=torch.float64, device=device)
@@ -136,7 +157,9 @@ class ClientLevelDP:
                    phase: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The round's release: noise on the sum of clipped updates, in the upload's form for the method's server
         step: entries m̃·(reference) + (Σ Δ̂_k + noise), weight m̃, so the method's mean is reference + that / m̃."""
-        m = self.expected_cohort
+        # client level: the fixed denominator; local: the method's own weights over what arrived
+        m = self.expected_cohort if not self.local else sum(
+            float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}")) or 1.0
         gen = rng.torch_generator(self.seed, f"privacy-noise/{phase}", round)
         out: dict[str, torch.Tensor] = {}
         for arch in sorted(references):
@@ -147,7 +170,7 @@ class ClientLevelDP:
                     continue
                 summed = total[key].to("cpu", torch.float64) if key in total else \
                     torch.zeros(ref.shape, dtype=torch.float64)
-                if self.mechanism.noise_multiplier > 0:
+                if self.mechanism.noise_multiplier > 0 and not self.local:
                     summed = summed + self.noise_std * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
                 out[key] = m * ref.to("cpu", torch.float64) + summed
             out[f"{arch}/{WEIGHT_KEY}"] = torch.tensor(m, dtype=torch.float64)

@@ -57,7 +57,7 @@ def test_clipping_and_noise_match_a_hand_computation_on_a_linear_model():
     norms = []
     for up in uploads:
         payload = {f"lin/{k}": v for k, v in up.items()} | {"lin/__weight__": torch.ones(())}
-        clipped, n = dp.clip_upload(payload, "lin", ref)
+        clipped, n = dp.clip_upload(payload, "lin", ref, round=4, client=len(norms))
         norms.append(n)
         for k, v in clipped.items():
             total[k] = total.get(k, 0) + v
@@ -85,6 +85,26 @@ def test_noise_and_clipping_give_the_same_numbers_on_one_and_three_workers(make_
     pd.testing.assert_frame_equal(deterministic(one["rounds"]), deterministic(three["rounds"]))
     assert one["rounds"]["privacy/clipped_fraction"].gt(0).any()  # the clip was met: the test is not vacuous
     assert one["clients"]["privacy/update_norm"].gt(0).all()
+
+
+def test_local_dp_noises_each_update_in_its_client_and_reports_one_clients_epsilon(make_config):
+    """Local DP keeps the method's weights: without noise or clipping it is FedAvg's (sample-weighted) run; with
+    noise, each client's release is a Gaussian of multiplier z, every round (no amplification), and the numbers are
+    the same on 1 and 3 workers."""
+    plain = load(run(make_config("results.run_id=plain"), LocalBackend()))["rounds"]
+    clear = load(run(make_config("privacy.level=local", "privacy.noise_multiplier=0", "privacy.clip=.inf",
+                                 "results.run_id=clear"), LocalBackend()))["rounds"]
+    pd.testing.assert_frame_equal(deterministic(clear.drop(columns=[c for c in clear if c.startswith("privacy/")])),
+                                  deterministic(plain))
+    cfg = make_config("privacy.level=local", "privacy.noise_multiplier=2", "privacy.clip=0.5", "privacy.accountant=rdp")
+    one = load(run(cfg, LocalBackend(num_workers=1)))["rounds"]
+    cfg.results.run_id = None
+    three = load(run(cfg, LocalBackend(num_workers=3)))["rounds"]
+    pd.testing.assert_frame_equal(deterministic(one), deterministic(three))
+    assert (one["privacy/noise_std"] == 2.0).all()  # 2 · z · C
+    everyone = Mechanism(2.0, "poisson", 1.0, 10, 10)
+    assert list(one["privacy/epsilon"]) == [epsilon(everyone, r + 1, 10 ** -1.1, "rdp") for r in one["round"]]
+    assert not np.allclose(one["accuracy"], plain["accuracy"])  # the noise reached the model
 
 
 def _exact_gaussian_epsilon(mu: float, delta: float) -> float:
