@@ -40,8 +40,8 @@ from jobs.readme_blocks import doc_pages
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
-SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_1w", "flower", "flower_2c", "pfl",
-           "pfl_multiprocess", "ray_floor")
+SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_dp", "fedsim_1w", "flower",
+           "flower_2c", "pfl", "pfl_multiprocess", "ray_floor")
 MAX_REPEAT = 1000  # interleaved repeats of a whole matrix: each takes minutes, so far above any real bench
 STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a plain file name in results/bench: no folder, not hidden
 
@@ -88,6 +88,10 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
     if system == "fedsim_local":  # one in-process worker with both CPUs' threads, as the plain loop and pfl use them
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", "-o", "runtime.threads=2",
                 *fedsim_args]
+    if system == "fedsim_dp":  # fedsim_local with client-level DP-FedAvg: clipping, noise, the RDP accountant
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", "-o", "runtime.threads=2",
+                "-o", "algorithm.weighting=uniform", "-o", "privacy.level=client", "-o", "privacy.noise_multiplier=1",
+                "-o", "privacy.clip=1", "-o", "privacy.accountant=rdp", *fedsim_args]
     if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--client-cpus", "2", "-o", "runtime.threads=2",
                 *fedsim_args]
@@ -378,6 +382,7 @@ TARGETS = [
     ("AB", "fedsim Ray / pfl 2 processes, total", "fedsim_ray", "pfl_multiprocess", "total_s", 1.0),
     ("ABC", "fedsim Ray / pfl 2 processes, peak RSS", "fedsim_ray", "pfl_multiprocess", "peak_rss_mb", 1.0),
     ("AB", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.05),
+    ("AB", "fedsim with client-level DP / without, s/round", "fedsim_dp", "fedsim_local", "s_per_round", 1.05),
     ("AB", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.05),
     ("C", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.5),
     ("C", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.5),

@@ -124,15 +124,15 @@ def validate(cfg: RunConfig) -> None:
 
 
 def uploads_model_update(cfg: RunConfig) -> bool | None:
-    """Whether the method's round-0 phases upload a model update to a sum (None when its phases cannot be read
-    before the run builds its environment)."""
+    """Whether the method's round 0 is one phase that sums a model update (None when its phases cannot be read
+    before the run builds its environment; fedsim.transforms.check_round checks every round then)."""
     from fedsim.method.contract import get_algorithm
 
     try:
         phases = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, None).phases(0)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a method whose phases need its environment: checked when it runs
         return None
-    return any(p.reduce == "sum" and p.model_update for p in phases)
+    return len(phases) == 1 and phases[0].reduce == "sum" and phases[0].model_update
 
 
 def save_config(cfg: RunConfig, path: str | Path | StorePath) -> None:

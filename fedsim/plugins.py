@@ -9,9 +9,9 @@ import anything: a plugin's state classes load because the plugin registered the
 
 A run folder is data, never code. A new run records each plugin's module name and SHA-256 (its identity, never
 its path) and keeps a copy of it in the folder (`record`); a resumed run imports only what the user has, with the
-SHA-256 the run recorded: an installed module, a file the user names (`--plugins FILE`), the file at the recorded
-path, or one of its name in the current folder; the run folder's own copy only when the user says so
-(`--trust-run-plugins`). See `for_resume` and docs/trust.md.
+SHA-256 the run recorded: an installed module, a file the user names (`--plugins FILE`), or the file at the
+recorded path; the run folder's own copy only when the user says so (`--trust-run-plugins`). See `for_resume` and
+docs/trust.md.
 """
 
 from __future__ import annotations
@@ -312,28 +312,36 @@ def short(sha256: str) -> str:
 
 
 def identities(entries: object, recorded: dict | None = None) -> list[str]:
-    """What resolved `plugins` entries are, wherever their files now lie: 'module@<sha256, 12 digits>' (the SHA-256 a
-    run's manifest `recorded` for the entry, else that of its file, package or installed module), and the entry
-    itself for a file neither recorded nor here. Runs are compared by these, never by path (collect, sweeps)."""
+    """What a run folder's `plugins` entries are, by what its manifest `recorded`: 'module@<sha256, 12 digits>', or
+    the entry as written where it recorded none. Runs are compared by these, never by path (collect, sweeps). Reads
+    nothing and imports nothing: a run folder is data."""
     out = []
-    for plugin in parse_resolved(entries):
-        kept = (recorded or {}).get(plugin.entry)
+    for entry in entries if isinstance(entries, list) else []:
+        kept = (recorded or {}).get(entry) if isinstance(entry, str) else None
         if isinstance(kept, dict) and isinstance(kept.get("module"), str) and isinstance(kept.get("sha256"), str):
             out.append(f"{kept['module']}@{short(kept['sha256'])}")
-        elif (source := plugin.path if plugin.path is not None else _origin(plugin.module)) is not None and \
-                source.exists():
-            out.append(f"{plugin.module}@{short(source_sha256(source))}")
         else:
-            out.append(plugin.entry)
+            out.append(str(entry))
+    return out
+
+
+def own_identities(entries: object) -> list[str]:
+    """`identities` of the user's own resolved `plugins` (a config about to run): each file's, package's or
+    installed module's SHA-256 as `record` will keep it."""
+    out = []
+    for plugin in parse_resolved(entries):
+        source = plugin.path if plugin.path is not None else _origin(plugin.module)
+        out.append(f"{plugin.module}@{short(source_sha256(source))}" if source is not None and source.exists()
+                   else plugin.entry)
     return out
 
 
 def for_resume(entries: object, recorded: dict, run_dir: Location, sources: PluginSources) -> list[str]:
     """The plugins a resumed run imports for the `plugins` its folder names: each a module installed here (not
     inside the run folder), or a file whose SHA-256 is the one the run recorded: the user's own (`sources.files`),
-    the run folder's copy (only with `sources.trust_run_copies`), the file at the recorded absolute path (outside
-    the run folder), or one of its name in the current folder or installed. Anything else is a ConfigError naming
-    the plugin (and both SHA-256s) and how to allow it; nothing is imported here."""
+    the run folder's copy (only with `sources.trust_run_copies`), or the file at the recorded absolute path (outside
+    the run folder). Anything else is a ConfigError naming the plugin (and both SHA-256s) and how to allow it;
+    nothing is imported here."""
     if not isinstance(entries, list) or not all(isinstance(e, str) and e.strip() for e in entries):
         raise ConfigError(f"plugins: expected a list of module names or .py paths, got {entries!r}"[:300])
     given = {_module_name(str(f), f.stem if f.suffix == ".py" else f.name): f for f in sources.files}
@@ -403,19 +411,9 @@ def _source(entry: str, kept: dict, given: dict[str, Path], run_dir: Location, s
     if isinstance(run_dir, Path) and path.resolve().is_relative_to(run_dir.resolve()):
         raise ConfigError(f"plugins: {entry!r} lies inside the run folder; a run's files are data, not code: "
                           f"{_how_to_allow(kept)}")
-    # where a moved or job-submitted run's plugin may be now: its recorded path (a job's is Ray's temporary copy,
-    # gone after the job), a file of that name in the current folder, an installed module of that name
-    found = [(where, p) for where, p in (("the file at", path), ("the file", Path.cwd() / path.name),
-                                         ("installed module", _origin(kept["module"])))
-             if p is not None and p.exists()]
-    for _, p in found:
-        if source_sha256(p) == kept["sha256"]:
-            return p
-    if found:
-        where, p = found[0]
-        raise _changed(entry, where, p, source_sha256(p), kept)
-    raise ConfigError(f"plugins: {entry!r}: no such file here, nor {path.name} in the current folder, nor an installed "
-                      f"module {kept['module']}; {_how_to_allow(kept)}")
+    if not path.exists():  # a job's plugin was Ray's temporary copy: the user names theirs with --plugins
+        raise ConfigError(f"plugins: {entry!r}: no such file here; {_how_to_allow(kept)}")
+    return _checked(entry, "the file at", path, kept)
 
 
 def _checked(entry: str, where: str, path: Path, kept: dict) -> Path:

@@ -160,12 +160,13 @@ def run_key(cfg: Any) -> str:
 def _experiment(config: dict, recorded: dict | None = None) -> str:
     """A config's keys and values as canonical JSON, without WHERE_KEYS, its plugins as fedsim.plugins.identities
     (by what a run's manifest `recorded` of them, if given)."""
-    from fedsim.plugins import identities
+    from fedsim.plugins import identities, own_identities
 
     d = dict(config)
     for section, keys in WHERE_KEYS.items():
         d[section] = {k: v for k, v in d.get(section, {}).items() if k not in keys}
-    d["plugins"] = identities(d.get("plugins"), recorded)
+    # a run folder's plugins by its manifest alone (its files are data); the user's own config's by their files
+    d["plugins"] = own_identities(d.get("plugins")) if recorded is None else identities(d.get("plugins"), recorded)
     return json.dumps(d, sort_keys=True, default=str)
 
 

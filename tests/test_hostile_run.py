@@ -219,14 +219,14 @@ def _name_plugin(run_dir: Path, entry: str, recorded: bool = False) -> None:
     ("plugin changed since", [], 2, "src/plug.py is not the file the run started with (SHA-256 CHANGED, the run "
                                     "recorded ORIGINAL)", None),
     ("plugin changed since", ["--plugins", "KEPT"], 0, None, "kept/plug.py"),
-    ("plugin gone", [], 2, "src/plug.py': no such file here, nor plug.py in the current folder, nor an installed "
-                           "module plug; to allow it, pass --plugins FILE (your copy of plug, as the run started "
-                           "with it) or --trust-run-plugins (import the run folder's copy, plugins/plug.py)", None),
+    ("plugin gone", [], 2, "src/plug.py': no such file here; to allow it, pass --plugins FILE (your copy of plug, as "
+                           "the run started with it) or --trust-run-plugins (import the run folder's copy, "
+                           "plugins/plug.py)", None),
+    ("plugin gone", ["--plugins", "CHANGED_COPY"], 2,
+     "plug.py': --plugins KEPT/changed/plug.py is not the file the run started with (SHA-256 CHANGED, the run "
+     "recorded ORIGINAL)", None),
     ("plugin gone", ["--trust-run-plugins"], 0, None, "plugged/plugins/plug.py"),
-    ("plugin gone, a copy in the current folder", [], 0, None, "kept/plug.py"),
-    ("plugin gone, another plug.py in the current folder", [], 2,
-     "plug.py': the file KEPT/plug.py is not the file the run started with (SHA-256 CHANGED, the run recorded "
-     "ORIGINAL)", None),
+    ("plugin gone, a copy in the current folder", [], 2, "src/plug.py': no such file here; to allow it", None),
     ("plugin gone", ["--plugins", "OTHER"], 2, "kept/other.py: names no plugin of this run (its plugins: ", None),
     ("plugin gone", ["--plugins", "MISSING"], 2, "kept/gone/plug.py: no such file or package folder", None),
     ("a copy recorded outside plugins/", ["--trust-run-plugins"], 2,
@@ -258,9 +258,9 @@ def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, a
         plugin.write_text(PLUGIN + "X = 1\n")
     elif case.startswith("plugin gone"):
         plugin.unlink()
-        cwd = str(kept) if "current folder" in case else cwd
-        if "another" in case:
-            (kept / "plug.py").write_text(PLUGIN + "X = 1\n")
+        cwd = str(kept) if "current folder" in case else cwd  # a file in the current folder is not looked for
+        (kept / "changed").mkdir()
+        (kept / "changed" / "plug.py").write_text(PLUGIN + "X = 1\n")
     elif case == "the run folder's copy changed":
         plugin.unlink()
         (run_dir / "plugins" / "plug.py").write_text(EVIL)
@@ -270,6 +270,7 @@ def test_resume_imports_only_the_plugins_the_user_has(plugged, tmp_path, case, a
         manifest["plugins"][str(plugin)]["copy"] = "../evil.py"
         (run_dir / "checkpoints" / "manifest.json").write_text(json.dumps(manifest))
     args = [{"KEPT": str(kept / "plug.py"), "OTHER": str(kept / "other.py"),
+             "CHANGED_COPY": str(kept / "changed" / "plug.py"),
              "MISSING": str(kept / "gone" / "plug.py")}.get(a, a) for a in args]
     digests = {"ORIGINAL": hashlib.sha256(PLUGIN.encode()).hexdigest()[:12], "KEPT": str(kept),
                "CHANGED": hashlib.sha256((PLUGIN + "X = 1\n").encode()).hexdigest()[:12]}

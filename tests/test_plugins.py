@@ -246,14 +246,15 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
     collected = fedsim.collect([tmp_path / r for r in ("ray", "submitted", "local")])
     assert collected["config.plugins"].nunique() == 1
     assert collected["config.plugins"].iloc[0].startswith('["my_method@')
-    # resumed from another machine's view: the run folder moved, the plugin beside the user in the current folder
+    # resumed from another machine's view: the run folder moved, the user's own copy of the plugin named
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shutil.copy(EXAMPLE.with_suffix(".py"), elsewhere)
     moved = shutil.move(tmp_path / "submitted", elsewhere / "submitted")
     config = yaml.safe_load((moved / "config.yaml").read_text())
     (moved / "config.yaml").write_text(yaml.safe_dump({**config, "rounds": 3}))  # resume-safe: one round more
-    resumed = _cli("run", "--resume", str(moved), "--quiet", "--backend", "local", cwd=elsewhere)
+    resumed = _cli("run", "--resume", str(moved), "--quiet", "--backend", "local", "--plugins", "my_method.py",
+                   cwd=elsewhere)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert list(load(moved)["rounds"]["round"].unique()) == [0, 1, 2]
 

@@ -290,7 +290,6 @@ def test_a_run_in_a_store_resumes_with_its_own_plugin_copy_when_trusted(memory_r
     run_dir = f"{memory_root}/r"
     capsys.readouterr()
     assert main(["run", "--resume", run_dir, "--quiet"]) == 2
-    assert ("store_plug.py': no such file here, nor store_plug.py in the current folder, nor an installed module "
-            "store_plug; to allow it, pass --plugins FILE") in capsys.readouterr().err
+    assert "store_plug.py': no such file here; to allow it, pass --plugins FILE" in capsys.readouterr().err
     assert main(["run", "--resume", run_dir, "--quiet", "--trust-run-plugins"]) == 0, capsys.readouterr().err
     assert sys.modules["store_plug"].__file__.startswith(tempfile.gettempdir())

@@ -43,6 +43,7 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
+from fedsim.transforms import check_round
 
 log = logging.getLogger("fedsim.loop")
 
@@ -229,6 +230,7 @@ class Simulation:
         phases = backend.server.phases(r)
         for phase in phases:
             self.algorithm.check_phase(phase)
+        check_round(cfg, phases)  # under DP: one model-update phase a round, or the run stops here
         ids = [int(c) for c in sampled]
         n_of = {c: int(self.num_samples[c]) for c in ids}
         sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))

@@ -190,7 +190,7 @@ class ClientWorker:
             arch = self.env.client_archs[cid]
             if arch not in references:
                 references[arch] = self.algorithm.upload_reference(phase, common, arch)
-            return self.chain.client(res, arch, references[arch], round, cid)
+            return self.chain.client(res, arch, references[arch], round, cid, phase.name)
 
         return transform
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedsim.errors import ConfigError
 from fedsim.method.contract import ClientResult, Phase, SummedUpdate
 from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
 
@@ -29,13 +30,15 @@ class UpdateChain:
         return self.privacy is not None and phase.reduce == "sum" and phase.model_update
 
     def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor], round: int,
-               client: int) -> ClientResult:
+               client: int, phase: str) -> ClientResult:
         """A client's result as its worker sums it: the clipped (locally noised) update, its norm among its metrics;
         weight 1 under client-level DP, the method's own under local DP."""
         assert self.privacy is not None
-        payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client)
-        return ClientResult(payload=payload, weight=res.weight if self.privacy.local else 1.0,
-                            metrics={**res.metrics, "privacy/update_norm": norm}, state=res.state, probe=res.probe)
+        payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client, phase)
+        weight = res.weight if self.privacy.local else 1.0
+        payload[CLIPPED_KEY] = payload[CLIPPED_KEY] / weight  # the sum multiplies it back: a count of clients
+        return ClientResult(payload=payload, weight=weight, metrics={**res.metrics, "privacy/update_norm": norm},
+                            state=res.state, probe=res.probe)
 
     def server(self, updates: SummedUpdate, references: Mapping[str, Mapping[str, torch.Tensor]], round: int,
                phase: str) -> tuple[SummedUpdate, dict[str, float]]:
@@ -56,6 +59,16 @@ class UpdateChain:
         return True
 
 
+def check_round(cfg: RunConfig, phases: list[Phase]) -> None:
+    """Under DP a round is one phase that sums a model update: another phase's uploads would reach the server
+    unclipped and unnoised, and a second release would be one the accountant does not count (a ConfigError)."""
+    if cfg.privacy.level == "none":
+        return
+    if len(phases) != 1 or phases[0].reduce != "sum" or not phases[0].model_update:
+        raise ConfigError(f"privacy.level: {cfg.algorithm.name}'s round is not one phase that sums a model update "
+                          f"(model_update=True): it has {[p.name for p in phases]}; DP does not apply to it")
+
+
 def build_chain(cfg: RunConfig, solve: bool = False) -> UpdateChain:
     """The chain of `cfg` (`solve`: the server's, which solves target_epsilon's noise)."""
     if cfg.privacy.level == "none":
@@ -68,4 +81,4 @@ def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     check_privacy(cfg, uploads_model_update)
 
 
-__all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_chain"]
+__all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_chain", "check_round"]

@@ -45,12 +45,9 @@ def default_delta(num_clients: int) -> float:
 
 
 def cohort_mechanism(cfg: RunConfig, noise_multiplier: float) -> Mechanism:
-    """The round's release as the accountant sees it: the cohort's sampling (over-selection counts the clients drawn,
-    of which the fastest are kept: a draw that does not look at anyone's data)."""
-    k = clients_per_round(cfg)
-    if cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
-        k = min(math.ceil(k * (1 + cfg.stragglers.over_select)), cfg.data.num_clients)
-    return Mechanism(noise_multiplier, cfg.participation.sampling, sampling_rate(cfg), cfg.data.num_clients, k)
+    """The round's release as the accountant sees it: the cohort's sampling."""
+    return Mechanism(noise_multiplier, cfg.participation.sampling, sampling_rate(cfg), cfg.data.num_clients,
+                     clients_per_round(cfg))
 
 
 def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
@@ -63,11 +60,13 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     name = cfg.algorithm.name
     local = p.level == "local"
     if uploads_model_update is False:
-        raise ConfigError(f"privacy.level: client-level DP clips and noises a model update summed over clients; "
-                          f"{name} uploads none (no phase declares model_update), so it would not be private")
+        raise ConfigError(f"privacy.level: DP clips and noises a model update summed over clients; {name}'s round "
+                          "is not one phase that uploads one (model_update=True), so it would not be private")
     if not local and getattr(cfg.algorithm.params, "weighting", "uniform") != "uniform":
         raise ConfigError(f"privacy.level client weighs every client alike (its sensitivity bound needs it): set "
                           f"algorithm.params.weighting: uniform (it is {cfg.algorithm.params.weighting!r})")
+    if math.isinf(p.clip) and (p.noise_multiplier or 0) > 0:
+        raise ConfigError("privacy.clip: .inf with noise would make the noise infinite; clip to a finite norm")
     if len(set(cfg.model.mix) or {cfg.model.name}) > 1:
         raise ConfigError("privacy.level: clients of several architectures (model.mix) are not supported with DP")
     n = cfg.data.num_clients
@@ -80,8 +79,15 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     if cfg.participation.availability < 1:
         raise ConfigError("privacy.level: participation.availability < 1 makes who joins depend on availability, "
                           "which no accountant here models; set it to 1")
-    if cfg.participation.sampling == "poisson" and cfg.stragglers.enabled and cfg.stragglers.over_select > 0:
-        raise ConfigError("stragglers.over_select: a Poisson cohort is kept whole; set it to 0")
+    s = cfg.stragglers
+    if s.enabled and s.over_select > 0:  # keeping the fastest K: one client more can push another out
+        raise ConfigError("stragglers.over_select: keeping the fastest of the clients drawn lets one client change "
+                          "who else is kept, past the sensitivity the accountant assumes; set it to 0 under "
+                          "privacy.level client")
+    if s.enabled and s.deadline == "quantile":  # the deadline then moves with every participant's duration
+        raise ConfigError("stragglers.deadline: a quantile deadline lets one client change who else arrives in time, "
+                          "past the sensitivity the accountant assumes; use deadline: fixed or none under "
+                          "privacy.level client")
     check_accountable(cohort_mechanism(cfg, 1.0), p.accountant)
 
 
@@ -136,7 +142,7 @@ class ClientLevelDP:
         return self.spent[rounds]
 
     def clip_upload(self, payload: Mapping[str, torch.Tensor], arch: str, reference: Mapping[str, torch.Tensor],
-                    round: int, client: int) -> tuple[dict[str, torch.Tensor], float]:
+                    round: int, client: int, phase: str = "train") -> tuple[dict[str, torch.Tensor], float]:
         """The client's clipped update (noised by the client itself under local DP), summable with a weight counter
         of 1 (plus a count of whether it was clipped), and the update's norm before clipping."""
         update = update_of(payload, arch, reference)
@@ -144,7 +150,7 @@ class ClientLevelDP:
         scale = self.clip / norm if norm > self.clip else 1.0
         out = {k: v * scale for k, v in update.items()} if scale != 1.0 else update
         if self.local and self.noise_std > 0:
-            gen = rng.torch_generator(self.seed, "privacy-local-noise", round, client)
+            gen = rng.torch_generator(self.seed, f"privacy-local-noise/{phase}", round, client)
             out = {k: v + self.noise_std * torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
                    for k, v in sorted(out.items())}
         device = next(iter(update.values())).device if update else None
@@ -165,8 +171,9 @@ class ClientLevelDP:
         for arch in sorted(references):
             for name, ref in references[arch].items():
                 key = f"{arch}/{name}"
-                if not ref.is_floating_point():
-                    out[key] = m * ref.to(torch.float64)
+                if not ref.is_floating_point():  # a step counter: kept, and a half away from it so that the
+                    half = torch.where(ref >= 0, 0.5, -0.5)  # method's mean truncates back to it whatever m is
+                    out[key] = m * (ref.to("cpu", torch.float64) + half)
                     continue
                 summed = total[key].to("cpu", torch.float64) if key in total else \
                     torch.zeros(ref.shape, dtype=torch.float64)

@@ -57,7 +57,7 @@ def test_clipping_and_noise_match_a_hand_computation_on_a_linear_model():
     norms = []
     for up in uploads:
         payload = {f"lin/{k}": v for k, v in up.items()} | {"lin/__weight__": torch.ones(())}
-        clipped, n = dp.clip_upload(payload, "lin", ref, round=4, client=len(norms))
+        clipped, n = dp.clip_upload(payload, "lin", ref, round=4, client=len(norms), phase="train")
         norms.append(n)
         for k, v in clipped.items():
             total[k] = total.get(k, 0) + v
@@ -102,9 +102,21 @@ def test_local_dp_noises_each_update_in_its_client_and_reports_one_clients_epsil
     three = load(run(cfg, LocalBackend(num_workers=3)))["rounds"]
     pd.testing.assert_frame_equal(deterministic(one), deterministic(three))
     assert (one["privacy/noise_std"] == 2.0).all()  # 2 · z · C
+    assert one["privacy/clipped_fraction"].between(0, 1).all() and one["privacy/clipped_fraction"].gt(0).any()
     everyone = Mechanism(2.0, "poisson", 1.0, 10, 10)
     assert list(one["privacy/epsilon"]) == [epsilon(everyone, r + 1, 10 ** -1.1, "rdp") for r in one["round"]]
     assert not np.allclose(one["accuracy"], plain["accuracy"])  # the noise reached the model
+
+
+def test_a_step_counter_survives_a_fractional_expected_cohort():
+    """Under Poisson sampling the denominator qN need not be whole: an integer buffer (BatchNorm's batch counter) must
+    come back as it was, not one less after the method's mean truncates it."""
+    dp = ClientLevelDP(clip=1.0, mechanism=Mechanism(1.0, "poisson", 0.199, 100, 20), delta=1e-3, accountant="rdp",
+                       expected_cohort=19.9, max_epsilon=None, seed=0)
+    ref = {"w": torch.zeros(3), "num_batches_tracked": torch.tensor(2016)}
+    out, _ = dp.noisy_mean({}, 0, {"a": ref}, round=0, phase="train")
+    mean = (out["a/num_batches_tracked"] / out["a/__weight__"]).to(torch.int64)
+    assert int(mean) == 2016
 
 
 def _exact_gaussian_epsilon(mu: float, delta: float) -> float:
@@ -183,7 +195,14 @@ def test_a_resumed_run_continues_the_accountant(make_config, tmp_path):
     (["privacy.noise_multiplier=1"], "privacy.level client weighs every client alike (its sensitivity bound needs "
                                      "it): set algorithm.params.weighting: uniform (it is 'samples')"),
     (["algorithm.name=feddf", "privacy.noise_multiplier=1"],
-     "privacy.level: client-level DP clips and noises a model update summed over clients; feddf uploads none"),
+     "privacy.level: DP clips and noises a model update summed over clients; feddf's round is not one phase that "
+     "uploads one (model_update=True)"),
+    ([*UNIFORM, "privacy.noise_multiplier=1", "stragglers.enabled=true"], "stragglers.deadline: a quantile deadline "
+                                                                          "lets one client change who else arrives"),
+    ([*UNIFORM, "privacy.noise_multiplier=1", "stragglers.enabled=true", "stragglers.deadline=fixed",
+      "stragglers.deadline_value=5", "stragglers.over_select=0.5"], "stragglers.over_select: keeping the fastest"),
+    ([*UNIFORM, "privacy.noise_multiplier=1", "privacy.clip=.inf"], "privacy.clip: .inf with noise would make the "
+                                                                    "noise infinite"),
     ([*UNIFORM, "privacy.noise_multiplier=1", "privacy.delta=0.5"], "privacy.delta: 0.5 is not below "
                                                                    "1/data.num_clients = 0.25"),
     ([*UNIFORM, "privacy.noise_multiplier=1", "privacy.accountant=pld"],
