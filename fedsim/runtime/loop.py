@@ -43,7 +43,7 @@ from fedsim.runtime.setup import AnyPartition, client_archs, load_data, make_par
 from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
-from fedsim.transforms import check_round
+from fedsim.transforms import check_availability, check_round
 
 log = logging.getLogger("fedsim.loop")
 
@@ -140,6 +140,7 @@ class Simulation:
                 "extras": data.extras}
         del data  # `arrays` is now the driver's only reference: the Ray backend frees it once it is shared
         self.profiles = make_profiles(cfg)  # before the workers start: a bad device trace costs no Ray start
+        check_availability(cfg, self.profiles.availability)
         t0 = time.perf_counter()
         self.backend.start(cfg, arrays, self.part, meta, self.run_dir)
         self.startup_s = time.perf_counter() - t0

@@ -13,6 +13,6 @@ Every stage draws from named random streams (fedsim.rng), so the numbers do not 
 are. docs/privacy.md says what each key does.
 """
 
-from fedsim.transforms.chain import UpdateChain, build_chain, check_chain, check_round
+from fedsim.transforms.chain import UpdateChain, build_chain, check_availability, check_chain, check_round
 
-__all__ = ["UpdateChain", "build_chain", "check_chain", "check_round"]
+__all__ = ["UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

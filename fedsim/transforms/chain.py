@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,14 @@ def check_round(cfg: RunConfig, phases: list[Phase]) -> None:
                           f"(model_update=True): it has {[p.name for p in phases]}; DP does not apply to it")
 
 
+def check_availability(cfg: RunConfig, availability: Any) -> None:
+    """Under client-level DP every client must be available every round: a device trace's availability makes who
+    joins depend on it, which no accountant here models (a ConfigError naming the trace)."""
+    if cfg.privacy.level == "client" and (availability < 1).any():
+        raise ConfigError(f"stragglers.trace: {cfg.stragglers.trace} gives clients an availability below 1, which "
+                          "no accountant here models under privacy.level client; drop its availability column")
+
+
 def build_chain(cfg: RunConfig, solve: bool = False) -> UpdateChain:
     """The chain of `cfg` (`solve`: the server's, which solves target_epsilon's noise)."""
     if cfg.privacy.level == "none":
@@ -81,4 +89,4 @@ def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     check_privacy(cfg, uploads_model_update)
 
 
-__all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_chain", "check_round"]
+__all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

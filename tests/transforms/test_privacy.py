@@ -223,3 +223,12 @@ def test_an_unreachable_target_epsilon_is_one_line_and_leaves_no_run_folder(tmp_
                             "privacy.accountant=rdp", "privacy.target_epsilon=1e-9", "privacy.delta=1e-3")
     assert_one_line_error(proc, root, "privacy.target_epsilon: 1e-09 is out of reach in 1 rounds at delta 0.001: "
                                       "even noise_multiplier 1000 spends epsilon ")
+
+
+def test_a_device_trace_with_availability_is_refused_under_client_level_dp(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps,availability\n" + "".join(f"{c},1.0,20,0.5\n" for c in range(4)))
+    proc, root = fedsim_run(tmp_path, TINY, "algorithm.weighting=uniform", "privacy.level=client",
+                            "privacy.accountant=rdp", "privacy.noise_multiplier=1", f"stragglers.trace={trace}")
+    assert_one_line_error(proc, root, f"stragglers.trace: {trace} gives clients an availability below 1, which no "
+                                      "accountant here models under privacy.level client")
