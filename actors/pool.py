@@ -174,6 +174,9 @@ class RemoteServer:
     def set_state(self, state: Any) -> None:
         self._call("set_state", state)
 
+    def resume_chain(self, columns: dict[str, float]) -> None:
+        self._call("resume_chain", columns)
+
     def rss_bytes(self) -> int:
         return self._call("rss_bytes")
 
@@ -330,7 +333,8 @@ class RayBackend:
         futures = {}
         for w, cids in sorted(assignments.items()):
             per = {c: for_the_wire(bc.per_client[c]) for c in cids if bc.per_client and c in bc.per_client}
-            futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late)
+            futures[w] = self.workers[w].run_phase.remote(round, phase_index, phase, common, per, cids, late,
+                                                          bc.chain)
         deadline = time.monotonic() + timeout
         pending = list(futures.values())
         while pending and time.monotonic() < deadline:

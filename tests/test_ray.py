@@ -282,11 +282,12 @@ def test_cluster_config_passes_ray_validation():
 
 
 def test_dp_noise_and_clipping_on_ray_match_the_local_backend(ray_local, make_config):
-    """Client-level DP on two Ray workers: the clipping in the workers and the noise on the server give the local
-    backend's numbers (named streams, exact sums)."""
+    """Client-level DP with an adaptive clip on two Ray workers: the clipping in the workers (at the clip the server
+    sends each round) and the noise on the server give the local backend's numbers (named streams, exact sums)."""
     dp = ["algorithm.weighting=uniform", "privacy.level=client", "privacy.noise_multiplier=1.0", "privacy.clip=0.5",
-          "privacy.accountant=rdp", "runtime.client_cpus=0.5", "runtime.num_workers=2"]
+          "privacy.accountant=rdp", "privacy.adaptive_clip=true", "privacy.count_noise=1", "runtime.client_cpus=0.5",
+          "runtime.num_workers=2"]
     on_ray = load(run(make_config("runtime.backend=ray", *dp, rounds=2), RayBackend()))["rounds"]
     local = load(run(make_config(*dp, rounds=2), LocalBackend(num_workers=1)))["rounds"]
-    assert on_ray["privacy/clipped_fraction"].gt(0).any()
+    assert on_ray["privacy/clipped_fraction"].gt(0).any() and on_ray["privacy/clip"].nunique() == 2
     pd.testing.assert_frame_equal(deterministic(on_ray), deterministic(local))

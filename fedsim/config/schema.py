@@ -243,6 +243,13 @@ class PrivacyConfig:
                                           "differ by up to 2 clip); unset: solved from target_epsilon")
     target_epsilon: float | None = knob(None, gt=0, le=1e6, doc="solve noise_multiplier before round 0 so that the "
                                         "planned rounds spend at most this epsilon at delta")
+    adaptive_clip: bool = knob(False, doc="level client: the clip follows a quantile of the update norms (Andrew et "
+                               "al. 2021), from clip as its start, its noisy count paid for in the accountant")
+    target_quantile: float = knob(0.5, gt=0, lt=1, doc="adaptive_clip: the share of updates left unclipped it aims at")
+    clip_lr: float = knob(0.2, gt=0, le=10, doc="adaptive_clip: the geometric step, clip *= exp(-clip_lr * (share "
+                          "unclipped - target_quantile))")
+    count_noise: float | None = knob(None, gt=0, le=1e9, doc="adaptive_clip: std of the noise on the count of "
+                                     "unclipped updates (coded +-1/2); default expected cohort / 20")
     delta: float | None = knob(None, gt=0, lt=1, doc="the delta of (epsilon, delta); default 1 / num_clients^1.1")
     accountant: Literal["pld", "rdp", "prv"] = knob(
         "pld", doc="dp-accounting's privacy-loss-distribution (pld) or Renyi (rdp) accountant, or prv-accountant's "

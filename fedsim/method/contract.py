@@ -66,6 +66,7 @@ class Broadcast:
 
     common: Any = None
     per_client: dict[int, Any] | None = None
+    chain: dict[str, float] | None = None  # set by the runtime: the update chain's settings for the round (its clip)
 
     def for_client(self, client_id: int) -> Any:
         return None if self.per_client is None else self.per_client.get(client_id)

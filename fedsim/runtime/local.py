@@ -74,7 +74,8 @@ class LocalBackend:
             for w, cids in sorted(assignments.items()):
                 per = {c: bc.per_client[c] for c in cids if bc.per_client and c in bc.per_client}
                 try:
-                    replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late)
+                    replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late,
+                                                           bc.chain)
                 except OutOfMemory:  # a client ran out of memory: the run stops, naming it
                     raise
                 except Exception as exc:  # the whole worker failed

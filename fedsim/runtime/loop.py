@@ -180,6 +180,10 @@ class Simulation:
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             raise CheckpointError(f"{self.ckpt_path}: does not fit this run ({lines[-1][:300]})") from None
         last = ck["round"]
+        saved = rounds[rounds["round"] == last]
+        if len(saved):  # the chain's state after that round (the adaptive clip), from its columns
+            self.backend.server.resume_chain({k: float(v) for k, v in saved.iloc[-1].items()
+                                              if isinstance(k, str) and k.startswith("privacy/") and pd.notna(v)})
         return RunState(last + 1, ck["virtual_time"], table_rows(rounds[rounds["round"] <= last]),
                         table_rows(clients[clients["round"] <= last]))
 

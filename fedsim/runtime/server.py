@@ -62,6 +62,7 @@ class Server:
         bc = self.algorithm.broadcast(phase, self.state, info)
         if self.chain.applies(phase):
             self.sent[phase.name] = bc.common
+            bc.chain = self.chain.for_clients()
         per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
         return BroadcastReply(bc, state_nbytes(bc.common), per, time.perf_counter() - t0)
 
@@ -104,3 +105,7 @@ class Server:
 
     def set_state(self, state: Any) -> None:
         self.state = state
+
+    def resume_chain(self, columns: dict[str, float]) -> None:
+        """The update chain's state after the last saved round, from that round's row (the adaptive clip)."""
+        self.chain.resume(columns)

@@ -133,7 +133,8 @@ class ClientWorker:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, common: Any, per_client: dict[int, Any],
-                  client_ids: list[int], late: list[int] | None = None) -> WorkerReply:
+                  client_ids: list[int], late: list[int] | None = None,
+                  chain: dict[str, float] | None = None) -> WorkerReply:
         """Run `phase` for `client_ids` (sorted). Clients in `late` run (their time and metrics count), but their
         state is not committed and their upload is dropped here: the server reads only the clients that arrived."""
         start = time.perf_counter()
@@ -151,7 +152,7 @@ class ClientWorker:
                                  env=self.env, phase_index=phase_index)
 
         outcomes: dict[int, ClientOutcome] = {}
-        transform = self._chain_for(phase, common, round)
+        transform = self._chain_for(phase, common, round, chain or {})
         batched_before = self.batcher.trained
         self.kept_state = []
         if self.batcher.on:  # clients trained together, settled chunk by chunk
@@ -179,7 +180,8 @@ class ClientWorker:
                                  "states": len(self.store), "batched": self.batcher.trained - batched_before,
                                  "kept_state": self.kept_state[:1]})
 
-    def _chain_for(self, phase: Phase, common: Any, round: int) -> Callable[[int, ClientResult], ClientResult] | None:
+    def _chain_for(self, phase: Phase, common: Any, round: int,
+                   settings: dict[str, float]) -> Callable[[int, ClientResult], ClientResult] | None:
         """The update chain's client side for this phase (None where it does not apply), each architecture's
         reference taken from the broadcast once."""
         if not self.chain.applies(phase):
@@ -190,7 +192,7 @@ class ClientWorker:
             arch = self.env.client_archs[cid]
             if arch not in references:
                 references[arch] = self.algorithm.upload_reference(phase, common, arch)
-            return self.chain.client(res, arch, references[arch], round, cid, phase.name)
+            return self.chain.client(res, arch, references[arch], round, cid, phase.name, settings.get("clip"))
 
         return transform
 

@@ -29,12 +29,21 @@ class UpdateChain:
     def applies(self, phase: Phase) -> bool:
         return self.privacy is not None and phase.reduce == "sum" and phase.model_update
 
+    def for_clients(self) -> dict[str, float] | None:
+        """What the workers' side needs this round besides the config: the adaptive clip."""
+        return {"clip": self.privacy.clip} if self.privacy is not None and self.privacy.adaptive else None
+
+    def resume(self, columns: Mapping[str, float]) -> None:
+        """Continue after a saved round, from its `privacy/` columns."""
+        if self.privacy is not None:
+            self.privacy.resume(columns)
+
     def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor], round: int,
-               client: int, phase: str) -> ClientResult:
+               client: int, phase: str, clip: float | None = None) -> ClientResult:
         """A client's result as its worker sums it: the clipped (locally noised) update, its norm among its metrics;
         weight 1 under client-level DP, the method's own under local DP."""
         assert self.privacy is not None
-        payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client, phase)
+        payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client, phase, clip)
         weight = res.weight if self.privacy.local else 1.0
         payload[CLIPPED_KEY] = payload[CLIPPED_KEY] / weight  # the sum multiplies it back: a count of clients
         return ClientResult(payload=payload, weight=weight, metrics={**res.metrics, "privacy/update_norm": norm},

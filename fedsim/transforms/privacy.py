@@ -50,6 +50,20 @@ def cohort_mechanism(cfg: RunConfig, noise_multiplier: float) -> Mechanism:
                      clients_per_round(cfg))
 
 
+def split_noise(noise_multiplier: float, count_noise: float | None, expected_cohort: float) -> tuple[float, float]:
+    """(the count's noise std σ_b, the update sum's noise multiplier z_Δ) that together spend what one Gaussian of
+    `noise_multiplier` z does: z^-2 = z_Δ^-2 + (2σ_b)^-2 (Andrew et al. 2021, as TFF splits it); σ_b defaults to
+    the expected cohort / 20. A ConfigError when σ_b leaves no noise for the update (2σ_b ≤ z)."""
+    if noise_multiplier == 0:
+        return 0.0, 0.0
+    count_std = count_noise if count_noise is not None else expected_cohort / 20
+    if 2 * count_std <= noise_multiplier:
+        raise ConfigError(f"privacy.count_noise: {count_std:g} spends the whole noise_multiplier {noise_multiplier:g} "
+                          f"on the count of unclipped updates (it needs count_noise > noise_multiplier / 2 = "
+                          f"{noise_multiplier / 2:g}); raise it, or lower the noise")
+    return count_std, (noise_multiplier ** -2 - (2 * count_std) ** -2) ** -0.5
+
+
 def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     """The privacy section against the rest of the config, in one line per problem (ConfigError): what the accountant
     cannot model is refused, never reported as a number. `uploads_model_update`: whether the method's phases upload a
@@ -65,6 +79,8 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     if not local and getattr(cfg.algorithm.params, "weighting", "uniform") != "uniform":
         raise ConfigError(f"privacy.level client weighs every client alike (its sensitivity bound needs it): set "
                           f"algorithm.params.weighting: uniform (it is {cfg.algorithm.params.weighting!r})")
+    if p.adaptive_clip and (local or math.isinf(p.clip)):
+        raise ConfigError("privacy.adaptive_clip: needs level client and a finite clip to start from")
     if math.isinf(p.clip) and (p.noise_multiplier or 0) > 0:
         raise ConfigError("privacy.clip: .inf with noise would make the noise infinite; clip to a finite norm")
     if len(set(cfg.model.mix) or {cfg.model.name}) > 1:
@@ -89,6 +105,9 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
                           "past the sensitivity the accountant assumes; use deadline: fixed or none under "
                           "privacy.level client")
     check_accountable(cohort_mechanism(cfg, 1.0), p.accountant)
+    if p.adaptive_clip and p.noise_multiplier:
+        poisson = cfg.participation.sampling == "poisson"
+        split_noise(p.noise_multiplier, p.count_noise, sampling_rate(cfg) * n if poisson else clients_per_round(cfg))
 
 
 @dataclass
@@ -103,6 +122,11 @@ class ClientLevelDP:
     max_epsilon: float | None
     seed: int
     local: bool = False  # each client noises its own update (level local) instead of the server the sum
+    adaptive: bool = False  # the clip follows a quantile of the update norms (Andrew et al. 2021)
+    quantile: float = 0.5  # the share of updates the adaptive clip leaves unclipped, at its fixed point
+    clip_lr: float = 0.2
+    count_std: float = 0.0  # std of the noise on the count of unclipped updates (coded ±1/2)
+    update_multiplier: float | None = None  # the noise multiplier of the update sum, once the count's share is paid
     spent: dict[int, float] = field(default_factory=dict)  # epsilon after so many rounds (each computed once)
 
     @classmethod
@@ -123,6 +147,9 @@ class ClientLevelDP:
         poisson = cfg.participation.sampling == "poisson"
         expected = sampling_rate(cfg) * n if poisson else float(clients_per_round(cfg))
         dp = cls(p.clip, mech, delta, p.accountant, expected, p.max_epsilon, cfg.seed, local)
+        if p.adaptive_clip:
+            dp.adaptive, dp.quantile, dp.clip_lr = True, p.target_quantile, p.clip_lr
+            dp.count_std, dp.update_multiplier = split_noise(mech.noise_multiplier, p.count_noise, expected)
         if solve and p.max_epsilon is not None and dp.epsilon_after(1) > p.max_epsilon:
             raise ConfigError(f"privacy.max_epsilon: {p.max_epsilon:g} is spent by round 0 alone (epsilon "
                               f"{dp.epsilon_after(1):.4g} at delta {delta:.3g})")
@@ -131,7 +158,7 @@ class ClientLevelDP:
     @property
     def noise_std(self) -> float:
         """The std of the noise on the round's sum (client) or on each client's update (local: sensitivity 2C)."""
-        z = self.mechanism.noise_multiplier
+        z = self.mechanism.noise_multiplier if self.update_multiplier is None else self.update_multiplier
         if z == 0:
             return 0.0
         return z * self.clip * (2 if self.local else 1) if math.isfinite(self.clip) else math.inf
@@ -142,12 +169,15 @@ class ClientLevelDP:
         return self.spent[rounds]
 
     def clip_upload(self, payload: Mapping[str, torch.Tensor], arch: str, reference: Mapping[str, torch.Tensor],
-                    round: int, client: int, phase: str = "train") -> tuple[dict[str, torch.Tensor], float]:
-        """The client's clipped update (noised by the client itself under local DP), summable with a weight counter
-        of 1 (plus a count of whether it was clipped), and the update's norm before clipping."""
+                    round: int, client: int, phase: str = "train",
+                    clip: float | None = None) -> tuple[dict[str, torch.Tensor], float]:
+        """The client's update clipped to `clip` (the round's adaptive clip; default the configured one) and noised
+        by the client itself under local DP, summable with a weight counter of 1 (plus a count of whether it was
+        clipped), and the update's norm before clipping."""
+        clip = self.clip if clip is None else clip
         update = update_of(payload, arch, reference)
         norm = l2_norm(update)
-        scale = self.clip / norm if norm > self.clip else 1.0
+        scale = clip / norm if norm > clip else 1.0
         out = {k: v * scale for k, v in update.items()} if scale != 1.0 else update
         if self.local and self.noise_std > 0:
             gen = rng.torch_generator(self.seed, f"privacy-local-noise/{phase}", round, client)
@@ -155,7 +185,7 @@ class ClientLevelDP:
                    for k, v in sorted(out.items())}
         device = next(iter(update.values())).device if update else None
         out[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), dtype=torch.float64, device=device)
-        out[CLIPPED_KEY] = torch.tensor(float(norm > self.clip), dtype=torch.float64, device=device)
+        out[CLIPPED_KEY] = torch.tensor(float(norm > clip), dtype=torch.float64, device=device)
         return out, norm
 
     def noisy_mean(self, total: Mapping[str, torch.Tensor], arrived: int,
@@ -185,7 +215,24 @@ class ClientLevelDP:
         metrics = {"privacy/epsilon": self.epsilon_after(round + 1), "privacy/delta": self.delta,
                    "privacy/noise_multiplier": self.mechanism.noise_multiplier, "privacy/noise_std": self.noise_std,
                    "privacy/clip": self.clip, "privacy/clipped_fraction": clipped / arrived if arrived else 0.0}
+        if self.adaptive:
+            metrics.update(self.adapt_clip(arrived - clipped, arrived, gen))
         return out, metrics
+
+    def adapt_clip(self, unclipped: float, arrived: int, gen: torch.Generator) -> dict[str, float]:
+        """The next round's clip from this round's noisy count of unclipped updates, as TF Privacy's quantile
+        estimator (Andrew et al. 2021): b = clamp((Σ(b_k − ½) + N(0, σ_b²)) / m̃ + ½, 0, 1), divided by the *expected*
+        cohort m̃; clip ← clip · exp(−clip_lr · (b − target_quantile)): more updates clipped than the target, and the
+        clip grows."""
+        noise = self.count_std * float(torch.randn((), generator=gen, dtype=torch.float64)) if self.count_std else 0.0
+        share = min(1.0, max(0.0, (unclipped - arrived / 2 + noise) / self.expected_cohort + 0.5))
+        self.clip = self.clip * math.exp(-self.clip_lr * (share - self.quantile))
+        return {"privacy/unclipped_estimate": share, "privacy/next_clip": self.clip}
+
+    def resume(self, columns: Mapping[str, float]) -> None:
+        """Continue after a saved round: its adaptive clip for the next round."""
+        if self.adaptive and "privacy/next_clip" in columns:
+            self.clip = float(columns["privacy/next_clip"])
 
     def stop_before(self, round: int) -> bool:
         """Whether round `round` would take epsilon past max_epsilon."""

@@ -232,3 +232,43 @@ def test_a_device_trace_with_availability_is_refused_under_client_level_dp(tmp_p
                             "privacy.accountant=rdp", "privacy.noise_multiplier=1", f"stragglers.trace={trace}")
     assert_one_line_error(proc, root, f"stragglers.trace: {trace} gives clients an availability below 1, which no "
                                       "accountant here models under privacy.level client")
+
+
+def test_the_adaptive_clip_grows_when_updates_are_clipped_and_shrinks_when_none_are():
+    """TF Privacy's direction (Flower's strategy applies the rule to the share *clipped*, whose fixed point is
+    unstable): with every update clipped the clip must rise."""
+    dp = ClientLevelDP(clip=1.0, mechanism=Mechanism(0.0, "poisson", 1.0, 10, 10), delta=1e-3, accountant="rdp",
+                       expected_cohort=10.0, max_epsilon=None, seed=0, adaptive=True, quantile=0.5, clip_lr=0.2)
+    gen = torch.Generator().manual_seed(0)
+    assert dp.adapt_clip(0, 10, gen) == {"privacy/unclipped_estimate": 0.0, "privacy/next_clip": math.exp(0.1)}
+    dp.clip = 1.0
+    assert dp.adapt_clip(10, 10, gen)["privacy/next_clip"] == math.exp(-0.1)
+
+
+def test_the_count_query_takes_its_share_of_the_noise():
+    from fedsim.transforms.privacy import split_noise
+
+    count_std, update = split_noise(1.0, 1.0, 20)
+    assert count_std == 1.0 and update == pytest.approx((1 - 0.25) ** -0.5)
+    assert split_noise(1.0, None, 40) == (2.0, pytest.approx((1 - 1 / 16) ** -0.5))  # sigma_b = m / 20
+    with pytest.raises(ConfigError, match=r"privacy.count_noise: 0.5 spends the whole noise_multiplier 1"):
+        split_noise(1.0, 0.5, 20)
+
+
+def test_an_adaptive_clip_run_is_the_same_on_any_worker_count_and_resumed(make_config):
+    import yaml
+
+    cfg = make_config(*DP, "privacy.noise_multiplier=0.5", "privacy.clip=0.05", "privacy.adaptive_clip=true",
+                      "privacy.count_noise=1", "results.run_id=whole", rounds=3)
+    whole = load(run(cfg, LocalBackend(num_workers=1)))["rounds"]
+    assert whole["privacy/clip"].iloc[0] == 0.05 and whole["privacy/clip"].nunique() == 3  # it moved every round
+    assert (whole["privacy/clip"].iloc[1:].to_numpy() == whole["privacy/next_clip"].iloc[:-1].to_numpy()).all()
+    cfg.results.run_id = "three"
+    three = load(run(cfg, LocalBackend(num_workers=3)))["rounds"]
+    pd.testing.assert_frame_equal(deterministic(whole), deterministic(three))
+    cfg.rounds, cfg.results.run_id = 2, "resumed"
+    first = run(cfg, LocalBackend())
+    raw = yaml.safe_load((first / "config.yaml").read_text())
+    (first / "config.yaml").write_text(yaml.safe_dump({**raw, "rounds": 3}))
+    fedsim.run(resume=str(first), backend="local")
+    pd.testing.assert_frame_equal(deterministic(load(first)["rounds"]), deterministic(whole))
