@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedsim.errors import ConfigError
+from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.method.contract import ClientResult, Phase, SummedUpdate
 from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
 
@@ -54,7 +55,7 @@ class UpdateChain:
         """The round's sum as the method's server step reads it, and the chain's round columns."""
         assert self.privacy is not None
         total, metrics = self.privacy.noisy_mean(updates.total, updates.count, references, round, phase)
-        weight = sum(float(v) for k, v in total.items() if k.endswith("/__weight__"))
+        weight = sum(float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}"))
         return SummedUpdate(total, weight, updates.count), metrics
 
     def finished(self, round: int) -> bool:

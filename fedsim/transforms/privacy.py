@@ -50,6 +50,13 @@ def cohort_mechanism(cfg: RunConfig, noise_multiplier: float) -> Mechanism:
                      clients_per_round(cfg))
 
 
+def expected_cohort(cfg: RunConfig) -> float:
+    """The fixed denominator of client-level DP: q·N under Poisson sampling, else the cohort size m."""
+    if cfg.participation.sampling == "poisson":
+        return sampling_rate(cfg) * cfg.data.num_clients
+    return float(clients_per_round(cfg))
+
+
 def split_noise(noise_multiplier: float, count_noise: float | None, expected_cohort: float) -> tuple[float, float]:
     """(the count's noise std σ_b, the update sum's noise multiplier z_Δ) that together spend what one Gaussian of
     `noise_multiplier` z does: z^-2 = z_Δ^-2 + (2σ_b)^-2 (Andrew et al. 2021, as TFF splits it); σ_b defaults to
@@ -106,8 +113,7 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
                           "privacy.level client")
     check_accountable(cohort_mechanism(cfg, 1.0), p.accountant)
     if p.adaptive_clip and p.noise_multiplier:
-        poisson = cfg.participation.sampling == "poisson"
-        split_noise(p.noise_multiplier, p.count_noise, sampling_rate(cfg) * n if poisson else clients_per_round(cfg))
+        split_noise(p.noise_multiplier, p.count_noise, expected_cohort(cfg))
 
 
 @dataclass
@@ -144,8 +150,7 @@ class ClientLevelDP:
         mech = mechanism(p.noise_multiplier or 0.0)
         if p.target_epsilon is not None and (solve or local):  # a local worker noises with the solved z too
             mech = mechanism(calibrate(mech, cfg.rounds, delta, p.accountant, p.target_epsilon))
-        poisson = cfg.participation.sampling == "poisson"
-        expected = sampling_rate(cfg) * n if poisson else float(clients_per_round(cfg))
+        expected = expected_cohort(cfg)
         dp = cls(p.clip, mech, delta, p.accountant, expected, p.max_epsilon, cfg.seed, local)
         if p.adaptive_clip:
             dp.adaptive, dp.quantile, dp.clip_lr = True, p.target_quantile, p.clip_lr
