@@ -174,8 +174,11 @@ class RemoteServer:
     def set_state(self, state: Any) -> None:
         self._call("set_state", state)
 
-    def resume_chain(self, columns: dict[str, float]) -> None:
-        self._call("resume_chain", columns)
+    def chain_state(self) -> dict[str, Any]:
+        return self._call("chain_state")
+
+    def resume_chain(self, columns: dict[str, float], state: dict[str, Any] | None = None) -> None:
+        self._call("resume_chain", columns, state)
 
     def rss_bytes(self) -> int:
         return self._call("rss_bytes")

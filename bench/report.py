@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
     ap.add_argument("--docs", nargs="*", default=None, metavar="PAGE",
                     help="write the <!-- bench:fedavg --> and <!-- bench:headline --> blocks from the summary, and "
-                         "<!-- bench:scale --> and <!-- bench:gpu --> from scale.md and gpu.md beside it, on whichever "
+                         "<!-- bench:scale -->, <!-- bench:gpu --> and <!-- bench:robust_aggregation --> from the .md "
+                         "files of those names beside it, on whichever "
                          "PAGE holds them (default: README.md and docs/**/*.md)")
     args = ap.parse_args(argv)
     try:
@@ -520,7 +521,8 @@ def paste_docs(data: dict, summary: str, pages: list[str]) -> list[str]:
     blocks = {"fedavg": speed_block(data, source)}
     if "headline" in present:
         blocks["headline"] = headline_block(data, source)
-    for name in ("scale", "gpu"):  # make bench-scale's and bench.gpu_bench's reports, when beside it
+    # make bench-scale's, bench.gpu_bench's and bench.robust_bench's reports, when beside it
+    for name in ("scale", "gpu", "robust_aggregation"):
         md = path.parent / f"{name}.md"
         if md.is_file():
             blocks[name] = markdown_block(md)

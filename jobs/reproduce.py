@@ -73,6 +73,7 @@ class TableSpec:
     paper_title: str = knob("", doc="the paper the figures come from, as the table names it")
     paper: list[PaperFigure] = knob(factory=list)
     mechanism: list[MechanismCell] = knob(factory=list)
+    quick: list[str] = knob([], doc="this table's own --quick overrides, after the manifest's")
 
 
 @dataclass
@@ -142,8 +143,9 @@ def _check_table(t: TableSpec, where: str) -> None:
     if t.compare not in scores:
         raise ConfigError(f"{where}.compare: {t.compare!r} is not one of {list(scores)}")
     from fedsim.method.contract import algorithm_names, get_algorithm
+    from fedsim.transforms import CHAIN_COLUMNS
 
-    documented = {c for n in algorithm_names() for c in get_algorithm(n).mechanism_columns}
+    documented = {c for n in algorithm_names() for c in get_algorithm(n).mechanism_columns} | CHAIN_COLUMNS
     for j, m in enumerate(t.mechanism):
         unknown = [c for c in m.columns if c not in documented]
         if not m.columns or unknown:
@@ -263,7 +265,7 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     sw.seeds = seeds
     runs = plan(sw, Path(t.sweep))
     for r in runs:
-        extra = quick_overrides(quick, r["config"], r["overrides"]) if quick else []
+        extra = [*quick_overrides(quick, r["config"], r["overrides"]), *t.quick] if quick else []
         r["overrides"] = [*r["overrides"], *extra, f"results.root={root / 'runs'}"]
     configs = [load_config(r["config"], r["overrides"]) for r in runs]
     df = execute(runs, configs, sw, fresh, jobs)
@@ -272,10 +274,12 @@ def run_sweep_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
             for k, v in df.groupby([*grid_cols, "arm"], sort=False)[t.compare].mean().items()}
     head, rows = summary(df, sw)
     mech_head, mech = mechanism_cells(t, df, [*grid_cols, "arm"])
+    paper = ["paper (%)", "direction holds?"] if t.paper else []  # a table of our own findings has no paper cells
     out = [cells + mech.get(keys, ["—"] * len(mech_head))
-           + paper_cells(t, keys[-1], dict(zip(grid_cols, keys[:-1])), ours) for keys, cells in rows]
+           + (paper_cells(t, keys[-1], dict(zip(grid_cols, keys[:-1])), ours) if paper else [])
+           for keys, cells in rows]
     budget = ", ".join(str(r) for r in sorted({c.rounds for c in configs})) + " rounds"
-    return Result([*head, *mech_head, "paper (%)", "direction holds?"], out, df, configs, budget)
+    return Result([*head, *mech_head, *paper], out, df, configs, budget)
 
 
 def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec | None, fresh: bool,
@@ -372,9 +376,10 @@ def render(t: TableSpec, res: Result, seeds: list[int], command: str) -> str:
         f"Data: {describe_data(res.configs)}. Budget: {res.budget}. Seeds: {', '.join(map(str, seeds))}; "
         "mean ± std (population) over seeds, accuracies in %"
         + ("; an empty cell is a budget past the rounds run." if t.sweep is not None else "."),
-        f"Paper: {t.paper_title}, its figure for the closest setting (source in brackets). Direction holds? = "
-        f"sign(ours − ours(reference)) equals sign(paper − paper(reference)), on our {t.compare.replace('_', ' ')} "
-        f"accuracy; reference: {', '.join(refs) or 'none'}.",
+        (f"Paper: {t.paper_title}, its figure for the closest setting (source in brackets). Direction holds? = "
+         f"sign(ours − ours(reference)) equals sign(paper − paper(reference)), on our "
+         f"{t.compare.replace('_', ' ')} accuracy; reference: {', '.join(refs) or 'none'}." if t.paper else
+         f"The papers' claims it tests: {t.paper_title}."),
         f"Hardware: {hardware}. Date: {datetime.now().strftime('%Y-%m-%d')}. Wall time: {wall:.0f} s "
         f"(the runs' own, summed). Command: `{command}`.", ""])
 

@@ -608,3 +608,36 @@ def test_proc_memory_refuses_bad_arguments_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         proc_memory.main(argv)
     assert exit_.value.code == 2 and capsys.readouterr().err == message + "\n"
+
+
+def test_robust_bench_hands_flower_the_same_updates_and_times_fedsims_server_path(tmp_path):
+    """bench.robust_bench's two sides without Flower: the saved rows come back as Flower's per-layer `results`, and
+    fedsim's timed path (the clients' updates stacked, then the rule) gives the rule's aggregate; the table renders."""
+    import argparse
+
+    import numpy as np
+    import torch
+
+    from bench import flower_robust, robust_bench
+    from fedsim.transforms import robust
+
+    shapes = [(2, 3), (4,), (1, 1, 2, 2)]
+    d = sum(int(np.prod(s)) for s in shapes)
+    rows, weights = robust_bench.updates(12, d)
+    path = tmp_path / "u.npz"
+    np.savez(path, rows=rows, shapes=np.array([list(s) + [0] * (4 - len(s)) for s in shapes]), weights=weights)
+    results = flower_robust.results_of(str(path))
+    assert [tuple(a.shape) for a in results[3][0]] == shapes and results[3][1] == weights[3]
+    np.testing.assert_array_equal(np.concatenate([a.ravel() for a in results[3][0]]), rows[3])
+    cuts = np.cumsum([0, *[int(np.prod(s)) for s in shapes]])
+    held = [{f"e{i}": torch.from_numpy(r[cuts[i]:cuts[i + 1]].astype(np.float64)) for i in range(len(shapes))}
+            for r in rows]
+    seconds, peak, ours = robust_bench.fedsim_time("multi_krum", held, weights, 1)
+    want = robust.aggregate("multi_krum", torch.from_numpy(rows.astype(np.float64)),
+                            torch.from_numpy(weights.astype(np.float64)), robust_bench.attackers(12)).aggregate
+    np.testing.assert_allclose(ours, want.numpy(), rtol=1e-12)
+    assert seconds > 0 and peak >= 0
+    row = {"n": 12, "rule": "multi_krum", "fedsim_s": seconds, "flower_s": float("nan"), "max_abs_diff": float("nan"),
+           "peak_over_updates_bytes": peak, "updates_bytes": 12 * d * 8}
+    md = robust_bench.render([row], argparse.Namespace(sizes="12", repeat=1))
+    assert "| 12 | multi_krum |" in md and "not run" in md

@@ -291,3 +291,16 @@ def test_dp_noise_and_clipping_on_ray_match_the_local_backend(ray_local, make_co
     local = load(run(make_config(*dp, rounds=2), LocalBackend(num_workers=1)))["rounds"]
     assert on_ray["privacy/clipped_fraction"].gt(0).any() and on_ray["privacy/clip"].nunique() == 2
     pd.testing.assert_frame_equal(deterministic(on_ray), deterministic(local))
+
+
+def test_colluders_and_a_robust_aggregator_on_three_ray_workers_match_one_local_worker(ray_local, make_config):
+    """Min-max colluders spread over three Ray workers, each client's update sent to the server, Multi-Krum there:
+    the local backend's tables, row for row (who was kept included)."""
+    robust = ["attack.kind=min_max", "attack.fraction=0.3", "aggregator.name=multi_krum", "aggregator.f=1",
+              "participation.clients_per_round=6", "runtime.client_cpus=0.5", "runtime.num_workers=3"]
+    on_ray = load(run(make_config("runtime.backend=ray", *robust, rounds=2), RayBackend()))
+    local = load(run(make_config(*robust, rounds=2), LocalBackend(num_workers=1)))
+    assert on_ray["rounds"]["attack/attackers"].gt(0).all() and on_ray["clients"]["worker"].nunique() == 3
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    columns = ["round", "client", "role", "kept", "update_norm"]
+    pd.testing.assert_frame_equal(on_ray["clients"][columns], local["clients"][columns])

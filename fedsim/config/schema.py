@@ -263,6 +263,53 @@ class PrivacyConfig:
 
 
 @dataclass
+class AttackConfig:
+    kind: Literal["none", "label_flip", "backdoor", "sign_flip", "gaussian", "scaling", "alie", "min_max", "min_sum",
+                  "ipm"] = knob("none", doc="what the malicious clients do (docs/robustness.md): poison their data "
+                                "(label_flip, backdoor) or their model update (sign_flip, gaussian, scaling, and the "
+                                "colluding alie, min_max, min_sum, ipm)")
+    fraction: float = knob(0.0, ge=0, lt=1, doc="share of the clients that are malicious, a fixed seeded set for the "
+                           "whole run")
+    clients: list[int] = knob([], ge=0, le=MAX_CLIENTS, doc="the malicious clients by id, instead of fraction")
+    knowledge: Literal["omniscient", "colluders"] = knob(
+        "omniscient", doc="alie, min_max, min_sum, ipm: the benign statistics the attack reads: every honest update "
+        "of the round (omniscient), or the colluders' own honest updates")
+    scale: float | None = knob(None, gt=0, le=1e6, doc="sign_flip: c in -c * update (default 1); scaling: gamma in "
+                               "gamma * update (default: the round's participants / its attackers)")
+    sigma: float = knob(1.0, gt=0, le=1e6, doc="gaussian: std of the update sent instead")
+    z: float | None = knob(None, ge=0, le=100, doc="alie: the std multiple; default Baruch et al.'s z_max from the "
+                           "round's participants and attackers")
+    perturbation: Literal["std", "unit_vec", "sign"] = knob("std", doc="min_max, min_sum: the direction moved along")
+    epsilon: float = knob(0.1, gt=0, le=1e6, doc="ipm: the update sent is -epsilon * the benign mean")
+    target: int = knob(0, ge=0, le=100_000, doc="backdoor: the label the trigger maps to")
+    poison_fraction: float = knob(0.5, gt=0, le=1, doc="backdoor: share of an attacker's training samples given "
+                                  "the trigger and the target label")
+    trigger_size: int = knob(2, ge=1, le=64, doc="backdoor: side of the square patch, bottom-right, in pixels")
+    trigger_value: float | None = knob(None, doc="backdoor: the patch's raw pixel value; default the training "
+                                       "data's largest")
+
+
+@dataclass
+class AggregatorConfig:
+    name: Literal["mean", "krum", "multi_krum", "bulyan", "median", "trimmed_mean", "geometric_median", "norm_bound",
+                  "centered_clip", "fltrust"] = knob(
+        "mean", doc="how the server combines the clients' model updates (docs/robustness.md); mean is the method's "
+        "own weighted sum")
+    f: int = knob(0, ge=0, le=MAX_CLIENTS, doc="krum, multi_krum, bulyan: how many attackers the rule tolerates")
+    m: int | None = knob(None, ge=1, le=MAX_CLIENTS, doc="multi_krum: updates kept (default n - f)")
+    beta: float = knob(0.1, ge=0, lt=0.5, doc="trimmed_mean: share cut from each end, per coordinate")
+    bound: float | None = knob(None, gt=0, le=1e9, doc="norm_bound: L2 norm each update is clipped to (required)")
+    noise: float = knob(0.0, ge=0, le=1e6, doc="norm_bound: std of the weak-DP noise added once to the aggregate")
+    tau: float = knob(10.0, gt=0, le=1e9, doc="centered_clip: the clipping radius around the centre")
+    iterations: int = knob(1, ge=1, le=100, doc="centered_clip: clipping passes a round")
+    nu: float = knob(1e-5, gt=0, le=1, doc="geometric_median: the smoothing floor of Weiszfeld's weights")
+    max_iter: int = knob(100, ge=1, le=10_000, doc="geometric_median: Weiszfeld iterations at most")
+    ftol: float = knob(1e-6, gt=0, lt=1, doc="geometric_median: stop at this relative change of the objective")
+    root_samples: int = knob(100, ge=1, le=100_000, doc="fltrust: size of the server's root set, held out from the "
+                             "test set (the accuracy is scored on the rest)")
+
+
+@dataclass
 class RunConfig:
     name: str = knob("run", doc="run name, used in the run folder")
     seed: int = knob(0, ge=0, le=MAX_SEED,
@@ -278,6 +325,8 @@ class RunConfig:
     participation: ParticipationConfig = knob(factory=ParticipationConfig)
     stragglers: StragglerConfig = knob(factory=StragglerConfig)
     privacy: PrivacyConfig = knob(factory=PrivacyConfig)
+    attack: AttackConfig = knob(factory=AttackConfig)
+    aggregator: AggregatorConfig = knob(factory=AggregatorConfig)
     runtime: RuntimeConfig = knob(factory=RuntimeConfig)
     eval: EvalConfig = knob(factory=EvalConfig)
     results: ResultsConfig = knob(factory=ResultsConfig)

@@ -204,7 +204,8 @@ class ResultsWriter(Callback):
         round, virtual_time = self.written
         path = self.run.checkpoint
         payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
-                   "client_states": {} if self.stateless else self.backend.export_states()}
+                   "client_states": {} if self.stateless else self.backend.export_states(),
+                   "chain_state": self.backend.server.chain_state()}
         self._write(functools.partial(save_run_checkpoint, path, payload, round), where)
         self.saved = round
 

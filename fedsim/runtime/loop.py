@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
@@ -133,6 +134,12 @@ class Simulation:
         self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.num_samples()
         self.archs = client_archs(cfg)
+        from fedsim.transforms.robustness import check_classes, malicious_clients
+
+        check_classes(cfg, data.num_classes)  # before any worker starts
+        bad = malicious_clients(cfg)  # each client's role, a clients.parquet column when the run has attackers
+        self.roles = {c: {"role": "malicious" if c in bad else "benign"} for c in range(cfg.data.num_clients)} \
+            if cfg.attack.kind != "none" else {}
         self.algorithm = get_algorithm(cfg.algorithm.name)
         self.balance = self.algorithm.stateless_clients(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
@@ -180,10 +187,14 @@ class Simulation:
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             raise CheckpointError(f"{self.ckpt_path}: does not fit this run ({lines[-1][:300]})") from None
         last = ck["round"]
+        chain_state = ck.get("chain_state") or {}
+        if not isinstance(chain_state, dict) or not all(isinstance(v, torch.Tensor) for v in chain_state.values()):
+            raise CheckpointError(f"{self.ckpt_path}: malformed checkpoint (chain_state is not a dict of tensors)")
         saved = rounds[rounds["round"] == last]
         if len(saved):  # the chain's state after that round (the adaptive clip), from its columns
             self.backend.server.resume_chain({k: float(v) for k, v in saved.iloc[-1].items()
-                                              if isinstance(k, str) and k.startswith("privacy/") and pd.notna(v)})
+                                              if isinstance(k, str) and k.startswith("privacy/") and pd.notna(v)},
+                                             chain_state)
         return RunState(last + 1, ck["virtual_time"], table_rows(rounds[rounds["round"] <= last]),
                         table_rows(clients[clients["round"] <= last]))
 
@@ -257,6 +268,9 @@ class Simulation:
             server_s += step.seconds
             rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
             rec.metrics.update(step.round_columns)
+            for row in rec.client_rows:  # the chain's per-client columns (whether the defence kept the update)
+                if row["phase"] == phase.name and row["client"] in step.client_columns:
+                    row.update(step.client_columns[row["client"]])
         evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
         late_kept = sum(rec.status.get((0, c)) != "failed" for c in late)  # a late client that raised is a failure
@@ -311,7 +325,7 @@ class Simulation:
             return {"round": rec.round, "phase": phase.name, "client": c, "worker": self.backend.worker_of(w),
                     "arch": self.archs[c], "samples": rec.num_samples.get(c, 0), "status": status,
                     "virtual_duration": rec.schedule.duration.get(c, math.nan), "bytes_up": up,
-                    "bytes_down": common_b + per_b.get(c, 0), "wall_s": wall, **extra}
+                    "bytes_down": common_b + per_b.get(c, 0), "wall_s": wall, **self.roles.get(c, {}), **extra}
 
         rows = []
         for w, reply in sorted(replies.items()):

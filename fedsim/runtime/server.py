@@ -12,17 +12,44 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fedsim.method.contract import ClientResult, Phase, RoundInfo, SummedUpdate, Updates, get_algorithm
+from fedsim import rng
+from fedsim.errors import ConfigError
+from fedsim.method.contract import (
+    ClientContext,
+    ClientData,
+    ClientResult,
+    Message,
+    Phase,
+    RoundInfo,
+    SummedUpdate,
+    Updates,
+    get_algorithm,
+)
 from fedsim.method.sums import WeightedSum
 from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
 from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
-from fedsim.runtime.worker import WorkerReply, pick_device
+from fedsim.runtime.worker import ModelPool, WorkerReply, pick_device
 from fedsim.transforms import build_chain
+from fedsim.transforms.updates import update_of
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
+
+
+def hold_out_root(cfg: RunConfig, x_test: torch.Tensor,
+                  y_test: torch.Tensor) -> tuple[ClientData, torch.Tensor, torch.Tensor]:
+    """FLTrust's root set: aggregator.root_samples test samples drawn by the stream `fltrust-root`; the accuracy is
+    scored on the rest (a ConfigError when nothing would be left)."""
+    n, k = int(y_test.shape[0]), cfg.aggregator.root_samples
+    if k >= n:
+        raise ConfigError(f"aggregator.root_samples: {k} leaves none of the test set's {n} samples to score on")
+    order = torch.from_numpy(rng.numpy_generator(cfg.seed, "fltrust-root").permutation(n)).to(x_test.device)
+    root, rest = order[:k].sort().values, order[k:].sort().values
+    empty = root[:0]
+    data = ClientData(x_test[root], y_test[root], x_test[empty], y_test[empty])
+    return data, x_test[rest], y_test[rest]
 
 
 class Server:
@@ -44,8 +71,16 @@ class Server:
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm.params, self.env)
         self.x_test = as_tensor(arrays["x_test"], self.device)
         self.y_test = as_tensor(arrays["y_test"], self.device)
+        self.root: ClientData | None = None  # fltrust: the server's root set, held out of the test set
+        if cfg.aggregator.name == "fltrust":
+            self.root, self.x_test, self.y_test = hold_out_root(cfg, self.x_test, self.y_test)
+            self.models = ModelPool(self.env, self.device)
         self.state = self.algorithm.init_server(self.env)
-        self.chain = build_chain(cfg, solve=True)  # the update chain's server side (fedsim.transforms): noise
+        # the update chain's server side (fedsim.transforms): noise, model attacks, the robust aggregator
+        self.chain = build_chain(cfg, solve=True, data=data)
+        robustness = self.chain.robustness
+        self.triggered = robustness.triggered_test(self.x_test, self.y_test) \
+            if robustness is not None and cfg.attack.kind == "backdoor" else None
         self.sent: dict[str, Any] = {}  # each chain phase's broadcast, what its clients' updates are relative to
 
     def ping(self) -> dict[str, Any]:
@@ -69,7 +104,8 @@ class Server:
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
         """Aggregate the arrived results of a phase into the state; its metrics and seconds."""
         t0 = time.perf_counter()
-        if phase.reduce == "sum":
+        per_client = self.chain.per_client(phase)
+        if phase.reduce == "sum" and not per_client:
             total = WeightedSum()
             for r in replies:  # worker order; the double-double sum makes the order immaterial
                 if r.summed is not None:
@@ -83,19 +119,42 @@ class Server:
                         got[o.client_id] = o.result
             updates = dict(sorted(got.items()))
         columns: dict[str, Any] = {}
+        per: dict[int, dict[str, Any]] = {}
         if self.chain.applies(phase):
-            assert isinstance(updates, SummedUpdate)
             common = self.sent.pop(phase.name)
             references = {a: self.algorithm.upload_reference(phase, common, a) for a in self.env.archs}
-            updates, columns = self.chain.server(updates, references, info.round, phase.name)
+            if per_client:
+                assert isinstance(updates, dict)
+                if self.root is not None:
+                    self.chain.robustness.root = self.root_update(phase, common, references, info.round)  # type: ignore[union-attr]
+                updates, columns, per = self.chain.server_each(updates, references, info.round, phase.name)
+            else:
+                assert isinstance(updates, SummedUpdate)
+                updates, columns = self.chain.server(updates, references, info.round, phase.name)
         self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
-        return StepReply(dict(metrics or {}), time.perf_counter() - t0, columns)
+        return StepReply(dict(metrics or {}), time.perf_counter() - t0, columns, per)
+
+    def root_update(self, phase: Phase, common: Any, references: dict[str, dict[str, torch.Tensor]],
+                    round: int) -> dict[str, torch.Tensor]:
+        """FLTrust's reference direction: the update the method's own client step makes on the server's root set,
+        from the round's broadcast (seeded by the stream `fltrust-root` at the round)."""
+        arch = self.env.archs[0]
+        ctx = ClientContext(client_id=-1, round=round, phase=phase.name, arch=arch, data=self.root,  # type: ignore[arg-type]
+                            device=self.device, seed=rng.seed(self.env.config.seed, "fltrust-root", round),
+                            models=self.models, env=self.env)
+        res = self.algorithm.client_step(phase, None, Message(common=common), ctx)
+        return update_of(res.payload, arch, references[arch])
 
     def evaluate(self) -> EvalReply:
         """Rows of test metrics, one per global model; and seconds taken."""
         t0 = time.perf_counter()
-        rows = self.algorithm.evaluate(self.state, self.x_test, self.y_test, self.device)
-        return EvalReply(list(rows or []), time.perf_counter() - t0)
+        rows = list(self.algorithm.evaluate(self.state, self.x_test, self.y_test, self.device) or [])
+        if self.triggered is not None:  # the backdoor's success rate: accuracy on the triggered, relabelled set
+            scored = self.algorithm.evaluate(self.state, *self.triggered, self.device) or []
+            for row, hit in zip(rows, scored):
+                if "accuracy" in hit:
+                    row["attack/success_rate"] = hit["accuracy"]
+        return EvalReply(rows, time.perf_counter() - t0)
 
     def finished(self, round: int) -> bool:
         return bool(self.algorithm.finished(self.state, round)) or self.chain.finished(round)
@@ -106,6 +165,11 @@ class Server:
     def set_state(self, state: Any) -> None:
         self.state = state
 
-    def resume_chain(self, columns: dict[str, float]) -> None:
-        """The update chain's state after the last saved round, from that round's row (the adaptive clip)."""
-        self.chain.resume(columns)
+    def chain_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the update chain beyond its columns (centred clipping's centre)."""
+        return self.chain.state()
+
+    def resume_chain(self, columns: dict[str, float], state: dict[str, torch.Tensor] | None = None) -> None:
+        """The update chain's state after the last saved round, from that round's row (the adaptive clip) and the
+        checkpoint's chain state."""
+        self.chain.resume(columns, state)

@@ -125,7 +125,7 @@ class ClientWorker:
         self.exact_sum = rt.exact_sum
         self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
         self.kept_state: list[int] = []  # clients whose state a phase committed (checked for a stateless method)
-        self.chain = build_chain(cfg)  # the update chain's client side (fedsim.transforms): clipping
+        self.chain = build_chain(cfg, data=data)  # the update chain's client side (fedsim.transforms): clipping
 
     def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
@@ -140,14 +140,17 @@ class ClientWorker:
         start = time.perf_counter()
         late_set = set(late or ())
         # a GPU worker sums its clients' uploads where they were trained, and hands the sum over on the CPU
-        summed = WeightedSum(exact=self.exact_sum, device=self.device) if phase.reduce == "sum" else None
+        # (unless the update chain needs each client's update: a robust aggregator, a model attack)
+        summed = WeightedSum(exact=self.exact_sum, device=self.device) \
+            if phase.reduce == "sum" and not self.chain.per_client(phase) else None
         ids = sorted(client_ids)
         for stream in (CLIENT_STREAM, DROPOUT_STREAM):  # each client's seeds of the phase, derived all at once
             rng.prefetch(self.seed, stream, round, ids, phase_index)
 
         def context(cid: int) -> ClientContext:
             return ClientContext(client_id=cid, round=round, phase=phase.name, arch=self.env.client_archs[cid],
-                                 data=client_data(self.data_t, self.part, cid), device=self.device,
+                                 data=self.chain.poison(cid, client_data(self.data_t, self.part, cid)),
+                                 device=self.device,
                                  seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
                                  env=self.env, phase_index=phase_index)
 

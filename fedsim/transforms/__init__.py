@@ -3,9 +3,13 @@ phase uploads a model update to a sum (`Phase(..., model_update=True)`: FedAvg, 
 on them).
 
     client step (the method) -> update Δ_k = upload − reference      (fedsim.transforms.updates)
-    per client, in its worker -> clip to L2 norm C                      (fedsim.transforms.privacy)
-    worker                    -> partial sum of the clipped updates, exact and order-independent
-    server                    -> Gaussian noise on the sum, divided by the expected cohort, back to the upload's form
+    per client, in its worker -> poisoned data (an attacker's)          (fedsim.transforms.robustness)
+                              -> clip to L2 norm C                      (fedsim.transforms.privacy)
+    worker                    -> partial sum of the clipped updates, exact and order-independent; or each client's
+                                 update, for a robust aggregator or a model attack
+    server                    -> Gaussian noise on the sum, divided by the expected cohort, back to the upload's form;
+                                 or the attackers' crafted updates, then the robust aggregator
+                                 (fedsim.transforms.robustness, fedsim.transforms.robust)
                                  -> the method's server step
     accountant                -> epsilon after the round                (fedsim.transforms.accounting)
 
@@ -15,4 +19,9 @@ are. docs/privacy.md says what each key does.
 
 from fedsim.transforms.chain import UpdateChain, build_chain, check_availability, check_chain, check_round
 
-__all__ = ["UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]
+CHAIN_COLUMNS = frozenset({"attack/success_rate", "attack/attackers", "attack/z", "attack/gamma", "aggregator/kept",
+                           "aggregator/kept_malicious", "aggregator/skipped", "privacy/epsilon",
+                           "privacy/clipped_fraction", "privacy/clip"})
+"""rounds.parquet columns of the chain that a reproduce table may show (docs/robustness.md, docs/privacy.md)."""
+
+__all__ = ["CHAIN_COLUMNS", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

@@ -11,8 +11,9 @@ import torch
 
 from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
-from fedsim.method.contract import ClientResult, Phase, SummedUpdate
+from fedsim.method.contract import ClientData, ClientResult, Phase, SummedUpdate
 from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
+from fedsim.transforms.robustness import Robustness, build_robustness, check_robustness
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -25,25 +26,41 @@ class UpdateChain:
     """The stages a run's config turns on (none: every method runs as written)."""
 
     privacy: ClientLevelDP | None = None
+    robustness: Robustness | None = None  # attackers and the robust aggregator (fedsim.transforms.robustness)
     stopped_after: int | None = None  # the round after which privacy.max_epsilon stops the run
 
     def applies(self, phase: Phase) -> bool:
-        return self.privacy is not None and phase.reduce == "sum" and phase.model_update
+        """Whether the chain transforms this phase's uploads (a model update summed over clients)."""
+        on = self.privacy is not None or (self.robustness is not None and self.robustness.on_updates)
+        return on and phase.reduce == "sum" and phase.model_update
+
+    def per_client(self, phase: Phase) -> bool:
+        """Whether each client's update reaches the server in this phase, instead of the workers' partial sums."""
+        return self.applies(phase) and self.robustness is not None and self.robustness.per_client
+
+    def poison(self, client: int, data: ClientData) -> ClientData:
+        """A client's shard as it trains on it: a malicious client's poisoned under a data attack."""
+        return data if self.robustness is None else self.robustness.poison(client, data)
 
     def for_clients(self) -> dict[str, float] | None:
         """What the workers' side needs this round besides the config: the adaptive clip."""
         return {"clip": self.privacy.clip} if self.privacy is not None and self.privacy.adaptive else None
 
-    def resume(self, columns: Mapping[str, float]) -> None:
-        """Continue after a saved round, from its `privacy/` columns."""
+    def resume(self, columns: Mapping[str, float], state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Continue after a saved round, from its `privacy/` columns and the checkpoint's chain state."""
         if self.privacy is not None:
             self.privacy.resume(columns)
+        if self.robustness is not None:
+            self.robustness.load(state or {})
 
     def client(self, res: ClientResult, arch: str, reference: Mapping[str, torch.Tensor], round: int,
                client: int, phase: str, clip: float | None = None) -> ClientResult:
         """A client's result as its worker sums it: the clipped (locally noised) update, its norm among its metrics;
-        weight 1 under client-level DP, the method's own under local DP."""
-        assert self.privacy is not None
+        weight 1 under client-level DP, the method's own under local DP. Under a robust aggregator: its update,
+        or (norm bounding) its update clipped to the bound."""
+        if self.privacy is None:
+            assert self.robustness is not None
+            return self.robustness.client(res, arch, reference)
         payload, norm = self.privacy.clip_upload(res.payload, arch, reference, round, client, phase, clip)
         weight = res.weight if self.privacy.local else 1.0
         payload[CLIPPED_KEY] = payload[CLIPPED_KEY] / weight  # the sum multiplies it back: a count of clients
@@ -53,10 +70,25 @@ class UpdateChain:
     def server(self, updates: SummedUpdate, references: Mapping[str, Mapping[str, torch.Tensor]], round: int,
                phase: str) -> tuple[SummedUpdate, dict[str, float]]:
         """The round's sum as the method's server step reads it, and the chain's round columns."""
-        assert self.privacy is not None
+        if self.privacy is None:  # norm bounding over the workers' partial sums
+            assert self.robustness is not None
+            total, metrics = self.robustness.bounded_mean(updates.total, references, round, phase)
+            return SummedUpdate(total, 1.0, updates.count), metrics
         total, metrics = self.privacy.noisy_mean(updates.total, updates.count, references, round, phase)
         weight = sum(float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}"))
         return SummedUpdate(total, weight, updates.count), metrics
+
+    def server_each(self, results: Mapping[int, ClientResult], references: Mapping[str, Mapping[str, torch.Tensor]],
+                    round: int, phase: str) -> tuple[SummedUpdate, dict[str, float], dict[int, dict]]:
+        """Each client's update, attacked and robustly aggregated, as the method's server step reads a sum; the
+        round's columns and each client's."""
+        assert self.robustness is not None
+        total, columns, per = self.robustness.aggregate(results, references, round, phase)
+        return SummedUpdate(total, 1.0, len(results)), columns, per
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the chain beyond its columns (centred clipping's centre)."""
+        return self.robustness.state() if self.robustness is not None else {}
 
     def finished(self, round: int) -> bool:
         """Whether the run stops after `round` because the next round would spend more than privacy.max_epsilon."""
@@ -87,16 +119,17 @@ def check_availability(cfg: RunConfig, availability: Any) -> None:
                           "no accountant here models under privacy.level client; drop its availability column")
 
 
-def build_chain(cfg: RunConfig, solve: bool = False) -> UpdateChain:
-    """The chain of `cfg` (`solve`: the server's, which solves target_epsilon's noise)."""
-    if cfg.privacy.level == "none":
-        return UpdateChain()
-    return UpdateChain(privacy=ClientLevelDP.from_config(cfg, solve))
+def build_chain(cfg: RunConfig, solve: bool = False, data: Any = None) -> UpdateChain:
+    """The chain of `cfg` (`solve`: the server's, which solves target_epsilon's noise; `data`: the run's Dataset,
+    whose classes and pixel statistics the data attacks read)."""
+    privacy = ClientLevelDP.from_config(cfg, solve) if cfg.privacy.level != "none" else None
+    return UpdateChain(privacy=privacy, robustness=build_robustness(cfg, data))
 
 
 def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     """Refuse, in one line, a chain the rest of the config cannot take (fedsim.configure.validate)."""
     check_privacy(cfg, uploads_model_update)
+    check_robustness(cfg, uploads_model_update)
 
 
 __all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

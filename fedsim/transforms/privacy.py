@@ -27,7 +27,7 @@ from fedsim.config.schema import clients_per_round, sampling_rate
 from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.transforms.accounting import Mechanism, calibrate, check_accountable, epsilon
-from fedsim.transforms.updates import l2_norm, update_of
+from fedsim.transforms.updates import as_upload, clip_to, update_of
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -180,15 +180,12 @@ class ClientLevelDP:
         by the client itself under local DP, summable with a weight counter of 1 (plus a count of whether it was
         clipped), and the update's norm before clipping."""
         clip = self.clip if clip is None else clip
-        update = update_of(payload, arch, reference)
-        norm = l2_norm(update)
-        scale = clip / norm if norm > clip else 1.0
-        out = {k: v * scale for k, v in update.items()} if scale != 1.0 else update
+        out, norm = clip_to(update_of(payload, arch, reference), clip)
         if self.local and self.noise_std > 0:
             gen = rng.torch_generator(self.seed, f"privacy-local-noise/{phase}", round, client)
             out = {k: v + self.noise_std * torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.device)
                    for k, v in sorted(out.items())}
-        device = next(iter(update.values())).device if update else None
+        device = next(iter(out.values())).device if out else None
         out[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), dtype=torch.float64, device=device)
         out[CLIPPED_KEY] = torch.tensor(float(norm > clip), dtype=torch.float64, device=device)
         return out, norm
@@ -202,20 +199,18 @@ class ClientLevelDP:
         m = self.expected_cohort if not self.local else sum(
             float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}")) or 1.0
         gen = rng.torch_generator(self.seed, f"privacy-noise/{phase}", round)
-        out: dict[str, torch.Tensor] = {}
+        noised = {}
         for arch in sorted(references):
             for name, ref in references[arch].items():
                 key = f"{arch}/{name}"
-                if not ref.is_floating_point():  # a step counter: kept, and a half away from it so that the
-                    half = torch.where(ref >= 0, 0.5, -0.5)  # method's mean truncates back to it whatever m is
-                    out[key] = m * (ref.to("cpu", torch.float64) + half)
+                if not ref.is_floating_point():
                     continue
                 summed = total[key].to("cpu", torch.float64) if key in total else \
                     torch.zeros(ref.shape, dtype=torch.float64)
                 if self.mechanism.noise_multiplier > 0 and not self.local:
                     summed = summed + self.noise_std * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-                out[key] = m * ref.to("cpu", torch.float64) + summed
-            out[f"{arch}/{WEIGHT_KEY}"] = torch.tensor(m, dtype=torch.float64)
+                noised[key] = summed
+        out = as_upload(noised, references, m)
         clipped = float(total[CLIPPED_KEY]) if CLIPPED_KEY in total else 0.0
         metrics = {"privacy/epsilon": self.epsilon_after(round + 1), "privacy/delta": self.delta,
                    "privacy/noise_multiplier": self.mechanism.noise_multiplier, "privacy/noise_std": self.noise_std,

@@ -33,3 +33,55 @@ def update_of(payload: Mapping[str, torch.Tensor], arch: str, reference: Mapping
 def l2_norm(update: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of a whole update, every entry together (flat clipping, as McMahan et al. 2018)."""
     return float(sum(v.pow(2).sum() for v in update.values())) ** 0.5 if update else 0.0
+
+
+def clip_to(update: State, bound: float) -> tuple[State, float]:
+    """`update` scaled to L2 norm at most `bound` (Δ · min(1, bound / ‖Δ‖)), and its norm before."""
+    norm = l2_norm(update)
+    return ({k: v * (bound / norm) for k, v in update.items()} if norm > bound else update), norm
+
+
+def flatten(update: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    """One float64 row of `update`'s entries in the order of `keys` (robust aggregators read whole updates)."""
+    return torch.cat([update[k].reshape(-1).to("cpu", torch.float64) for k in keys])
+
+
+def stack(updates: list[Mapping[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
+    """The updates as the rows of one float64 (n, d) matrix, written in place: one copy of them, no more."""
+    d = sum(updates[0][k].numel() for k in keys) if updates else 0
+    rows = torch.empty((len(updates), d), dtype=torch.float64)
+    for row, update in zip(rows, updates):
+        at = 0
+        for k in keys:
+            size = update[k].numel()
+            row[at:at + size] = update[k].reshape(-1)
+            at += size
+    return rows
+
+
+def unflatten(row: torch.Tensor, like: Mapping[str, torch.Tensor], keys: list[str]) -> State:
+    """The inverse of `flatten`: entries shaped as `like`'s."""
+    out, at = {}, 0
+    for k in keys:
+        size = like[k].numel()
+        out[k] = row[at:at + size].reshape(like[k].shape)
+        at += size
+    return out
+
+
+def as_upload(update: Mapping[str, torch.Tensor], references: Mapping[str, Mapping[str, torch.Tensor]],
+              m: float) -> dict[str, torch.Tensor]:
+    """A round's aggregated update in the summed upload's form, for the method's server step: every entry
+    m·reference + `update` (an update summed over m, or a mean times m), weight m, so the method's mean is
+    reference + update / m. An integer buffer (a step counter) keeps its reference, a half away from it so that the
+    method's mean truncates back to it whatever m is. `update` is keyed `<arch>/<name>` (missing: zero)."""
+    out: dict[str, torch.Tensor] = {}
+    for arch in sorted(references):
+        for name, ref in references[arch].items():
+            key, base = f"{arch}/{name}", ref.to("cpu", torch.float64)
+            if not ref.is_floating_point():
+                out[key] = m * (base + torch.where(ref >= 0, 0.5, -0.5))
+                continue
+            out[key] = m * base + (update[key].to("cpu", torch.float64) if key in update else 0.0)
+        out[f"{arch}/{WEIGHT_KEY}"] = torch.tensor(m, dtype=torch.float64)
+    return out

@@ -177,7 +177,7 @@ def test_max_epsilon_stops_the_run_before_a_round_would_pass_it(make_config, cap
     assert "privacy.max_epsilon" in caplog.text and "stops after round 1" in caplog.text
 
 
-def _stopped_then_resumed(cfg) -> pd.DataFrame:
+def stopped_then_resumed(cfg) -> pd.DataFrame:
     """The rounds of `cfg` (3 rounds) run as 2 rounds, then resumed with rounds raised to 3 in its config.yaml."""
     import yaml
 
@@ -192,7 +192,7 @@ def _stopped_then_resumed(cfg) -> pd.DataFrame:
 def test_a_resumed_run_continues_the_accountant(make_config, tmp_path):
     cfg = make_config(*DP, "privacy.noise_multiplier=1.0", "privacy.clip=0.5", "results.run_id=whole", rounds=3)
     whole = load(run(cfg, LocalBackend()))["rounds"]
-    pd.testing.assert_frame_equal(deterministic(_stopped_then_resumed(cfg)), deterministic(whole))
+    pd.testing.assert_frame_equal(deterministic(stopped_then_resumed(cfg)), deterministic(whole))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -269,4 +269,4 @@ def test_an_adaptive_clip_run_is_the_same_on_any_worker_count_and_resumed(make_c
     cfg.results.run_id = "three"
     three = load(run(cfg, LocalBackend(num_workers=3)))["rounds"]
     pd.testing.assert_frame_equal(deterministic(whole), deterministic(three))
-    pd.testing.assert_frame_equal(deterministic(_stopped_then_resumed(cfg)), deterministic(whole))
+    pd.testing.assert_frame_equal(deterministic(stopped_then_resumed(cfg)), deterministic(whole))
