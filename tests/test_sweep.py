@@ -389,7 +389,7 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
 
     # the second run trains 15x longer (seconds a round): the kill comes after its first checkpoint, mid-run
     work = tmp_path / "work"
-    write_sweep(work, seeds=[0], grid={"train.epochs": [1, 15]}, overrides=["rounds=3"])
+    write_sweep(work, seeds=[0], grid={"train.epochs": [1, 15]}, overrides=["rounds=2"])
     (work / "my_plugin.py").write_text(PLUGIN)
     (work / "base.yaml").write_text(yaml.safe_dump({**BASE, "plugins": ["my_plugin.py"]}))
     out = f"{s3_server}/sweep"
@@ -448,12 +448,12 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     assert all(store.cat(f"{runs}/{name}/run.json") == before[name] for name in before)  # nor the killed one anew
     with store.open(f"{runs}/{killed}/rounds.parquet") as f:
         rounds = pd.read_parquet(f)
-    assert sorted(rounds["round"].unique()) == [0, 1, 2]
+    assert sorted(rounds["round"].unique()) == [0, 1]
     pd.testing.assert_frame_equal(rounds.query("round == 0").reset_index(drop=True),
                                   first_round.reset_index(drop=True))  # kept from before the kill, not trained again
     reported = store.cat(f"{out}/tune/trial_0001/result.json").decode().splitlines()  # Tune's state: in the bucket
     rounds_reported = [json.loads(line)["round"] for line in reported]
-    assert rounds_reported[0] > 1 and rounds_reported[-1] == 3  # resumed after round 1 (Tune's rounds count from 1)
+    assert rounds_reported[0] > 1 and rounds_reported[-1] == 2  # resumed after round 1 (Tune's rounds count from 1)
     assert not marker.exists()
     assert sorted(fedsim.collect(out)["run"].unique()) == sorted([finished, killed])
 

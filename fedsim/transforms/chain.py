@@ -72,8 +72,8 @@ class UpdateChain:
         """The round's sum as the method's server step reads it, and the chain's round columns."""
         if self.privacy is None:  # norm bounding over the workers' partial sums
             assert self.robustness is not None
-            total, metrics = self.robustness.bounded_mean(updates.total, references, round, phase)
-            return SummedUpdate(total, 1.0, updates.count), metrics
+            total, metrics = self.robustness.bounded_mean(updates.total, references, updates.count, round, phase)
+            return SummedUpdate(total, float(updates.count), updates.count), metrics
         total, metrics = self.privacy.noisy_mean(updates.total, updates.count, references, round, phase)
         weight = sum(float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}"))
         return SummedUpdate(total, weight, updates.count), metrics
@@ -84,7 +84,7 @@ class UpdateChain:
         round's columns and each client's."""
         assert self.robustness is not None
         total, columns, per = self.robustness.aggregate(results, references, round, phase)
-        return SummedUpdate(total, 1.0, len(results)), columns, per
+        return SummedUpdate(total, float(max(len(results), 1)), len(results)), columns, per
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the chain beyond its columns (centred clipping's centre)."""

@@ -167,8 +167,9 @@ class Robustness:
 
     # ---- the server's side ---------------------------------------------------------------------------
     def bounded_mean(self, total: Mapping[str, torch.Tensor], references: Mapping[str, Mapping[str, torch.Tensor]],
-                     round: int, phase: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Norm bounding over the partial sums: the weighted mean of the clipped updates, plus the weak-DP noise."""
+                     count: int, round: int, phase: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Norm bounding over the partial sums: the weighted mean of the clipped updates, plus the weak-DP noise, in
+        the upload's summed form over the `count` updates (in_sum_form)."""
         weight = sum(float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}")) or 1.0
         noise = self.cfg.aggregator.noise
         gen = rng.torch_generator(self.cfg.seed, f"aggregator-noise/{phase}", round) if noise else None
@@ -183,15 +184,15 @@ class Robustness:
                 if gen is not None:
                     value = value + noise * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
                 mean[key] = value
-        return as_upload(mean, references, 1.0), {}
+        return in_sum_form(mean, references, max(count, 1)), {}
 
     def aggregate(self, results: Mapping[int, ClientResult], references: Mapping[str, Mapping[str, torch.Tensor]],
                   round: int, phase: str) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[int, dict]]:
         """The round's updates, the malicious ones crafted, combined by the defence: the aggregate in the upload's
-        form (weight 1), the round's columns and each client's (kept)."""
+        summed form, the round's columns and each client's (kept)."""
         ids = sorted(results)
         if not ids:
-            return as_upload({}, references, 1.0), {}, {}
+            return in_sum_form({}, references, 1), {}, {}
         keys = sorted(results[ids[0]].payload)
         like = results[ids[0]].payload
         rows = stack([results[c].payload for c in ids], keys)
@@ -202,17 +203,21 @@ class Robustness:
         if self.model_attack and bad:
             own = rows[bad]
             reference = rows if a.knowledge == "omniscient" else own
-            gen = rng.torch_generator(self.cfg.seed, f"attack-noise/{phase}", round)
-            crafted, info = attacks.craft(a.kind, own, reference, len(ids), scale=a.scale, sigma=a.sigma, z=a.z,
-                                          perturbation=a.perturbation, epsilon=a.epsilon, generator=gen)
-            rows[bad] = crafted.to(torch.float64)
-            columns.update(info)
+            needs_spread = a.kind == "alie" or (a.kind in ("min_max", "min_sum") and a.perturbation == "std")
+            if needs_spread and reference.shape[0] < 2:  # one colluder alone has no std to hide in: it sends its own
+                columns["attack/crafted"] = 0.0
+            else:
+                gen = rng.torch_generator(self.cfg.seed, f"attack-noise/{phase}", round)
+                crafted, info = attacks.craft(a.kind, own, reference, len(ids), scale=a.scale, sigma=a.sigma,
+                                              z=a.z, perturbation=a.perturbation, epsilon=a.epsilon, generator=gen)
+                rows[bad] = crafted.to(torch.float64)
+                columns.update({"attack/crafted": 1.0, **info})
         norms = rows.norm(dim=1)
         problem = robust.requirement(g.name, len(ids), g.f, g.beta)
         if problem:  # fewer arrived than the rule needs: the round leaves the model where it was
             columns.update({"aggregator/skipped": 1.0, "aggregator/kept": 0.0, "aggregator/kept_malicious": 0.0})
-            return as_upload({}, references, 1.0), columns, {c: {"kept": False, "update_norm": float(norms[i])}
-                                                             for i, c in enumerate(ids)}
+            dropped = {c: {"kept": False, "update_norm": float(norms[i])} for i, c in enumerate(ids)}
+            return in_sum_form({}, references, len(ids)), columns, dropped
         noise_gen = rng.torch_generator(self.cfg.seed, f"aggregator-noise/{phase}", round) if g.noise else None
         center = self.center if self.center is not None and self.center.numel() == rows.shape[1] else None
         out = robust.aggregate(g.name, rows, weights, g.f, m=g.m, beta=g.beta, nu=g.nu, max_iter=g.max_iter,
@@ -226,7 +231,7 @@ class Robustness:
                         "aggregator/kept_malicious": float(sum(kept[i] for i in bad))})
         columns.update({f"aggregator/{k}": float(v) for k, v in out.info.items()})
         per = {c: {"kept": bool(kept[i]), "update_norm": float(norms[i])} for i, c in enumerate(ids)}
-        return as_upload(unflatten(out.aggregate, like, keys), references, 1.0), columns, per
+        return in_sum_form(unflatten(out.aggregate, like, keys), references, len(ids)), columns, per
 
     def state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the defence: centred clipping's centre."""
@@ -234,6 +239,15 @@ class Robustness:
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         self.center = state.get("center")
+
+
+def in_sum_form(aggregate: Mapping[str, torch.Tensor], references: Mapping[str, Mapping[str, torch.Tensor]],
+                count: int) -> dict[str, torch.Tensor]:
+    """A robust aggregate (a mean update) as the summed upload of the `count` updates it stands for: entries
+    count·(reference + aggregate), weight count. A method that divides by the weight reads reference + aggregate;
+    one that reads the sum itself (SCAFFOLD's control variates, Σ dc / N) reads count·aggregate, the sum the mean
+    implies."""
+    return as_upload({k: count * v for k, v in aggregate.items()}, references, float(count))
 
 
 def build_robustness(cfg: RunConfig, data: Any = None) -> Robustness | None:

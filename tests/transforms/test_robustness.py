@@ -89,7 +89,8 @@ def test_a_sign_flip_reaches_the_defence_as_its_formula():
     total, columns, per = stage.aggregate(results, {"a": ref}, round=0, phase="train")
     crafted = -2.0 * np.array(ups[1])
     expected = np.median(np.stack([ups[0], crafted, ups[2]]), axis=0)
-    np.testing.assert_allclose(total["a/w"].numpy(), expected)
+    np.testing.assert_allclose((total["a/w"] / total["a/__weight__"]).numpy(), expected)
+    assert float(total["a/__weight__"]) == 3  # the summed form of the round's 3 updates
     assert per[1]["update_norm"] == pytest.approx(np.linalg.norm(crafted)) and columns["attack/attackers"] == 1
 
 
@@ -175,3 +176,46 @@ def test_bad_robustness_settings_are_one_line_naming_the_key(overrides, message)
 def test_a_backdoor_target_outside_the_classes_is_one_line_and_leaves_no_run_folder(tmp_path):
     proc, root = fedsim_run(tmp_path, TINY, "attack.kind=backdoor", "attack.fraction=0.25", "attack.target=10")
     assert_one_line_error(proc, root, "attack.target: 10 is not a class of digits (labels 0..9)")
+
+
+def test_a_round_with_fewer_arrivals_than_the_rule_needs_leaves_the_model_where_it_was():
+    """Stragglers can leave Krum (f = 1) with 4 updates, not more than 2f + 2: the round is skipped and recorded."""
+    cfg = load_config(None, ["data.num_clients=8", "aggregator.name=krum", "aggregator.f=1",
+                             "participation.clients_per_round=6"])
+    stage = build_robustness(cfg)
+    assert stage is not None
+    ref = {"w": torch.tensor([0.5, -1.0])}
+    results = {c: stage.client(ClientResult({"a/w": torch.tensor([float(c), 1.0])}), "a", ref) for c in range(4)}
+    total, columns, per = stage.aggregate(results, {"a": ref}, round=3, phase="train")
+    torch.testing.assert_close(total["a/w"] / total["a/__weight__"], ref["w"].double())
+    assert columns["aggregator/skipped"] == 1 and columns["aggregator/kept"] == 0
+    assert not any(p["kept"] for p in per.values()) and len(per) == 4
+
+
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedavg"])
+def test_multi_krum_keeping_every_update_is_the_methods_own_run(make_config, algorithm):
+    """The robust aggregate reaches the method as its summed upload: SCAFFOLD reads the sum of the control deltas
+    (Σ dc / N), FedAvg the mean; Multi-Krum keeping all n updates must give the method's own numbers (to the float
+    rounding of a float64 mean instead of the exact sum)."""
+    own = load(run(make_config(f"algorithm.name={algorithm}", "results.run_id=own"), LocalBackend()))["rounds"]
+    kept = load(run(make_config(f"algorithm.name={algorithm}", "aggregator.name=multi_krum", "aggregator.m=4",
+                                "results.run_id=krum"), LocalBackend()))["rounds"]
+    assert (kept["aggregator/kept"] == 4).all()
+    np.testing.assert_allclose(kept["accuracy"], own["accuracy"], atol=0.02)
+    np.testing.assert_allclose(kept["loss"], own["loss"], rtol=1e-3)
+
+
+def test_a_lone_colluder_without_a_spread_to_hide_in_sends_its_own_update():
+    """ALIE from the colluders' own statistics needs two of them in the round: one alone sends its honest update,
+    and the round records that nothing was crafted."""
+    cfg = load_config(None, ["data.num_clients=6", "attack.kind=alie", "attack.clients=[2]",
+                             "attack.knowledge=colluders", "aggregator.name=median",
+                             "participation.clients_per_round=3"])
+    stage = build_robustness(cfg)
+    assert stage is not None
+    ref = {"w": torch.zeros(2)}
+    ups = {0: [1.0, 0.0], 2: [0.5, 0.5], 4: [2.0, 1.0]}
+    results = {c: stage.client(ClientResult({"a/w": torch.tensor(v)}), "a", ref) for c, v in ups.items()}
+    total, columns, per = stage.aggregate(results, {"a": ref}, round=0, phase="train")
+    assert columns["attack/crafted"] == 0 and columns["attack/attackers"] == 1
+    np.testing.assert_allclose((total["a/w"] / total["a/__weight__"]).numpy(), np.median(list(ups.values()), axis=0))
