@@ -160,8 +160,9 @@ class Robustness:
             update, norm = clip_to(update, float(self.cfg.aggregator.bound))  # type: ignore[arg-type]
             device = next(iter(update.values())).device if update else None
             update[f"{arch}/{WEIGHT_KEY}"] = torch.ones((), dtype=torch.float64, device=device)
-        else:
+        else:  # it travels to the server alone: on the CPU, as a worker's partial sum does
             norm = l2_norm(update)
+            update = {k: v.to("cpu") for k, v in update.items()}
         return ClientResult(payload=update, weight=res.weight, metrics={**res.metrics, "update_norm": norm},
                             state=res.state, probe=res.probe)
 
