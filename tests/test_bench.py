@@ -615,7 +615,6 @@ def test_robust_bench_hands_flower_the_same_updates_and_times_fedsims_server_pat
     fedsim's timed path (the clients' updates stacked, then the rule) gives the rule's aggregate; the table renders."""
     import argparse
 
-    import numpy as np
     import torch
 
     from bench import flower_robust, robust_bench
@@ -641,3 +640,29 @@ def test_robust_bench_hands_flower_the_same_updates_and_times_fedsims_server_pat
            "peak_over_updates_bytes": peak, "updates_bytes": 12 * d * 8}
     md = robust_bench.render([row], argparse.Namespace(sizes="12", repeat=1))
     assert "| 12 | multi_krum |" in md and "not run" in md
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".venv-flower" / ".installed").is_file(),
+                    reason="needs the bench's Flower venv (.venv-flower, made by `make bench`)")
+@pytest.mark.parametrize("rule", ["krum", "multi_krum", "bulyan", "median", "trimmed_mean"])
+def test_robust_rules_give_flowers_own_aggregates(tmp_path, rule):
+    """The oracle of the bench tier: Flower's aggregate_* functions, in its own venv, on the same updates."""
+    import torch
+
+    from bench import robust_bench
+    from bench.runner import FLOWER_VENV, REPO, run_program
+    from fedsim.transforms import robust
+
+    n, shapes = 15, [(3, 4), (5,)]
+    d = sum(int(np.prod(s)) for s in shapes)
+    rows, weights = robust_bench.updates(n, d)
+    path = tmp_path / "u.npz"
+    np.savez(path, rows=rows, shapes=np.array([list(s) + [0] * (4 - len(s)) for s in shapes]), weights=weights)
+    f = robust_bench.attackers(n)
+    res = run_program([str(FLOWER_VENV / "bin" / "python"), "-m", "bench.flower_robust", str(path), rule, str(f), "1"],
+                      tmp_path / "flower.log", timeout=300, cwd=REPO)
+    assert res.get("seconds") is not None, (tmp_path / "flower.log").read_text()[-2000:]
+    theirs = np.load(path.with_suffix(f".{rule}.flower.npy"))
+    ours = robust.aggregate(rule, torch.from_numpy(rows.astype(np.float64)),
+                            torch.from_numpy(weights.astype(np.float64)), f, beta=0.1).aggregate.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
