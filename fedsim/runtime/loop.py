@@ -268,7 +268,7 @@ class Simulation:
             server_s += step.seconds
             rec.metrics.update({f"{phase.name}/{k}": v for k, v in step.metrics.items()})
             rec.metrics.update(step.round_columns)
-            for row in rec.client_rows:  # the chain's per-client columns (whether the defence kept the update)
+            for row in rec.client_rows if step.client_columns else ():  # the chain's per client (kept, ...)
                 if row["phase"] == phase.name and row["client"] in step.client_columns:
                     row.update(step.client_columns[row["client"]])
         evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)

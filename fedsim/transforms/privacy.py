@@ -27,7 +27,7 @@ from fedsim.config.schema import clients_per_round, sampling_rate
 from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.transforms.accounting import Mechanism, calibrate, check_accountable, epsilon
-from fedsim.transforms.updates import as_upload, clip_to, update_of
+from fedsim.transforms.updates import as_upload, clip_to, noised_entries, update_of
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -199,17 +199,8 @@ class ClientLevelDP:
         m = self.expected_cohort if not self.local else sum(
             float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}")) or 1.0
         gen = rng.torch_generator(self.seed, f"privacy-noise/{phase}", round)
-        noised = {}
-        for arch in sorted(references):
-            for name, ref in references[arch].items():
-                key = f"{arch}/{name}"
-                if not ref.is_floating_point():
-                    continue
-                summed = total[key].to("cpu", torch.float64) if key in total else \
-                    torch.zeros(ref.shape, dtype=torch.float64)
-                if self.mechanism.noise_multiplier > 0 and not self.local:
-                    summed = summed + self.noise_std * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-                noised[key] = summed
+        central = self.noise_std if self.mechanism.noise_multiplier > 0 and not self.local else 0.0
+        noised = noised_entries(total, references, central, gen)
         out = as_upload(noised, references, m)
         clipped = float(total[CLIPPED_KEY]) if CLIPPED_KEY in total else 0.0
         metrics = {"privacy/epsilon": self.epsilon_after(round + 1), "privacy/delta": self.delta,

@@ -27,7 +27,16 @@ from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.method.contract import ClientData, ClientResult
 from fedsim.transforms import attacks, robust
-from fedsim.transforms.updates import as_upload, clip_to, flatten, l2_norm, stack, unflatten, update_of
+from fedsim.transforms.updates import (
+    as_upload,
+    clip_to,
+    flatten,
+    l2_norm,
+    noised_entries,
+    stack,
+    unflatten,
+    update_of,
+)
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -174,17 +183,7 @@ class Robustness:
         weight = sum(float(v) for k, v in total.items() if k.endswith(f"/{WEIGHT_KEY}")) or 1.0
         noise = self.cfg.aggregator.noise
         gen = rng.torch_generator(self.cfg.seed, f"aggregator-noise/{phase}", round) if noise else None
-        mean = {}
-        for arch in sorted(references):
-            for name, ref in references[arch].items():
-                key = f"{arch}/{name}"
-                if not ref.is_floating_point():
-                    continue
-                value = total[key].to("cpu", torch.float64) / weight if key in total else \
-                    torch.zeros(ref.shape, dtype=torch.float64)
-                if gen is not None:
-                    value = value + noise * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-                mean[key] = value
+        mean = noised_entries(total, references, noise, gen, divide=weight)
         return in_sum_form(mean, references, max(count, 1)), {}
 
     def aggregate(self, results: Mapping[int, ClientResult], references: Mapping[str, Mapping[str, torch.Tensor]],

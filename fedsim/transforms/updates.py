@@ -43,7 +43,7 @@ def clip_to(update: State, bound: float) -> tuple[State, float]:
 
 def flatten(update: Mapping[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
     """One float64 row of `update`'s entries in the order of `keys` (robust aggregators read whole updates)."""
-    return torch.cat([update[k].reshape(-1).to("cpu", torch.float64) for k in keys])
+    return stack([update], keys)[0]
 
 
 def stack(updates: list[Mapping[str, torch.Tensor]], keys: list[str]) -> torch.Tensor:
@@ -84,4 +84,23 @@ def as_upload(update: Mapping[str, torch.Tensor], references: Mapping[str, Mappi
                 continue
             out[key] = m * base + (update[key].to("cpu", torch.float64) if key in update else 0.0)
         out[f"{arch}/{WEIGHT_KEY}"] = torch.tensor(m, dtype=torch.float64)
+    return out
+
+
+def noised_entries(total: Mapping[str, torch.Tensor], references: Mapping[str, Mapping[str, torch.Tensor]],
+                   noise_std: float, generator: torch.Generator | None, divide: float = 1.0) -> State:
+    """Each floating-point entry of a round's sum (keyed `<arch>/<name>`, zero where missing) divided by `divide`, plus
+    N(0, noise_std²) drawn from `generator` entry by entry in key order (no draw when noise_std is 0): central DP's
+    noise on the sum, norm bounding's weak-DP noise on the mean."""
+    out = {}
+    for arch in sorted(references):
+        for name, ref in references[arch].items():
+            key = f"{arch}/{name}"
+            if not ref.is_floating_point():
+                continue
+            value = total[key].to("cpu", torch.float64) / divide if key in total else \
+                torch.zeros(ref.shape, dtype=torch.float64)
+            if noise_std > 0:
+                value = value + noise_std * torch.randn(ref.shape, generator=generator, dtype=torch.float64)
+            out[key] = value
     return out
