@@ -353,7 +353,8 @@ class RayBackend:
                 self._holds[w] = replies[w].info.get("states", 1) > 0
             except RayTaskError as exc:  # the worker itself raised
                 cause = getattr(exc, "cause", None)
-                if isinstance(cause, OutOfMemory):  # a client ran out of memory: the run stops, naming it
+                if isinstance(cause, (OutOfMemory, ConfigError)):  # out of memory, or a config a client's step
+                    # cannot run under (a method without DP-SGD under sample-level DP): the run stops, naming it
                     raise cause from None
                 failed[w] = WorkerFailure(type(cause).__name__ if cause is not None else type(exc).__name__,
                                           str(cause) if cause is not None else _short(exc), exc.traceback_str[-4000:])

@@ -17,6 +17,8 @@ FLOWER_VENV = REPO / ".venv-flower"
 FLOWER_PINS = ["flwr[simulation]==1.41.*", "psutil"]
 PFL_VENV = REPO / ".venv-pfl"
 PFL_PINS = ["pfl[pytorch]==0.6.0", "psutil"]
+OPACUS_VENV = REPO / ".venv-opacus"
+OPACUS_PINS = ["opacus==1.6.*", "pyyaml", "psutil"]  # pyyaml: the program builds fedsim's own models
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
 
 
@@ -35,6 +37,11 @@ def flower_python(log=print) -> Path:
 def pfl_python(log=print) -> Path:
     """Python of `.venv-pfl` (pfl-research with its PyTorch extra), created on first use."""
     return bench_venv(PFL_VENV, PFL_PINS, log)
+
+
+def opacus_python(log=print) -> Path:
+    """Python of `.venv-opacus` (Opacus, the DP-SGD library users would otherwise take), created on first use."""
+    return bench_venv(OPACUS_VENV, OPACUS_PINS, log)
 
 
 def bench_venv(venv: Path, pins: list[str], log=print) -> Path:

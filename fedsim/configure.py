@@ -114,7 +114,8 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{key}: with it {cfg.algorithm.name}'s server reads the clients' pooled training data, "
                               "which generated shards (data.partition.kind: generated) do not hold; change it or use "
                               "a fixed dataset")
-    if cfg.privacy.level != "none" or cfg.attack.kind != "none" or cfg.aggregator.name != "mean":
+    if cfg.privacy.level != "none" or cfg.privacy.secure_aggregation != "none" or cfg.attack.kind != "none" or \
+            cfg.aggregator.name != "mean":
         from fedsim.transforms import check_chain
 
         check_chain(cfg, uploads_model_update(cfg))

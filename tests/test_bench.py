@@ -666,3 +666,36 @@ def test_robust_rules_give_flowers_own_aggregates(tmp_path, rule):
     ours = robust.aggregate(rule, torch.from_numpy(rows.astype(np.float64)),
                             torch.from_numpy(weights.astype(np.float64)), f, beta=0.1).aggregate.numpy()
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".venv-opacus" / ".installed").is_file(),
+                    reason="needs the bench's Opacus venv (.venv-opacus, made by `make bench`)")
+@pytest.mark.parametrize("arch, options", [("cnn", {}), ("resnet8", {"norm": "group"})])
+def test_a_dp_sgd_step_without_noise_is_opacus_clipped_averaged_gradient(tmp_path, arch, options):
+    """The oracle of the bench tier: Opacus's DPOptimizer, in its own venv, on the same model and batch."""
+    import dataclasses
+
+    import torch
+
+    from bench.runner import OPACUS_VENV, REPO, run_program
+    from fedsim.config.schema import TrainConfig
+    from fedsim.models import build_model
+    from fedsim.training.dpsgd import DPSGD, train_dp_sgd
+    from fedsim.training.optim import SGD
+
+    torch.manual_seed(3)
+    model = build_model(arch, 3, 10, 16, **options)
+    x, y = torch.randn(12, 3, 16, 16), torch.randint(0, 10, (12,))
+    case = tmp_path / "case.pt"
+    torch.save({"model": model, "x": x, "y": y, "clip": 0.5}, case)
+    res = run_program([str(OPACUS_VENV / "bin" / "python"), "-m", "bench.opacus_dpsgd", "grad", str(case)],
+                      tmp_path / "opacus.log", timeout=300, cwd=REPO)
+    assert res.get("ok"), (tmp_path / "opacus.log").read_text()[-2000:]
+    theirs = torch.load(tmp_path / "case.opacus.pt")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train = dataclasses.replace(TrainConfig(), batch_size=12, steps=1, lr=1.0, momentum=0.0, weight_decay=0.0)
+    metrics = train_dp_sgd(model, x, y, train, torch.Generator().manual_seed(0), DPSGD(0.5, 0.0, torch.Generator()),
+                           SGD(model.parameters(), lr=1.0))
+    assert metrics["privacy/samples_clipped"] > 0  # the clip binds: the comparison is not of plain gradients
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(before[name] - p.detach(), theirs[name], rtol=1e-4, atol=1e-6)

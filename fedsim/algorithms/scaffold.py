@@ -148,7 +148,7 @@ class Scaffold(Algorithm):
             return sum((p * correction[n]).sum() for n, p in m.named_parameters() if n in correction)
 
         metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator(), extra_loss=drift,
-                                   optimizer=make_optimizer(model.parameters(), train))
+                                   optimizer=make_optimizer(model.parameters(), train), dp=ctx.dp_sgd)
         steps = metrics["steps"]
         y = dict(model.named_parameters())
         if grad_x is not None:

@@ -232,15 +232,17 @@ class AlgorithmConfig:
 
 @dataclass
 class PrivacyConfig:
-    level: Literal["none", "client", "local"] = knob(
+    level: Literal["none", "client", "sample", "local"] = knob(
         "none", doc="none; client: client-level DP-FedAvg (McMahan et al. 2018): each client's update clipped in "
-        "its worker, Gaussian noise added once to the round's sum; local: each client adds its own noise to its "
-        "clipped update before it leaves (fedsim.transforms, docs/privacy.md)")
-    clip: float = knob(1.0, gt=0, nonfinite=True, doc="L2 norm each client's model update is clipped to (C); "
-                       ".inf clips nothing")
+        "its worker, Gaussian noise added once to the round's sum; sample: every client trains with DP-SGD (Abadi "
+        "et al. 2016), each client's epsilon for its own data accounted; local: each client adds its own noise to "
+        "its clipped update before it leaves (fedsim.transforms, docs/privacy.md)")
+    clip: float = knob(1.0, gt=0, nonfinite=True, doc="L2 norm each client's model update is clipped to (C); under "
+                       "level sample, each sample's gradient; .inf clips nothing")
     noise_multiplier: float | None = knob(None, ge=0, le=1e6, doc="z: the noise on the sum has std z * clip (level "
-                                          "client); on each update, 2 * z * clip (level local: two clipped updates "
-                                          "differ by up to 2 clip); unset: solved from target_epsilon")
+                                          "client; level sample: on each step's sum of clipped per-sample "
+                                          "gradients); on each update, 2 * z * clip (level local: two clipped "
+                                          "updates differ by up to 2 clip); unset: solved from target_epsilon")
     target_epsilon: float | None = knob(None, gt=0, le=1e6, doc="solve noise_multiplier before round 0 so that the "
                                         "planned rounds spend at most this epsilon at delta")
     adaptive_clip: bool = knob(False, doc="level client: the clip follows a quantile of the update norms (Andrew et "
@@ -250,12 +252,27 @@ class PrivacyConfig:
                           "unclipped - target_quantile))")
     count_noise: float | None = knob(None, gt=0, le=1e9, doc="adaptive_clip: std of the noise on the count of "
                                      "unclipped updates (coded +-1/2); default expected cohort / 20")
-    delta: float | None = knob(None, gt=0, lt=1, doc="the delta of (epsilon, delta); default 1 / num_clients^1.1")
+    delta: float | None = knob(None, gt=0, lt=1, doc="the delta of (epsilon, delta); default 1 / num_clients^1.1 "
+                                      "(level sample: 1 / n^1.1, n the largest client dataset)")
     accountant: Literal["pld", "rdp", "prv"] = knob(
         "pld", doc="dp-accounting's privacy-loss-distribution (pld) or Renyi (rdp) accountant, or prv-accountant's "
         "upper bound (prv); fixed-size cohorts need rdp")
     max_epsilon: float | None = knob(None, gt=0, le=1e6, doc="stop the run cleanly before a round would take "
                                      "epsilon past this")
+    secure_aggregation: Literal["none", "secagg", "secagg+"] = knob(
+        "none", doc="secure aggregation simulated exactly: each client's update quantised and masked, the server "
+        "learns only the sum (secagg: Bonawitz et al. 2017, every pair masks; secagg+: Bell et al. 2020, a "
+        "neighbour graph); with or without DP (docs/privacy.md)")
+    secagg_bits: int = knob(32, ge=2, le=32, doc="secure aggregation's field: integers mod 2^bits")
+    secagg_levels: int = knob(65536, ge=1, le=2**31, doc="quantisation levels over [-secagg_range, secagg_range]; "
+                              "the cohort times the levels must stay below 2^secagg_bits")
+    secagg_range: float | None = knob(None, gt=0, le=1e9, doc="each coordinate of a client's weighted update is "
+                                      "clamped to [-range, range] before quantisation; default the clip (level "
+                                      "client), else required")
+    secagg_neighbours: int | None = knob(None, ge=2, le=MAX_CLIENTS, doc="secagg+: each client's neighbours (even); "
+                                         "default the smallest even number >= 2 log2(cohort)")
+    secagg_threshold: float = knob(0.5, gt=0, le=1, doc="the share of a client's neighbours that must survive to "
+                                   "rebuild its secrets; fewer, and the round aborts")
 
     def __post_init__(self) -> None:
         if self.level != "none" and (self.noise_multiplier is None) == (self.target_epsilon is None):

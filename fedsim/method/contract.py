@@ -22,6 +22,7 @@ from fedsim.method.client_archs import ClientArchs
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
     from fedsim.models import Classifier
+    from fedsim.training.dpsgd import DPSGD
     from fedsim.training.local import LocalTraining
 
 Reduce = Literal["each", "sum"]
@@ -66,7 +67,7 @@ class Broadcast:
 
     common: Any = None
     per_client: dict[int, Any] | None = None
-    chain: dict[str, float] | None = None  # set by the runtime: the update chain's settings for the round (its clip)
+    chain: dict[str, Any] | None = None  # set by the runtime: the update chain's settings for the round (its clip)
 
     def for_client(self, client_id: int) -> Any:
         return None if self.per_client is None else self.per_client.get(client_id)
@@ -197,6 +198,7 @@ class ClientContext:
     models: Models  # `models.get(arch)` returns this worker's reused instance
     env: Env
     phase_index: int = 0
+    dp_sgd: DPSGD | None = None  # privacy.level sample: pass to train_classifier / LocalTraining (they use it)
 
     def generator(self, device: torch.device | None = None) -> torch.Generator:
         """A torch generator seeded for this client, round and phase: the one for local training."""

@@ -6,6 +6,8 @@ average pool, so they also accept small inputs such as the 8×8 sklearn digits.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -22,6 +24,12 @@ def _conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
 
 
+def _norm(kind: str, channels: int) -> nn.Module:
+    """BatchNorm, or GroupNorm of gcd(32, C) groups (for sample-level DP-SGD, which BatchNorm's batch mixing
+    rules out; the groups Opacus's ModuleValidator.fix uses)."""
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(math.gcd(32, channels), channels)
+
+
 def _kaiming_init(model: nn.Module) -> None:
     """He-normal conv weights and unit BN, as in both papers, so training starts from the usual point."""
     for m in model.modules():
@@ -35,16 +43,16 @@ def _kaiming_init(model: nn.Module) -> None:
 class BasicBlock(nn.Module):
     """Post-activation basic block: conv-BN-ReLU-conv-BN, plus identity or 1×1-conv-BN (option B)."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.conv1 = _conv3x3(c_in, c_out, stride)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = _norm(norm, c_out)
         self.conv2 = _conv3x3(c_out, c_out)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = _norm(norm, c_out)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
             self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), _norm(norm, c_out)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,16 +64,17 @@ class BasicBlock(nn.Module):
 class CifarResNet(Classifier):
     """ResNet-(6n+2) for CIFAR: 16-channel stem, three stages of n blocks (16/32/64), GAP, linear head."""
 
-    def __init__(self, blocks_per_stage: int, in_channels: int, num_classes: int, init: str = "he") -> None:
+    def __init__(self, blocks_per_stage: int, in_channels: int, num_classes: int, init: str = "he",
+                 norm: str = "batch") -> None:
         super().__init__()
         self.embed_dim = 64
-        self.stem = nn.Sequential(_conv3x3(in_channels, 16), nn.BatchNorm2d(16), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(_conv3x3(in_channels, 16), _norm(norm, 16), nn.ReLU(inplace=True))
         layers: list[nn.Module] = []
         c_in = 16
         for stage, width in enumerate((16, 32, 64)):
             for i in range(blocks_per_stage):
                 stride = 2 if stage > 0 and i == 0 else 1
-                layers.append(BasicBlock(c_in, width, stride))
+                layers.append(BasicBlock(c_in, width, stride, norm))
                 c_in = width
         self.layers = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -137,6 +146,13 @@ class WideResNet(Classifier):
         return self.fc(z)
 
 
+def _norm_option(model: str, norm: object) -> str:
+    """`norm`: "batch" (the papers') or "group" (GroupNorm, for sample-level DP-SGD)."""
+    if norm not in ("batch", "group"):
+        raise ConfigError(f"model {model}: norm must be 'batch' or 'group', got {norm!r}")
+    return str(norm)
+
+
 def _init_option(model: str, init: object) -> str:
     """`init`: "he" (He-normal convs, the papers' choice) or "torch" (PyTorch's layer defaults)."""
     if init not in ("he", "torch"):
@@ -145,19 +161,21 @@ def _init_option(model: str, init: object) -> str:
 
 
 @register_model("resnet8")
-def resnet8(in_channels: int, num_classes: int, image_size: int, init: str = "he", **kw: object) -> CifarResNet:
+def resnet8(in_channels: int, num_classes: int, image_size: int, init: str = "he", norm: str = "batch",
+            **kw: object) -> CifarResNet:
     """ResNet-8 (one basic block per stage, ~78k parameters): FedDF's small CIFAR backbone."""
     check_options("resnet8", kw)
     check_shape("resnet8", in_channels, num_classes, image_size)
-    return CifarResNet(1, in_channels, num_classes, _init_option("resnet8", init))
+    return CifarResNet(1, in_channels, num_classes, _init_option("resnet8", init), _norm_option("resnet8", norm))
 
 
 @register_model("resnet20")
-def resnet20(in_channels: int, num_classes: int, image_size: int, init: str = "he", **kw: object) -> CifarResNet:
+def resnet20(in_channels: int, num_classes: int, image_size: int, init: str = "he", norm: str = "batch",
+             **kw: object) -> CifarResNet:
     """ResNet-20 (three basic blocks per stage, ~0.27M parameters): the standard CIFAR baseline."""
     check_options("resnet20", kw)
     check_shape("resnet20", in_channels, num_classes, image_size)
-    return CifarResNet(3, in_channels, num_classes, _init_option("resnet20", init))
+    return CifarResNet(3, in_channels, num_classes, _init_option("resnet20", init), _norm_option("resnet20", norm))
 
 
 @register_model("wrn16_4")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsim.errors import OutOfMemory
+from fedsim.errors import ConfigError, OutOfMemory
 from fedsim.method.contract import Broadcast, Phase
 from fedsim.runtime.backend import Restarted, WorkerFailure
 from fedsim.runtime.rundir import spill_folder
@@ -76,7 +76,8 @@ class LocalBackend:
                 try:
                     replies[w] = self.workers[w].run_phase(round, phase_index, phase, bc.common, per, cids, late,
                                                            bc.chain)
-                except OutOfMemory:  # a client ran out of memory: the run stops, naming it
+                except (OutOfMemory, ConfigError):  # a client ran out of memory, or cannot run this config: the run
+                    # stops, naming it
                     raise
                 except Exception as exc:  # the whole worker failed
                     failed[w] = WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc(limit=-5))

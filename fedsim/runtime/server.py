@@ -77,11 +77,12 @@ class Server:
             self.models = ModelPool(self.env, self.device)
         self.state = self.algorithm.init_server(self.env)
         # the update chain's server side (fedsim.transforms): noise, model attacks, the robust aggregator
-        self.chain = build_chain(cfg, solve=True, data=data)
+        self.chain = build_chain(cfg, solve=True, data=data, env=self.env)
         robustness = self.chain.robustness
         self.triggered = robustness.triggered_test(self.x_test, self.y_test) \
             if robustness is not None and cfg.attack.kind == "backdoor" else None
         self.sent: dict[str, Any] = {}  # each chain phase's broadcast, what its clients' updates are relative to
+        self.cohorts: dict[str, list[int]] = {}  # each chain phase's broadcast's clients
 
     def ping(self) -> dict[str, Any]:
         import os
@@ -95,10 +96,16 @@ class Server:
         """The phase's broadcast, its common size in bytes, per-client extra bytes, and seconds taken."""
         t0 = time.perf_counter()
         bc = self.algorithm.broadcast(phase, self.state, info)
+        per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
         if self.chain.applies(phase):
             self.sent[phase.name] = bc.common
-            bc.chain = self.chain.for_clients()
-        per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
+            self.cohorts[phase.name] = list(info.participants)  # a secure sum's key setup: who the broadcast reaches
+            bc.chain = self.chain.for_clients(info.participants)
+            if self.chain.secure is not None:  # the protocol's keys and shares, down to each client
+                refs = {a: self.algorithm.upload_reference(phase, bc.common, a) for a in self.env.archs}
+                d = sum(v.numel() for r in refs.values() for v in r.values() if v.is_floating_point())
+                for cid, extra in self.chain.secure.extra_down(info.participants, d).items():
+                    per[cid] = per.get(cid, 0) + extra
         return BroadcastReply(bc, state_nbytes(bc.common), per, time.perf_counter() - t0)
 
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
@@ -130,7 +137,12 @@ class Server:
                 updates, columns, per = self.chain.server_each(updates, references, info.round, phase.name)
             else:
                 assert isinstance(updates, SummedUpdate)
-                updates, columns = self.chain.server(updates, references, info.round, phase.name)
+                updates, columns = self.chain.server(updates, references, info.round, phase.name,
+                                                     self.cohorts.pop(phase.name, []), info.arrived)
+        if self.chain.sample is not None and self.chain.applies(phase):  # each client's epsilon, late ones too
+            trained = {o.client_id: o.result.metrics for r in replies for o in r.outcomes
+                       if o.status in ("ok", "late") and o.result is not None}
+            columns, per = self.chain.account(trained)
         self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
         return StepReply(dict(metrics or {}), time.perf_counter() - t0, columns, per)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedsim import rng
-from fedsim.errors import ClientFailedError, OutOfMemory
+from fedsim.errors import ClientFailedError, ConfigError, OutOfMemory
 from fedsim.memory import is_out_of_memory
 from fedsim.method.contract import Algorithm, ClientContext, ClientResult, Env, Message, Phase, get_algorithm
 from fedsim.method.sums import WeightedSum
@@ -28,6 +28,7 @@ from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_e
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 from fedsim.training.local import DROPOUT_STREAM
 from fedsim.transforms import build_chain
+from fedsim.transforms.secure import BYTES_UP as SECAGG_BYTES_UP
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -125,7 +126,7 @@ class ClientWorker:
         self.exact_sum = rt.exact_sum
         self.batcher = ClientBatcher(rt.batch_clients, rt.batch_clients_max, self.device, worker_index)
         self.kept_state: list[int] = []  # clients whose state a phase committed (checked for a stateless method)
-        self.chain = build_chain(cfg, data=data)  # the update chain's client side (fedsim.transforms): clipping
+        self.chain = build_chain(cfg, data=data, env=self.env)  # the update chain's client side (fedsim.transforms)
 
     def ping(self) -> dict[str, Any]:
         """Health check and placement facts (pid, device, visible GPU ids)."""
@@ -134,7 +135,7 @@ class ClientWorker:
 
     def run_phase(self, round: int, phase_index: int, phase: Phase, common: Any, per_client: dict[int, Any],
                   client_ids: list[int], late: list[int] | None = None,
-                  chain: dict[str, float] | None = None) -> WorkerReply:
+                  chain: dict[str, Any] | None = None) -> WorkerReply:
         """Run `phase` for `client_ids` (sorted). Clients in `late` run (their time and metrics count), but their
         state is not committed and their upload is dropped here: the server reads only the clients that arrived."""
         start = time.perf_counter()
@@ -152,7 +153,8 @@ class ClientWorker:
                                  data=self.chain.poison(cid, client_data(self.data_t, self.part, cid)),
                                  device=self.device,
                                  seed=client_seed(self.seed, round, cid, phase_index), models=self.models,
-                                 env=self.env, phase_index=phase_index)
+                                 env=self.env, phase_index=phase_index,
+                                 dp_sgd=self.chain.dp_sgd(chain or {}, round, cid, phase.name, phase_index))
 
         outcomes: dict[int, ClientOutcome] = {}
         transform = self._chain_for(phase, common, round, chain or {})
@@ -184,7 +186,7 @@ class ClientWorker:
                                  "kept_state": self.kept_state[:1]})
 
     def _chain_for(self, phase: Phase, common: Any, round: int,
-                   settings: dict[str, float]) -> Callable[[int, ClientResult], ClientResult] | None:
+                   settings: dict[str, Any]) -> Callable[[int, ClientResult], ClientResult] | None:
         """The update chain's client side for this phase (None where it does not apply), each architecture's
         reference taken from the broadcast once."""
         if not self.chain.applies(phase):
@@ -195,7 +197,8 @@ class ClientWorker:
             arch = self.env.client_archs[cid]
             if arch not in references:
                 references[arch] = self.algorithm.upload_reference(phase, common, arch)
-            return self.chain.client(res, arch, references[arch], round, cid, phase.name, settings.get("clip"))
+            return self.chain.client(res, arch, references[arch], round, cid, phase.name, settings.get("clip"),
+                                     settings.get("secagg_cohort", ()))
 
         return transform
 
@@ -211,12 +214,15 @@ class ClientWorker:
                 sent = state_nbytes(res.payload)  # what the client uploads (the chain's float64 sum entries aside)
                 if transform is not None:
                     res = transform(cid, res)
+                    sent = int(res.metrics.get(SECAGG_BYTES_UP, sent))  # a masked upload weighs what it sends
                 _check_weight(res, cid)
                 _check_finite_upload(res)  # before the sum: one client's NaN would spoil every other's
                 if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
                     summed.add(res.payload, res.weight, cid)
             except Exception as err:
                 exc = err
+        if isinstance(exc, ConfigError):  # a config the client's step cannot run under: every client would fail
+            raise exc
         if exc is not None and is_out_of_memory(exc):  # the next client would fail alike: the run stops
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             raise OutOfMemory(f"round {round}: client {cid} ran out of memory training model "

@@ -227,6 +227,8 @@ def train_together(plans: Sequence[LocalTraining]) -> list[Trained]:
     model = plans[0].model
     if any(p.model is not model for p in plans) or len({_hyper(p) for p in plans}) != 1:
         raise Unbatchable("the clients do not share one model instance and SGD settings")
+    if any(p.dp is not None for p in plans):
+        raise Unbatchable("sample-level DP-SGD trains one client at a time")
     if plans[0].train.optimizer != "sgd":
         raise Unbatchable(f"optimizer {plans[0].train.optimizer!r} (only SGD is batched)")
     reason = unbatchable_reason(model)

@@ -19,6 +19,7 @@ from torch import nn
 
 from fedsim import rng
 from fedsim.config.schema import TrainConfig
+from fedsim.training.dpsgd import DPSGD
 from fedsim.training.train import LossTerm, clip_logits, make_optimizer, train_classifier
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class LocalTraining:
     optimizer_state: dict[str, Any] | None = None  # loaded into the first stage's optimizer
     keep_optimizer: bool = False  # hand the last stage's optimizer state to `finish`
     dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.training.batched)
+    dp: DPSGD | None = None  # sample-level DP-SGD (ClientContext.dp_sgd): trained one client at a time
 
     @classmethod
     def of(cls, ctx: ClientContext, start: Mapping[str, torch.Tensor], finish: Finish,
@@ -98,7 +100,7 @@ class LocalTraining:
                    y=ctx.data.y if y is None else y, train=train, generator=ctx.generator(), finish=finish,
                    stages=(Stage(train.epochs, train.steps),) if stages is None else stages,
                    dropout_seed=rng.seed(ctx.env.config.seed, DROPOUT_STREAM, ctx.round, ctx.client_id,
-                                         ctx.phase_index), **options)
+                                         ctx.phase_index), dp=ctx.dp_sgd, **options)
 
     def stage_config(self, stage: Stage) -> TrainConfig:
         return dataclasses.replace(self.train, epochs=stage.epochs, steps=stage.steps)
@@ -117,7 +119,8 @@ class LocalTraining:
             opt = make_optimizer(self.model.parameters(), cfg)
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
-            done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt)
+            done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt,
+                                    dp=self.dp)
             metrics.update({stage.prefix + k: v for k, v in done.items()})
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)

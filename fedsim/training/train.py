@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsim.config.schema import TrainConfig
+from fedsim.training.dpsgd import DPSGD, train_dp_sgd
 from fedsim.training.optim import SGD, Adam
 
 LossTerm = Callable[[nn.Module], torch.Tensor | float]
@@ -66,10 +67,13 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
 def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
                      generator: torch.Generator,
                      extra_loss: LossTerm | None = None,
-                     optimizer: SGD | Adam | None = None) -> dict[str, float]:
-    """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps."""
+                     optimizer: SGD | Adam | None = None, dp: DPSGD | None = None) -> dict[str, float]:
+    """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps.
+    `dp`: with sample-level DP-SGD instead (ClientContext.dp_sgd; fedsim.training.dpsgd)."""
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), train)
+    if dp is not None:
+        return train_dp_sgd(model, x, y, train, generator, dp, opt, extra_loss)
     total, count, steps = LossTotal(x.device), 0, 0
     for idx in batch_indices(len(y), train.batch_size, generator, train.epochs, train.steps, x.device):
         xb, yb = x.index_select(0, idx), y.index_select(0, idx)  # x[idx]'s rows at a third of its overhead

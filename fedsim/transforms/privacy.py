@@ -80,6 +80,9 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
         return
     name = cfg.algorithm.name
     local = p.level == "local"
+    if p.level == "sample":
+        check_sample_level(cfg, uploads_model_update)
+        return
     if uploads_model_update is False:
         raise ConfigError(f"privacy.level: DP clips and noises a model update summed over clients; {name}'s round "
                           "is not one phase that uploads one (model_update=True), so it would not be private")
@@ -114,6 +117,21 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     check_accountable(cohort_mechanism(cfg, 1.0), p.accountant)
     if p.adaptive_clip and p.noise_multiplier:
         split_noise(p.noise_multiplier, p.count_noise, expected_cohort(cfg))
+
+
+def check_sample_level(cfg: RunConfig, uploads_model_update: bool | None) -> None:
+    """Sample-level DP against the rest of the config (what depends on the model and the shards is checked when the
+    run builds them: fedsim.transforms.sample_dp)."""
+    p = cfg.privacy
+    if uploads_model_update is False:
+        raise ConfigError(f"privacy.level: sample-level DP trains with DP-SGD in a method whose round is one phase "
+                          f"that uploads a model update; {cfg.algorithm.name}'s clients also release other results "
+                          "of their data, which would not be private")
+    if p.adaptive_clip:
+        raise ConfigError("privacy.adaptive_clip: adapts the clip of client-level DP; under level sample the "
+                          "per-sample clip is fixed")
+    if math.isinf(p.clip) and (p.noise_multiplier or 0) > 0:
+        raise ConfigError("privacy.clip: .inf with noise would make the noise infinite; clip to a finite norm")
 
 
 @dataclass
