@@ -12,8 +12,8 @@ import torch
 
 from fedsim.configure import load_config
 from fedsim.errors import ConfigError
-from fedsim.models import build_model
 from fedsim.method.sums import WeightedSum
+from fedsim.models import build_model
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
 from fedsim.runtime.local import LocalBackend
