@@ -47,7 +47,8 @@ MAX_EXACT_BITS = 32  # masked values below 2^32, summed over up to 2^21 clients,
 
 def float_keys(references: Mapping[str, Mapping[str, torch.Tensor]]) -> list[str]:
     """The encoded coordinates' entries, `<arch>/<name>`, in a fixed order: every floating entry of the reference."""
-    return [f"{a}/{n}" for a in sorted(references) for n in sorted(references[a]) if references[a][n].is_floating_point()]
+    return [f"{a}/{n}" for a in sorted(references) for n in sorted(references[a])
+            if references[a][n].is_floating_point()]
 
 
 def neighbour_count(kind: str, configured: int | None, cohort: int) -> int | None:
