@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("summary", nargs="?", default=str(OUT / "fedavg.json"), help="a file written by `make bench`")
     ap.add_argument("--docs", nargs="*", default=None, metavar="PAGE",
                     help="write the <!-- bench:fedavg --> and <!-- bench:headline --> blocks from the summary, and "
-                         "<!-- bench:scale -->, <!-- bench:gpu --> and <!-- bench:robust_aggregation --> from the .md "
+                         "<!-- bench:scale -->, <!-- bench:gpu -->, <!-- bench:robust_aggregation -->, "
+                         "<!-- bench:dpsgd --> and <!-- bench:secagg --> from the .md "
                          "files of those names beside it, on whichever "
                          "PAGE holds them (default: README.md and docs/**/*.md)")
     args = ap.parse_args(argv)
@@ -522,7 +523,7 @@ def paste_docs(data: dict, summary: str, pages: list[str]) -> list[str]:
     if "headline" in present:
         blocks["headline"] = headline_block(data, source)
     # make bench-scale's, bench.gpu_bench's and bench.robust_bench's reports, when beside it
-    for name in ("scale", "gpu", "robust_aggregation"):
+    for name in ("scale", "gpu", "robust_aggregation", "dpsgd", "secagg"):
         md = path.parent / f"{name}.md"
         if md.is_file():
             blocks[name] = markdown_block(md)

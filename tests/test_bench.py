@@ -699,3 +699,20 @@ def test_a_dp_sgd_step_without_noise_is_opacus_clipped_averaged_gradient(tmp_pat
     assert metrics["privacy/samples_clipped"] > 0  # the clip binds: the comparison is not of plain gradients
     for name, p in model.named_parameters():
         torch.testing.assert_close(before[name] - p.detach(), theirs[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_privacy_benches_measure_fedsims_side_and_render_their_tables():
+    """bench.dpsgd_bench's fedsim side (the Opacus side is the oracle test above) and bench.secagg_bench's round, at
+    their smallest: positive times, and the rows in the generated tables."""
+    import argparse
+
+    from bench import dpsgd_bench, secagg_bench
+
+    steps = dpsgd_bench.fedsim_steps("resnet8_gn", 1, 1, 0)
+    row = {"model": "resnet8_gn", "fedsim_step_s": steps[0], "opacus_step_s": 2 * steps[0]}
+    table = dpsgd_bench.render([row], argparse.Namespace(models="resnet8_gn", steps=1, repeat=1))
+    assert steps[0] > 0 and "| resnet8_gn |" in table and "| 2.00× |" in table
+    one = secagg_bench.one(5, "secagg+")
+    assert one["neighbours"] == 4 and one["client_encode_s"] > one["client_plain_s"] > 0
+    table = secagg_bench.render([one], argparse.Namespace(cohorts="5", full_up_to=5))
+    assert "| 5 | secagg+ | 4 |" in table
