@@ -282,15 +282,25 @@ def test_cluster_config_passes_ray_validation():
 
 
 def test_dp_noise_and_clipping_on_ray_match_the_local_backend(ray_local, make_config):
-    """Client-level DP with an adaptive clip on two Ray workers: the clipping in the workers (at the clip the server
-    sends each round) and the noise on the server give the local backend's numbers (named streams, exact sums)."""
+    """Client-level DP with an adaptive clip under SecAgg+ on two Ray workers: the clipping in the workers (at the
+    clip the server sends each round), the masked sums and the noise on the server give the local backend's numbers
+    (named streams, exact sums); so does sample-level DP-SGD, each client's noise from its own stream."""
     dp = ["algorithm.weighting=uniform", "privacy.level=client", "privacy.noise_multiplier=1.0", "privacy.clip=0.5",
           "privacy.accountant=rdp", "privacy.adaptive_clip=true", "privacy.count_noise=1", "runtime.client_cpus=0.5",
-          "runtime.num_workers=2"]
+          "runtime.num_workers=2", "privacy.secure_aggregation=secagg+", "privacy.secagg_neighbours=2"]
     on_ray = load(run(make_config("runtime.backend=ray", *dp, rounds=2), RayBackend()))["rounds"]
     local = load(run(make_config(*dp, rounds=2), LocalBackend(num_workers=1)))["rounds"]
     assert on_ray["privacy/clipped_fraction"].gt(0).any() and on_ray["privacy/clip"].nunique() == 2
+    assert (on_ray["secagg/aborted"] == 0).all()
     pd.testing.assert_frame_equal(deterministic(on_ray), deterministic(local))
+    sample = ["privacy.level=sample", "privacy.noise_multiplier=1.0", "privacy.clip=0.5", "privacy.accountant=rdp",
+              "runtime.client_cpus=0.5", "runtime.num_workers=2"]
+    on_ray = load(run(make_config("runtime.backend=ray", *sample, rounds=1), RayBackend()))
+    local = load(run(make_config(*sample, rounds=1), LocalBackend(num_workers=1)))
+    assert on_ray["clients"]["privacy/epsilon"].gt(0).all()
+    pd.testing.assert_frame_equal(deterministic(on_ray["rounds"]), deterministic(local["rounds"]))
+    columns = ["round", "client", "privacy/epsilon", "privacy/samples_clipped", "train_loss"]
+    pd.testing.assert_frame_equal(on_ray["clients"][columns], local["clients"][columns])
 
 
 def test_colluders_and_a_robust_aggregator_on_three_ray_workers_match_one_local_worker(ray_local, make_config):

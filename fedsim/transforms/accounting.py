@@ -10,6 +10,7 @@ The event of one round follows how its cohort is drawn (participation.sampling):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -67,22 +68,49 @@ def epsilon(mech: Mechanism, rounds: int, delta: float, accountant: str) -> floa
         return math.inf
     if accountant == "prv":
         return _prv_epsilon(mech, rounds, delta)
-    from dp_accounting import pld, rdp
+    if accountant == "rdp":  # RDP composes linearly: T rounds are T times one round's RDP, at every order
+        from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+        orders, one = _one_round_rdp(mech)
+        return float(compute_epsilon(orders, [rounds * v for v in one], delta)[0])
+    if mech.everyone:  # T Gaussians are one of multiplier z/√T: the accountant's own exact composition
+        from dp_accounting import pld
+
+        acc = pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
+        acc.compose(mech.event(rounds))
+        return float(acc.get_epsilon(delta))
+    return float(_one_round_pld(mech).self_compose(rounds).get_epsilon_for_delta(delta))
+
+
+@functools.lru_cache(maxsize=64)
+def _one_round_rdp(mech: Mechanism) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(orders, one round's RDP at each) from dp-accounting's RDP accountant (the per-round cost of the accountant:
+    0.2 to 0.6 s, paid once per mechanism instead of every round)."""
+    from dp_accounting import rdp
     from dp_accounting.privacy_accountant import NeighboringRelation
 
-    if accountant == "pld":
-        acc: Any = pld.PLDAccountant(value_discretization_interval=PLD_INTERVAL)
-    else:
-        replace = mech.sampling == "fixed" and not mech.everyone
-        acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE if replace
-                                else NeighboringRelation.ADD_OR_REMOVE_ONE)
+    replace = mech.sampling == "fixed" and not mech.everyone
+    acc = rdp.RdpAccountant(neighboring_relation=NeighboringRelation.REPLACE_ONE if replace
+                            else NeighboringRelation.ADD_OR_REMOVE_ONE)
     level = logging.getLogger("absl").level  # dp-accounting logs each RDP order it skips
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
-        acc.compose(mech.event(rounds))
-        return float(acc.get_epsilon(delta))
+        acc.compose(mech.event(1))
     finally:
         logging.getLogger("absl").setLevel(level)
+    return tuple(acc.orders), tuple(float(v) for v in acc.rdp)
+
+
+@functools.lru_cache(maxsize=64)
+def _one_round_pld(mech: Mechanism) -> Any:
+    """One Poisson-subsampled Gaussian round's privacy-loss distribution, as dp-accounting's PLD accountant builds
+    it (add-or-remove adjacency); T rounds are its self-composition (0.05 s for 100 rounds, against 0.65 s for the
+    accountant's whole event each round)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=mech.noise_multiplier, value_discretization_interval=PLD_INTERVAL,
+        sampling_prob=mech.rate)
 
 
 def _prv_epsilon(mech: Mechanism, rounds: int, delta: float) -> float:
