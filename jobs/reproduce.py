@@ -59,6 +59,8 @@ class MechanismCell:
     columns: list[str] = knob([], doc="rounds.parquet columns shown in the cell (their mean over rounds, then seeds)")
     sep: str = knob(" / ", doc="text between the values, e.g. ' → ' for before → after")
     percent: bool = knob(True, doc="show the values ×100 (accuracies, shares)")
+    final: bool = knob(False, doc="the last round's value instead of the mean over rounds (what a run ends with: "
+                                  "its epsilon)")
     arms: list[str] = knob([], doc="the rows that show this cell (default: every row that records its columns)")
 
 
@@ -307,14 +309,16 @@ def run_dosfl_table(t: TableSpec, seeds: list[int], root: Path, quick: QuickSpec
     return Result([*head, "paper (%)", "direction holds?"], cells, raw, configs, budget)
 
 
-def run_mechanism(run_dir: str | Path, columns: list[str]) -> dict[str, float]:
-    """Each column's mean over a run's rounds (NaN where the run does not record it)."""
+def run_mechanism(run_dir: str | Path, columns: list[str], final: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Each column's mean over a run's rounds, or for those in `final` its last round's value (NaN where the run
+    does not record it)."""
     import math
 
     from fedsim.results.tables import load
 
-    rounds = load(run_dir)["rounds"].drop_duplicates("round")
-    return {c: float(rounds[c].mean()) if c in rounds else math.nan for c in columns}
+    rounds = load(run_dir)["rounds"].drop_duplicates("round").sort_values("round")
+    return {c: (float(rounds[c].iloc[-1]) if c in final else float(rounds[c].mean())) if c in rounds else math.nan
+            for c in columns}
 
 
 def mechanism_cells(t: TableSpec, raw: pd.DataFrame, keys: list[str]) -> tuple[list[str], dict[tuple, list[str]]]:
@@ -325,7 +329,8 @@ def mechanism_cells(t: TableSpec, raw: pd.DataFrame, keys: list[str]) -> tuple[l
     if not wanted:
         return [], {}
     run_col = "run" if "run" in raw else "dosfl_run"
-    values = pd.DataFrame([run_mechanism(r, wanted) for r in raw[run_col]], index=raw.index)
+    final = frozenset(c for m in t.mechanism if m.final for c in m.columns)
+    values = pd.DataFrame([run_mechanism(r, wanted, final) for r in raw[run_col]], index=raw.index)
     for c in wanted:
         raw[c] = values[c]
     cells: dict[tuple, list[str]] = {}

@@ -155,6 +155,8 @@ def test_mechanism_cells_average_rounds_then_seeds_and_dash_what_a_run_lacks(tmp
     assert raw.loc[0, a] == pytest.approx(0.6) and math.isnan(raw.loc[2, b])  # per-seed values kept in the raw rows
     t.mechanism[0].arms = ["FedAvg"]  # a cell kept to named rows: another method's same-named column stays out
     assert rp.mechanism_cells(t, raw, ["arm"])[1][("DaFKD",)] == ["—"]
+    t.mechanism = [rp.MechanismCell(label="last", columns=[a], final=True)]  # a run's last round: (0.7, 0.6)
+    assert rp.mechanism_cells(t, raw, ["arm"])[1][("DaFKD",)] == ["65.0"]
 
 
 # ---- the manifest ----
