@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fedsim.config.schema import TrainConfig
+from fedsim.training.optim import SGD, Adam
 
 NOISE_STREAM = "privacy-sample-noise"
 """The named stream of a client's DP-SGD noise, with its phase appended."""
@@ -53,7 +54,8 @@ def weighted_sum(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
     """Σ_j weights[j]·stacked[j] as one matrix-vector product over `stacked` in its own memory order (a per-sample
     gradient is often laid out transposed: tensordot's copy into row order took 10x the product, 180 ms a step of
     the CIFAR CNN's linear layer); the same bits as tensordot."""
-    order = sorted(range(1, stacked.dim()), key=lambda d: -stacked.stride(d))
+    strides = stacked.stride()
+    order = sorted(range(1, stacked.dim()), key=lambda d: -strides[d])
     laid = stacked.permute(0, *order)
     out = (weights @ laid.reshape(stacked.shape[0], -1)).view(laid.shape[1:])
     back = [0] * len(order)
@@ -63,7 +65,7 @@ def weighted_sum(weights: torch.Tensor, stacked: torch.Tensor) -> torch.Tensor:
 
 
 def train_dp_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig, generator: torch.Generator,
-                 dp: DPSGD, optimizer: torch.optim.Optimizer | object,
+                 dp: DPSGD, optimizer: SGD | Adam,
                  extra_loss: Callable[[nn.Module], torch.Tensor | float] | None = None) -> dict[str, float]:
     """Run `steps_per_round` DP-SGD steps of `optimizer` on (x, y); the batches are drawn from `generator`, the
     noise from `dp.noise`. Returns train_classifier's metrics and the steps taken and samples clipped."""
@@ -114,6 +116,6 @@ def train_dp_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: Trai
             if extra is not None and extra[k] is not None:
                 g = g + extra[k]
             p.grad = g
-        optimizer.step()  # type: ignore[attr-defined]
+        optimizer.step()
     return {"train_loss": loss_total / max(seen, 1), "steps": float(steps), "privacy/dp_steps": float(steps),
             "privacy/sample_rate": q, "privacy/samples_clipped": clipped / max(seen, 1)}
