@@ -142,7 +142,9 @@ class Server:
         if self.chain.sample is not None and self.chain.applies(phase):  # each client's epsilon, late ones too
             trained = {o.client_id: o.result.metrics for r in replies for o in r.outcomes
                        if o.status in ("ok", "late") and o.result is not None}
-            columns, per = self.chain.account(trained)
+            spent, epsilons = self.chain.account(trained)
+            columns = {**columns, **spent}
+            per = {c: {**per.get(c, {}), **epsilons.get(c, {})} for c in per.keys() | epsilons.keys()}
         self.state, metrics = self.algorithm.server_step(phase, self.state, updates, info)
         return StepReply(dict(metrics or {}), time.perf_counter() - t0, columns, per)
 

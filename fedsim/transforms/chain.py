@@ -85,7 +85,7 @@ class UpdateChain:
         """A client's result as its worker sums it: the clipped (locally noised) update, its norm among its metrics;
         weight 1 under client-level DP, the method's own under local DP. Under a robust aggregator: its update,
         or (norm bounding) its update clipped to the bound."""
-        if self.sample is not None and STEPS_KEY not in res.metrics:  # the client's own DP-SGD did the work
+        if self.sample is not None and not any(k.endswith(STEPS_KEY) for k in res.metrics):  # its DP-SGD ran
             raise ConfigError(f"privacy.level: sample, and client {client}'s step did not train with fedsim's DP-SGD "
                               "(a method's client step must pass ctx.dp_sgd to train_classifier or LocalTraining)")
         if self.privacy is None and self.secure is None:

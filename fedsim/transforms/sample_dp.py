@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
 
 STEPS_KEY = "privacy/dp_steps"
-"""A client's metric: the DP-SGD steps it took this round (what the accountant composes)."""
+"""A client's metric: the DP-SGD steps it took this round (what the accountant composes; a training stage's own
+prefix may lead it)."""
 STATE_KEY = "sample_dp/steps"
 
 
@@ -130,7 +131,7 @@ class SampleLevelDP:
         client's epsilon so far."""
         per: dict[int, dict] = {}
         for cid, metrics in trained.items():
-            self.steps[cid] += int(metrics.get(STEPS_KEY, 0))
+            self.steps[cid] += int(sum(v for k, v in metrics.items() if k.endswith(STEPS_KEY)))  # every stage's
             per[cid] = {"privacy/epsilon": self.epsilon_of(self.rates[cid], int(self.steps[cid]))}
         columns = {"privacy/epsilon": self.worst_after(self.steps), "privacy/delta": self.delta,
                    "privacy/noise_multiplier": self.noise_multiplier, "privacy/clip": self.clip}
