@@ -78,9 +78,11 @@ def check_robustness(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     if (model_attack or g.name != "mean") and len(set(cfg.model.mix) or {cfg.model.name}) > 1:
         raise ConfigError("aggregator.name: clients of several architectures (model.mix) are not supported with a "
                           "model attack or a robust aggregator")
-    if cfg.privacy.level != "none" and (model_attack or g.name != "mean"):
-        raise ConfigError("privacy.level: DP's noise is calibrated to the clipped mean; a robust aggregator's or a "
-                          "model attack's sensitivity is not what the accountant assumes: use one or the other")
+    if cfg.privacy.level in ("client", "local") and (model_attack or g.name != "mean"):  # sample level: each
+        # client's DP-SGD is private whatever the server does with its update
+        raise ConfigError(f"privacy.level: {cfg.privacy.level}-level DP's noise is calibrated to the clipped mean; a "
+                          "robust aggregator's or a model attack's sensitivity is not what the accountant assumes: use "
+                          "one or the other (or privacy.level: sample)")
     if g.name == "norm_bound" and g.bound is None:
         raise ConfigError("aggregator.bound: norm_bound needs the L2 norm to clip each update to")
     problem = robust.requirement(g.name, clients_per_round(cfg), g.f, g.beta)

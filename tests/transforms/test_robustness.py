@@ -164,7 +164,7 @@ def test_fltrust_trains_on_a_root_set_held_out_of_the_test_set(make_config):
                                                                            "client's model update, and dosfl's"),
     (["aggregator.name=norm_bound"], "aggregator.bound: norm_bound needs the L2 norm"),
     (["aggregator.name=median", "privacy.level=client", "privacy.noise_multiplier=1", "algorithm.weighting=uniform",
-      "privacy.accountant=rdp"], "privacy.level: DP's noise is calibrated to the clipped mean"),
+      "privacy.accountant=rdp"], "privacy.level: client-level DP's noise is calibrated to the clipped mean"),
 ])
 def test_bad_robustness_settings_are_one_line_naming_the_key(overrides, message):
     base = ["data.num_clients=4", "participation.clients_per_round=3"]

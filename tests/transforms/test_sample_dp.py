@@ -132,3 +132,36 @@ def test_a_batchnorm_model_is_refused_with_the_fix_named(tmp_path):
     assert_one_line_error(proc, root, "model.name: layer 'stem.1' is a BatchNorm2d, which mixes the samples of a "
                                       "batch, so sample-level DP-SGD cannot clip one sample's gradient; use a model "
                                       "without BatchNorm (model.options.norm: group for resnet8/resnet20)")
+
+
+@pytest.mark.parametrize("method", ["fedprox", "scaffold"])
+def test_the_fedavg_family_trains_with_dp_sgd_and_late_clients_spend_epsilon_too(make_config, method):
+    """FedProx's proximal term and SCAFFOLD's correction add their gradients after the noise; with stragglers, a
+    client that trained but arrived late has spent its epsilon all the same."""
+    extra = ["algorithm.mu=0.1"] if method == "fedprox" else []
+    tables = load(run(make_config(*SAMPLE, "privacy.noise_multiplier=1.0", f"algorithm.name={method}", *extra,
+                                  "stragglers.enabled=true", "participation.clients_per_round=6", rounds=2),
+                      LocalBackend()))
+    clients = tables["clients"]
+    assert (clients["status"] == "late").any() and clients["privacy/epsilon"].gt(0).all()
+    assert clients["privacy/dp_steps"].gt(0).all() and tables["rounds"]["accuracy"].notna().all()
+
+
+def test_max_epsilon_stops_before_a_client_joining_the_next_round_could_pass_it():
+    dp = SampleLevelDP(1.0, 1.0, 1e-5, "rdp", 0, np.array([0.5, 0.1]), np.array([4, 20]), max_epsilon=None,
+                       steps=np.zeros(2, dtype=np.int64))
+    one_round = dp.worst_after(dp.per_round)
+    dp.max_epsilon = one_round * 1.3  # one round fits, two do not (7.41, then 10.33)
+    assert not dp.stop_before()
+    dp.account({0: {"privacy/dp_steps": 4.0}, 1: {"pretrain_privacy/dp_steps": 10.0, "privacy/dp_steps": 10.0}})
+    assert list(dp.steps) == [4, 20] and dp.stop_before()
+
+
+def test_sample_level_dp_composes_with_a_robust_aggregator(make_config):
+    """Each client's update is private by its own DP-SGD, so Multi-Krum on the server is post-processing: both run,
+    each client's epsilon and whether it was kept in its row."""
+    tables = load(run(make_config(*SAMPLE, "privacy.noise_multiplier=1.0", "aggregator={name: multi_krum, f: 1}",
+                                  "participation.clients_per_round=6", rounds=1), LocalBackend()))
+    clients = tables["clients"]
+    assert clients["privacy/epsilon"].gt(0).all() and clients["kept"].notna().all()
+    assert 0 < clients["kept"].sum() < len(clients)

@@ -139,3 +139,14 @@ def test_client_level_dp_under_secure_aggregation_differs_from_plain_dp_by_quant
     step = 2 * 0.5 / 65536  # one quantisation level: the mean of 8 updates moves by at most 8 of them / 8
     gaps = {name: float((ours[name].double() - value.double()).abs().max()) for name, value in theirs.items()}
     assert max(gaps.values()) > 0 and all(gap <= step + 1e-7 for gap in gaps.values()), gaps
+
+
+def test_scaffolds_model_and_control_variate_updates_go_through_the_secure_sum(make_config):
+    """SCAFFOLD's upload holds its model update and its control-variate difference (relative to zeros): both are
+    quantised, masked and unmasked; the run is the plain run's to quantisation, so it learns as the plain one does."""
+    plain = load(run(make_config("algorithm.name=scaffold", "participation.clients_per_round=8", "results.run_id=a",
+                                 rounds=2), LocalBackend()))["rounds"]
+    secure = load(run(make_config("algorithm.name=scaffold", *SECAGG, "results.run_id=b", rounds=2),
+                      LocalBackend()))["rounds"]
+    assert (secure["secagg/aborted"] == 0).all()
+    assert abs(float(secure["accuracy"].iloc[-1]) - float(plain["accuracy"].iloc[-1])) <= 0.02
