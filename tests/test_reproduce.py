@@ -166,7 +166,7 @@ def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> 
     assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy"]
     for t in m.tables:
         assert len(t.seeds) >= 3 and t.paper_title
-        if t.id in ("robustness", "privacy"):  # our own grids: the papers' claims in the title, no figures to set beside
+        if t.id in ("robustness", "privacy"):  # our own grids: the claims in the title, no paper figures beside
             assert not t.paper and t.mechanism
             continue
         assert t.paper
