@@ -120,6 +120,8 @@ class StragglerConfig:
     speed: DistConfig = knob(factory=lambda: DistConfig("lognormal", 1.0, 0.5))
     bandwidth_mbps: DistConfig = knob(factory=lambda: DistConfig("lognormal", 20.0, 0.5))
     sample_seconds: float = knob(0.01, gt=0, le=1e6, doc="virtual seconds per training sample at speed 1")
+    latency_s: float = knob(0.0, ge=0, le=1e6, doc="virtual seconds of each message round trip between the server "
+                            "and a client: a round's download and upload are one, secure aggregation adds three")
     deadline: Literal["none", "fixed", "quantile"] = knob("quantile", doc="how the round deadline is set")
     deadline_value: float = knob(0.8, gt=0, doc="virtual seconds (fixed), or the quantile of participant "
                                   "durations in (0, 1] (quantile)")

@@ -164,10 +164,10 @@ def work_samples(cfg: RunConfig, num_samples: np.ndarray) -> np.ndarray:
 
 
 def durations(cfg: RunConfig, profiles: Profiles, cids: np.ndarray, num_samples: np.ndarray,
-              bytes_down: np.ndarray, bytes_up: np.ndarray) -> np.ndarray:
-    """Virtual seconds per client: download + local compute + upload."""
+              bytes_down: np.ndarray, bytes_up: np.ndarray, round_trips: int = 1) -> np.ndarray:
+    """Virtual seconds per client: download + local compute + upload, and the latency of `round_trips` messages."""
     compute = work_samples(cfg, num_samples) * cfg.stragglers.sample_seconds / profiles.speed[cids]
-    return (bytes_down + bytes_up) / profiles.bandwidth[cids] + compute
+    return (bytes_down + bytes_up) / profiles.bandwidth[cids] + compute + round_trips * cfg.stragglers.latency_s
 
 
 @dataclass

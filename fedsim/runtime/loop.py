@@ -45,6 +45,7 @@ from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 from fedsim.transforms import check_availability, check_round
+from fedsim.transforms.secagg import EXTRA_ROUND_TRIPS
 
 log = logging.getLogger("fedsim.loop")
 
@@ -253,7 +254,9 @@ class Simulation:
         server_s = sent.seconds
         # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
         down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
-        sch = schedule(cfg, sampled, durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down))
+        trips = 1 + (EXTRA_ROUND_TRIPS if cfg.privacy.secure_aggregation != "none" else 0)  # SecAgg's messages
+        sch = schedule(cfg, sampled, durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down,
+                                               trips))
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]
         rec = _RoundRecord(r, sch, {c: n_of[c] for c in kept})
         arrived = [c for c in kept if c not in set(late)]

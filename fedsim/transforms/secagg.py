@@ -37,6 +37,7 @@ PUBLIC_KEY_BYTES = 32  # an X25519 public key; a client advertises two (encrypti
 FIELD_BYTES = 8  # one Shamir share: an element of the 61-bit field
 CIPHER_OVERHEAD_BYTES = 16  # an authenticated-encryption tag per encrypted share
 ID_BYTES = 4  # a client id in the server's list of survivors and dropouts
+EXTRA_ROUND_TRIPS = 3  # AdvertiseKeys, ShareKeys, Unmasking: the masked input replaces the plain round's upload
 
 
 class SecAggAbort(Exception):
@@ -255,4 +256,5 @@ def costs(spec: SecAggSpec, cohort_size: int, k_u: int, d: int) -> dict[str, int
     encrypted = 2 * (FIELD_BYTES + CIPHER_OVERHEAD_BYTES) * k_u
     return {"extra_up_bytes": 2 * PUBLIC_KEY_BYTES + encrypted + FIELD_BYTES * k_u,
             "extra_down_bytes": 2 * PUBLIC_KEY_BYTES * k_u + encrypted + ID_BYTES * k_u,
-            "masked_bytes": math.ceil(d * spec.bits / 8), "round_trips": 4, "extra_round_trips": 3}
+            "masked_bytes": math.ceil(d * spec.bits / 8), "round_trips": EXTRA_ROUND_TRIPS + 1,
+            "extra_round_trips": EXTRA_ROUND_TRIPS}

@@ -150,3 +150,17 @@ def test_scaffolds_model_and_control_variate_updates_go_through_the_secure_sum(m
                       LocalBackend()))["rounds"]
     assert (secure["secagg/aborted"] == 0).all()
     assert abs(float(secure["accuracy"].iloc[-1]) - float(plain["accuracy"].iloc[-1])) <= 0.02
+
+
+def test_the_protocols_messages_enter_the_virtual_clock(make_config):
+    """stragglers.latency_s per message round trip: a plain round has one, SecAgg three more."""
+    def durations(*extra: str) -> pd.Series:
+        cfg = make_config(*extra, "participation.clients_per_round=8", "stragglers.enabled=true",
+                          "stragglers.deadline=none", rounds=1)
+        cfg.results.run_id = "_".join(e.replace("=", "-").replace("/", "") for e in extra) or "plain"
+        return load(run(cfg, LocalBackend()))["clients"].set_index("client")["virtual_duration"]
+
+    plain, plain_slow = durations(), durations("stragglers.latency_s=2")
+    secure, secure_slow = durations(*SECAGG[:3]), durations(*SECAGG[:3], "stragglers.latency_s=2")
+    assert ((plain_slow - plain).round(9) == 2.0).all() and ((secure_slow - secure).round(9) == 8.0).all()
+    assert (secure > plain).all()  # the keys and shares' bytes too
