@@ -6,7 +6,8 @@
 
 A plugin: this file lives outside the fedsim package, and `plugins: [my_method]` in a config beside it
 imports it on the driver and on every Ray worker. It registers its method and the dataclass its server
-keeps, so checkpoints of that state load on --resume.
+keeps, so checkpoints of that state load on --resume. fedsim has FedAvgM built in (`fedavgm`); this copy registers
+as `my_fedavgm` to show the plugin route.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class MomentumState:
 class FedAvgM(FedAvg):
     """FedAvg's clients; the server steps along a running average of the rounds' updates."""
 
-    name = "fedavgm"
+    name = "my_fedavgm"
     Params = FedAvgMParams
 
     def init_server(self, env: Env) -> MomentumState:

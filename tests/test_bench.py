@@ -668,6 +668,57 @@ def test_robust_rules_give_flowers_own_aggregates(tmp_path, rule):
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
 
 
+def _flower_venv_installed() -> bool:
+    from bench.runner import FLOWER_VENV
+
+    return (FLOWER_VENV / ".installed").is_file()
+
+
+# Flower's legacy strategies (flwr.server.strategy) with fedsim's defaults passed in (their own tau is 1e-9 for
+# FedAdam and FedAdagrad); FedAdam's bias correction takes exponent server_round + 1, so its rounds are passed
+# from 0 to match fedsim's t = 1, 2, 3; FedAvgM starts its momentum on server round 1.
+FEDOPT_CASES = {
+    "fedadam": ({"eta": 0.1, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}, 0,
+                {"rule": "adam", "lr": 0.1, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3, "bias_correction": True}),
+    "fedyogi": ({"eta": 0.01, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}, 1,
+                {"rule": "yogi", "lr": 0.01, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}),
+    "fedadagrad": ({"eta": 0.1, "tau": 1e-3}, 1, {"rule": "adagrad", "lr": 0.1, "beta1": 0.0, "tau": 1e-3}),
+    "fedavgm": ({"server_learning_rate": 0.5, "server_momentum": 0.9}, 1,
+                {"rule": "avgm", "lr": 0.5, "momentum": 0.9}),
+}
+
+
+@pytest.mark.skipif(not _flower_venv_installed(), reason="needs the bench's Flower venv (.venv-flower, made by "
+                                                          "`make bench`)")
+@pytest.mark.parametrize("strategy", list(FEDOPT_CASES))
+def test_server_optimisers_step_as_flowers_own_strategies(tmp_path, strategy):
+    """The oracle of the bench tier: Flower's FedAdam, FedYogi, FedAdagrad and FedAvgM, in its own venv, stepped
+    3 rounds from the same parameters over the same aggregates as fedsim's server_opt_step."""
+    from bench.runner import FLOWER_VENV, REPO, run_program
+    from fedsim.method import ServerOptimizer, server_opt_step
+
+    hyper, offset, ours_opt = FEDOPT_CASES[strategy]
+    g = np.random.default_rng(11)
+    shapes = [(3, 4), (5,)]
+    x0 = [g.normal(size=s) for s in shapes]
+    aggregates = [[x + g.normal(scale=0.2, size=x.shape) for x in x0] for _ in range(3)]
+    path = tmp_path / "steps.npz"
+    np.savez(path, **{f"x0_{i}": x for i, x in enumerate(x0)},
+             **{f"avg_{t}_{i}": a for t, agg in enumerate(aggregates) for i, a in enumerate(agg)})
+    res = run_program([str(FLOWER_VENV / "bin" / "python"), "-m", "bench.flower_fedopt", str(path), strategy,
+                       json.dumps(hyper), str(offset)], tmp_path / "flower.log", timeout=300, cwd=REPO)
+    assert res.get("seconds") is not None, (tmp_path / "flower.log").read_text()[-2000:]
+    theirs = np.load(path.with_suffix(f".{strategy}.flower.npz"))
+    opt = ServerOptimizer(**ours_opt)
+    model = {str(i): torch.from_numpy(x) for i, x in enumerate(x0)}
+    slots = None
+    for t, agg in enumerate(aggregates):
+        model, slots = server_opt_step(opt, model, {str(i): torch.from_numpy(a) for i, a in enumerate(agg)}, slots)
+        for i in range(len(shapes)):
+            np.testing.assert_allclose(model[str(i)].numpy(), theirs[f"step_{t}_{i}"], rtol=0, atol=1e-6,
+                                       err_msg=f"{strategy} round {t} layer {i}")
+
+
 @pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".venv-opacus" / ".installed").is_file(),
                     reason="needs the bench's Opacus venv (.venv-opacus, made by `make bench`)")
 @pytest.mark.parametrize("arch, options", [("cnn", {}), ("resnet8", {"norm": "group"})])

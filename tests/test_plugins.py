@@ -48,7 +48,7 @@ def test_example_plugin_runs_on_the_local_backend(isolated, tmp_path, capsys):
     assert list(rounds["round"]) == [0, 1] and rounds["accuracy"].notna().all()
     assert (rounds["train/velocity_norm"] > 0).all()  # the plugin's own server step ran
     saved = yaml.safe_load((tmp_path / "local" / "config.yaml").read_text())
-    assert saved["plugins"] == [str(EXAMPLE.with_suffix(".py"))] and saved["algorithm"]["name"] == "fedavgm"
+    assert saved["plugins"] == [str(EXAMPLE.with_suffix(".py"))] and saved["algorithm"]["name"] == "my_fedavgm"
 
 
 PROBE = """
@@ -278,7 +278,7 @@ def test_a_plugin_method_sweeps_over_seeds_as_tune_trials(isolated, ray_local, t
     from jobs.sweep import run_sweep
 
     sweep = tmp_path / "plugin.sweep.yaml"
-    sweep.write_text(yaml.safe_dump({"title": "fedavgm", "base": str(EXAMPLE), "seeds": [0, 1], "budgets": [2],
+    sweep.write_text(yaml.safe_dump({"title": "my_fedavgm", "base": str(EXAMPLE), "seeds": [0, 1], "budgets": [2],
                                      "overrides": [*FAST, "runtime.backend=local", "runtime.num_workers=1"],
                                      "arms": [{"name": "beta 0.9"}, {"name": "beta 0.5",
                                                                      "overrides": ["algorithm.beta=0.5"]}]}))

@@ -7,7 +7,8 @@
 - registration: `register_algorithm`, `register_state` (dataclasses kept in server or client state),
   `register_model`, `register_dataset`, and `knob` for a method's parameters;
 - local training as data (`LocalTraining`, `Stage`), which workers may batch (`Phase(..., local_training=True)`);
-- aggregation (exact, order-independent weighted sums), global-model helpers, knowledge distillation, the
+- aggregation (exact, order-independent weighted sums), server optimisers (FedAdam, FedYogi, FedAdagrad,
+  FedAvgM: `ServerOptimizer`, `server_opt_by_arch`), global-model helpers, knowledge distillation, the
   training loop's pieces (optimizers, batches, evaluation) and the mechanism-column helpers (`mechanism`).
 
 Importing this module imports no method (built-ins register when a config first names one).
@@ -53,6 +54,7 @@ from fedsim.method.distill import (
     leave_one_out,
     soften,
 )
+from fedsim.method.server_opt import ServerOptimizer, server_opt_by_arch, server_opt_step
 from fedsim.method.toolkit import (
     GlobalModels,
     State,
@@ -88,4 +90,5 @@ __all__ = [
     "init_global_models", "kd_loss", "knob", "leave_one_out", "loaded_model", "mechanism", "move_toward", "toolkit",
     "new_model", "register_algorithm", "register_dataset", "register_model", "register_state", "rng",
     "seeded_model", "soften", "split_by_arch", "sum_by_arch", "weighted_average", "weighted_sum",
+    "ServerOptimizer", "server_opt_by_arch", "server_opt_step",
 ]
