@@ -133,8 +133,10 @@ class SampleLevelDP:
         for cid, metrics in trained.items():
             self.steps[cid] += int(sum(v for k, v in metrics.items() if k.endswith(STEPS_KEY)))  # every stage's
             per[cid] = {"privacy/epsilon": self.epsilon_of(self.rates[cid], int(self.steps[cid]))}
+        shares = [float(m["privacy/samples_clipped"]) for m in trained.values() if "privacy/samples_clipped" in m]
         columns = {"privacy/epsilon": self.worst_after(self.steps), "privacy/delta": self.delta,
-                   "privacy/noise_multiplier": self.noise_multiplier, "privacy/clip": self.clip}
+                   "privacy/noise_multiplier": self.noise_multiplier, "privacy/clip": self.clip,
+                   "privacy/clipped_fraction": sum(shares) / len(shares) if shares else 0.0}
         return columns, per
 
     def stop_before(self) -> bool:

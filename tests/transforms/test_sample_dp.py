@@ -75,6 +75,8 @@ def test_each_client_reports_the_epsilon_of_the_steps_it_took_and_the_round_the_
         assert row["privacy/epsilon"] == pytest.approx(epsilon(mech, steps[c], 1e-4, "rdp"), rel=1e-12)
     worst = [clients[clients["round"] <= r].groupby("client")["privacy/epsilon"].last().max() for r in range(3)]
     np.testing.assert_allclose(rounds["privacy/epsilon"], worst)
+    np.testing.assert_allclose(rounds["privacy/clipped_fraction"],  # the clients' shares of clipped samples, averaged
+                               clients.groupby("round")["privacy/samples_clipped"].mean())
     assert (clients["privacy/dp_steps"] > 0).all() and rounds["privacy/epsilon"].is_monotonic_increasing
     assert clients.groupby("client").size().max() > 1  # some client joined twice: its steps were composed
 
