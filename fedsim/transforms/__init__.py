@@ -2,16 +2,18 @@
 phase uploads a model update to a sum (`Phase(..., model_update=True)`: FedAvg, FedProx, SCAFFOLD and plugins built
 on them).
 
-    client step (the method) -> update Δ_k = upload − reference      (fedsim.transforms.updates)
+    client step (the method) -> DP-SGD in local training, sample level  (fedsim.training.dpsgd)
+                              -> update Δ_k = upload − reference      (fedsim.transforms.updates)
     per client, in its worker -> poisoned data (an attacker's)          (fedsim.transforms.robustness)
                               -> clip to L2 norm C                      (fedsim.transforms.privacy)
-    worker                    -> partial sum of the clipped updates, exact and order-independent; or each client's
-                                 update, for a robust aggregator or a model attack
-    server                    -> Gaussian noise on the sum, divided by the expected cohort, back to the upload's form;
-                                 or the attackers' crafted updates, then the robust aggregator
+                              -> quantised and masked, secure aggregation (fedsim.transforms.secure, .secagg)
+    worker                    -> partial sum of the clipped (masked) updates, exact and order-independent; or each
+                                 client's update, for a robust aggregator or a model attack
+    server                    -> the masks removed; Gaussian noise on the sum, divided by the expected cohort, back
+                                 to the upload's form; or the attackers' crafted updates, then the robust aggregator
                                  (fedsim.transforms.robustness, fedsim.transforms.robust)
                                  -> the method's server step
-    accountant                -> epsilon after the round                (fedsim.transforms.accounting)
+    accountant                -> epsilon after the round, or each client's (fedsim.transforms.accounting, .sample_dp)
 
 Every stage draws from named random streams (fedsim.rng), so the numbers do not depend on how many workers there
 are. docs/privacy.md says what each key does.
