@@ -14,14 +14,9 @@ from dataclasses import dataclass
 
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
 from fedsim.method import (
-    GlobalModels,
-    Phase,
-    RoundInfo,
     ServerOptimizer,
-    SummedUpdate,
     knob,
     register_algorithm,
-    server_opt_by_arch,
 )
 
 
@@ -44,7 +39,3 @@ class FedAdagrad(FedAvg):
     def server_optimizer(self) -> ServerOptimizer:
         p = self.params
         return ServerOptimizer("adagrad", p.server_lr, beta1=p.beta1, tau=p.tau, v_init=p.v_init)
-
-    def server_step(self, phase: Phase, state: GlobalModels, updates: SummedUpdate,
-                    info: RoundInfo) -> tuple[GlobalModels, dict]:
-        return server_opt_by_arch(self.server_optimizer(), state, updates), {}

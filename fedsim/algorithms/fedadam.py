@@ -15,14 +15,9 @@ from dataclasses import dataclass
 
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
 from fedsim.method import (
-    GlobalModels,
-    Phase,
-    RoundInfo,
     ServerOptimizer,
-    SummedUpdate,
     knob,
     register_algorithm,
-    server_opt_by_arch,
 )
 
 
@@ -49,7 +44,3 @@ class FedAdam(FedAvg):
         p = self.params
         return ServerOptimizer("adam", p.server_lr, beta1=p.beta1, beta2=p.beta2, tau=p.tau, v_init=p.v_init,
                                bias_correction=p.bias_correction)
-
-    def server_step(self, phase: Phase, state: GlobalModels, updates: SummedUpdate,
-                    info: RoundInfo) -> tuple[GlobalModels, dict]:
-        return server_opt_by_arch(self.server_optimizer(), state, updates), {}

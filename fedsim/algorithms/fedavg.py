@@ -27,6 +27,7 @@ from fedsim.method import (
     Message,
     Phase,
     RoundInfo,
+    ServerOptimizer,
     SummedUpdate,
     as_summable,
     average_by_arch,
@@ -35,6 +36,7 @@ from fedsim.method import (
     knob,
     move_toward,
     register_algorithm,
+    server_opt_by_arch,
 )
 
 
@@ -81,6 +83,9 @@ class FedAvg(Algorithm):
                     info: RoundInfo) -> tuple[GlobalModels, dict]:
         if updates.count == 0:
             return state, {}
+        optimizer = self.server_optimizer()
+        if optimizer is not None:  # FedAdam, FedYogi, FedAdagrad, FedAvgM: the kit's server step
+            return server_opt_by_arch(optimizer, state, updates), {}
         averaged = average_by_arch(updates, state.models)
         models = {a: move_toward(state.models[a], averaged[a], self.params.server_lr) for a in state.models}
         return GlobalModels(models=models, extra=state.extra), {}
@@ -99,6 +104,10 @@ class FedAvg(Algorithm):
     # ---- what variants change ------------------------------------------------------------------------
     def client_weight(self, ctx: ClientContext) -> float:
         return float(ctx.data.num_samples) if self.params.weighting == "samples" else 1.0
+
+    def server_optimizer(self) -> ServerOptimizer | None:
+        """The server's optimiser on the mean update (fedsim.method.server_opt); None: FedAvg's step of server_lr."""
+        return None
 
     def proximal_mu(self) -> float:
         """The weight mu of a proximal term mu/2·||w - w_global||² in the local loss (FedProx); 0 for none."""

@@ -14,14 +14,9 @@ from dataclasses import dataclass
 
 from fedsim.algorithms.fedavg import FedAvg, FedAvgParams
 from fedsim.method import (
-    GlobalModels,
-    Phase,
-    RoundInfo,
     ServerOptimizer,
-    SummedUpdate,
     knob,
     register_algorithm,
-    server_opt_by_arch,
 )
 
 
@@ -41,7 +36,3 @@ class FedAvgM(FedAvg):
 
     def server_optimizer(self) -> ServerOptimizer:
         return ServerOptimizer("avgm", self.params.server_lr, momentum=self.params.momentum)
-
-    def server_step(self, phase: Phase, state: GlobalModels, updates: SummedUpdate,
-                    info: RoundInfo) -> tuple[GlobalModels, dict]:
-        return server_opt_by_arch(self.server_optimizer(), state, updates), {}

@@ -31,7 +31,7 @@ from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.transforms import secagg
 from fedsim.transforms.privacy import CLIPPED_KEY
-from fedsim.transforms.updates import as_upload, flatten
+from fedsim.transforms.updates import as_upload, flatten, unflatten
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -161,11 +161,7 @@ class SecureAggregation:
             return None, {**columns, "secagg/aborted": 1.0, "secagg/abort_reason": err.reason}
         values = secagg.dequantise(plain[:-2], len(survivors), spec)
         like = {k: references[k.split("/", 1)[0]][k.split("/", 1)[1]] for k in keys}
-        out, at = {}, 0
-        for k in keys:
-            size = like[k].numel()
-            out[k] = values[at:at + size].reshape(like[k].shape)
-            at += size
+        out = unflatten(values, like, keys)
         arch = keys[0].split("/", 1)[0] if keys else next(iter(references))
         out[f"{arch}/{WEIGHT_KEY}"] = plain[-2].to(torch.float64)
         out[CLIPPED_KEY] = plain[-1].to(torch.float64)
