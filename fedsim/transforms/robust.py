@@ -8,6 +8,7 @@ Rows are updates (upload − broadcast model), not parameters: distance rules ar
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,7 @@ SUM_COMPATIBLE = frozenset({"mean", "norm_bound"})
 then summed)."""
 
 _BLOCK = 1 << 12  # columns a coordinate-wise rule copies at a time: its memory stays a sliver of the updates
+_SORT_BELOW = 32  # cohorts up to this size: the median and trimmed mean sort (one copy of the updates, small here)
 
 
 @dataclass
@@ -129,26 +131,43 @@ def _by_columns(rows: torch.Tensor, rule: Callable[[np.ndarray], np.ndarray],
                 only: np.ndarray | None = None) -> torch.Tensor:
     """A coordinate-wise rule (numpy's selection, O(n) a coordinate as Flower's) over blocks of coordinates of the
     rows (`only` these), each block handed over transposed, one coordinate's values contiguous (axis 1), as the
-    rule's own copy to reorder in place: what it copies is one block at a time."""
+    rule's own copy to reorder in place: what it copies is one block per thread. numpy's selection releases the
+    GIL, so the blocks run on torch's thread count (1.3-1.7x on 2 cores at 100-1,000 updates)."""
     x = rows.numpy()
 
     def block(i: int) -> np.ndarray:
         view = x[:, i:i + _BLOCK] if only is None else x[only, i:i + _BLOCK]
-        return np.array(view.T, order="C", copy=True)  # always a copy: the rule may reorder it
+        return rule(np.array(view.T, order="C", copy=True))  # always a copy: the rule may reorder it
 
-    return torch.from_numpy(np.concatenate([rule(block(i)) for i in range(0, x.shape[1], _BLOCK)]))
+    starts = range(0, x.shape[1], _BLOCK)
+    threads = min(torch.get_num_threads(), len(starts))
+    if threads <= 1:
+        return torch.from_numpy(np.concatenate([block(i) for i in starts]))
+    with ThreadPoolExecutor(threads) as pool:
+        return torch.from_numpy(np.concatenate(list(pool.map(block, starts))))
+
+
+def _sorted(rows: torch.Tensor) -> torch.Tensor | None:
+    """The rows sorted per coordinate when the cohort is small enough that one sort beats numpy's selection per block
+    (3x at 10 updates), else None; the values are the same either way."""
+    return rows.sort(dim=0).values if rows.shape[0] <= _SORT_BELOW else None
 
 
 def median(rows: torch.Tensor) -> Robust:
     """The coordinate-wise median (Yin et al. 2018), unweighted, numpy's for an even count."""
-    return Robust(_by_columns(rows, lambda b: np.median(b, axis=1, overwrite_input=True)),
-                  torch.ones(rows.shape[0], dtype=torch.bool))
+    n, ordered = rows.shape[0], _sorted(rows)
+    if ordered is None:
+        out = _by_columns(rows, lambda b: np.median(b, axis=1, overwrite_input=True))
+    else:
+        out = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+    return Robust(out, torch.ones(n, dtype=torch.bool))
 
 
 def trimmed_mean(rows: torch.Tensor, beta: float) -> Robust:
     """Per coordinate, the mean after cutting ⌊β·n⌋ values from each end (Yin et al. 2018), unweighted."""
     n = rows.shape[0]
     cut = int(beta * n)
+    ordered = _sorted(rows) if cut else None
 
     def middle_mean(block: np.ndarray) -> np.ndarray:
         if cut == 0:
@@ -156,7 +175,8 @@ def trimmed_mean(rows: torch.Tensor, beta: float) -> Robust:
         block.partition((cut - 1, n - cut), axis=1)  # in place: the block is the rule's own copy
         return block[:, cut:n - cut].mean(axis=1)
 
-    return Robust(_by_columns(rows, middle_mean), torch.ones(n, dtype=torch.bool))
+    out = _by_columns(rows, middle_mean) if ordered is None else ordered[cut:n - cut].mean(dim=0)
+    return Robust(out, torch.ones(n, dtype=torch.bool))
 
 
 def geometric_median(rows: torch.Tensor, weights: torch.Tensor, nu: float = 1e-5, max_iter: int = 100,

@@ -156,8 +156,19 @@ def test_bulyan_without_byzantine_rows_is_the_mean():
 # --- coordinate-wise median and trimmed mean
 
 
+@pytest.fixture(params=["sort", "select"])
+def coordinate_path(request, monkeypatch):
+    """Both ways the median and trimmed mean compute: one sort (small cohorts) and numpy's selection by blocks of
+    columns on two threads (one column a block, so that every thread gets several)."""
+    if request.param == "select":
+        monkeypatch.setattr(robust, "_SORT_BELOW", 0)
+        monkeypatch.setattr(robust, "_BLOCK", 1)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    return request.param
+
+
 @pytest.mark.parametrize("n", [7, 8])
-def test_median_is_numpys_even_for_an_even_count(n):
+def test_median_is_numpys_even_for_an_even_count(n, coordinate_path):
     x = rows(n, 5, seed=n)
     x[:, 0] = np.arange(n)  # even n: (n/2 - 1 + n/2) / 2, not the lower middle value
     x[:, 1:3] = np.random.default_rng(n).integers(0, 3, size=(n, 2))  # ties at the middle
@@ -168,7 +179,7 @@ def test_median_is_numpys_even_for_an_even_count(n):
 
 
 @pytest.mark.parametrize(("n", "beta"), [(10, 0.25), (7, 0.3), (13, 0.1), (7, 0.1)])
-def test_trimmed_mean_cuts_floor_beta_n_from_each_side(n, beta):
+def test_trimmed_mean_cuts_floor_beta_n_from_each_side(n, beta, coordinate_path):
     x = rows(n, 5, seed=n)
     cut = int(np.floor(beta * n))
     want = np.array([np.mean(sorted(col)[cut:n - cut]) for col in x.T])
@@ -334,7 +345,7 @@ def test_robust_rules_stay_near_the_benign_point_the_mean_leaves():
 
 
 @pytest.mark.parametrize("n", [1, 15])
-def test_no_rule_changes_the_updates_it_reads(n):
+def test_no_rule_changes_the_updates_it_reads(n, coordinate_path):
     """The coordinate-wise rules reorder their own copy of each block in place, never the caller's rows (a single
     row's transposed block is contiguous already: it must still be copied)."""
     x = rows(n, 9, seed=16)
