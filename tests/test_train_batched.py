@@ -23,7 +23,7 @@ from fedsim.method.sums import WeightedSum
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientOutcome, ClientWorker
-from fedsim.training.batched import train_together, unbatchable_reason
+from fedsim.training.batched import Unbatchable, train_together, unbatchable_reason
 from fedsim.training.local import LocalTraining, Stage
 from tests.conftest import ROOT
 
@@ -244,6 +244,33 @@ def test_a_model_that_cannot_be_batched_runs_one_by_one_and_is_logged_once(caplo
                 assert torch.equal(res.payload[k], v)
     records = [r.getMessage() for r in caplog.records if r.name == "fedsim.batching"]
     assert len(records) == 1 and "worker 5" in records[0] and "Dropout1d" in records[0]
+
+
+def test_a_methods_own_loss_trains_one_by_one_with_that_loss() -> None:
+    """A plan with extra_loss (FedDyn's linear term) or batch_loss (MOON's contrastive term) is not trained together:
+    the batcher falls back to each plan's run, which trains the loss it was given; DP-SGD refuses a batch_loss."""
+    net = DropNet(0.0)
+    pull = {n: torch.full_like(p, 0.5) for n, p in net.named_parameters()}
+
+    def extra(model: nn.Module) -> torch.Tensor:  # −⟨g, θ⟩: its gradient −g pulls every weight up
+        return -sum((p * pull[n]).sum() for n, p in model.named_parameters())
+
+    def doubled(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return 2 * nn.functional.cross_entropy(model(x), y)
+
+    plain = plan(net, 10, 1).run().payload
+    for options in ({"extra_loss": extra}, {"batch_loss": doubled}):
+        plans = {0: dataclasses.replace(plan(net, 10, 1), **options), 1: dataclasses.replace(plan(net, 7, 2),
+                                                                                             **options)}
+        with pytest.raises(Unbatchable, match="own loss"):
+            train_together(list(plans.values()))
+        done = dict(batching.ClientBatcher("on", 8, torch.device("cpu")).train(plans, {0: 0.0, 1: 0.0}))
+        alone = dataclasses.replace(plan(net, 10, 1), **options).run().payload  # a fresh generator
+        assert done[0][1] is None and all(torch.equal(done[0][0].payload[k], v) for k, v in alone.items())
+        assert not torch.allclose(alone["body.0.weight"], plain["body.0.weight"], atol=1e-4)
+    dp = mock.Mock()
+    with pytest.raises(ValueError, match="batch_loss"):
+        dataclasses.replace(plan(net, 10, 1), batch_loss=doubled, dp=dp).run()
 
 
 def test_stages_restart_momentum_and_report_each_stage_as_one_after_another() -> None:

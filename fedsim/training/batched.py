@@ -229,6 +229,8 @@ def train_together(plans: Sequence[LocalTraining]) -> list[Trained]:
         raise Unbatchable("the clients do not share one model instance and SGD settings")
     if any(p.dp is not None for p in plans):
         raise Unbatchable("sample-level DP-SGD trains one client at a time")
+    if any(p.extra_loss is not None or p.batch_loss is not None for p in plans):
+        raise Unbatchable("a method's own loss (extra_loss, batch_loss) trains one client at a time")
     if plans[0].train.optimizer != "sgd":
         raise Unbatchable(f"optimizer {plans[0].train.optimizer!r} (only SGD is batched)")
     reason = unbatchable_reason(model)

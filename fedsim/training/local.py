@@ -20,7 +20,7 @@ from torch import nn
 from fedsim import rng
 from fedsim.config.schema import TrainConfig
 from fedsim.training.dpsgd import DPSGD
-from fedsim.training.train import LossTerm, clip_logits, make_optimizer, train_classifier
+from fedsim.training.train import BatchLoss, LossTerm, clip_logits, make_optimizer, train_classifier
 
 if TYPE_CHECKING:
     from fedsim.method.contract import ClientContext, ClientResult
@@ -58,6 +58,13 @@ def proximal_term(mu: float, anchor: dict[str, torch.Tensor]) -> LossTerm:
     return term
 
 
+def sum_of(terms: list[LossTerm]) -> LossTerm | None:
+    """One loss term adding `terms` in order (None for none)."""
+    if len(terms) <= 1:
+        return terms[0] if terms else None
+    return lambda model: sum((t(model) for t in terms[1:]), terms[0](model))
+
+
 @dataclass(frozen=True)
 class Stage:
     """One call of local training with a fresh optimizer: `epochs` passes, or exactly `steps` batches when set.
@@ -73,7 +80,8 @@ class LocalTraining:
     """One client's plain local training: `model` (the worker's instance of the client's architecture) starts from
     `start`, minimises CE on (x, y) through `stages` with the run's SGD settings, batches drawn from `generator`,
     optionally with a proximal term (`mu`, towards `start`) and clipped logits (`clip`); then `finish` turns the
-    trained model into the ClientResult."""
+    trained model into the ClientResult. A method's own loss, `extra_loss(model)` added to it (FedDyn's linear term)
+    or `batch_loss(model, xb, yb)` in place of CE (MOON's contrastive term), trains one client at a time."""
 
     model: nn.Module
     start: Mapping[str, torch.Tensor]
@@ -89,6 +97,8 @@ class LocalTraining:
     keep_optimizer: bool = False  # hand the last stage's optimizer state to `finish`
     dropout_seed: int = 0  # per-client dropout masks when trained together (fedsim.training.batched)
     dp: DPSGD | None = None  # sample-level DP-SGD (ClientContext.dp_sgd): trained one client at a time
+    extra_loss: LossTerm | None = None  # added to the loss after the proximal term: trained one client at a time
+    batch_loss: BatchLoss | None = None  # the batch's loss in place of CE: trained one client at a time
 
     @classmethod
     def of(cls, ctx: ClientContext, start: Mapping[str, torch.Tensor], finish: Finish,
@@ -109,9 +119,9 @@ class LocalTraining:
         """The client step for this one client: load `start`, train stage by stage, check, finish."""
         weights = load_weights(self.model, self.start)
         net = self.model if self.clip is None else ClippedLogits(self.model, self.clip)
-        extra = None
-        if self.mu > 0:
-            extra = proximal_term(self.mu, {n: p.detach().clone() for n, p in net.named_parameters()})
+        prox = proximal_term(self.mu, {n: p.detach().clone() for n, p in net.named_parameters()}) if self.mu > 0 \
+            else None
+        extra = sum_of([t for t in (prox, self.extra_loss) if t is not None])
         metrics: dict[str, float] = {}
         opt = None
         for i, stage in enumerate(self.stages):
@@ -120,7 +130,7 @@ class LocalTraining:
             if i == 0 and self.optimizer_state is not None:
                 opt.load_state_dict(self.optimizer_state)
             done = train_classifier(net, self.x, self.y, cfg, self.generator, extra_loss=extra, optimizer=opt,
-                                    dp=self.dp)
+                                    dp=self.dp, batch_loss=self.batch_loss)
             metrics.update({stage.prefix + k: v for k, v in done.items()})
         check_finite(metrics, weights)
         return self.finish(self.model, metrics, opt.state_dict() if self.keep_optimizer and opt is not None else None)

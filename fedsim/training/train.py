@@ -16,6 +16,10 @@ from fedsim.training.optim import SGD, Adam
 LossTerm = Callable[[nn.Module], torch.Tensor | float]
 """A term added to the training loss, given the model (a plain 0 when nothing contributes)."""
 
+BatchLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A batch's whole loss given (model, inputs, labels), in place of CE on the model's logits: for a loss that needs the
+batch itself, such as MOON's contrastive term on the batch's representations."""
+
 
 def make_optimizer(params, train: TrainConfig, lr: float | None = None) -> SGD | Adam:
     """The optimizer the config names, over `params` (fedsim's equals of torch.optim's: see fedsim.training.optim)."""
@@ -67,17 +71,21 @@ def batch_indices(n: int, batch_size: int, generator: torch.Generator, epochs: i
 def train_classifier(model: nn.Module, x: torch.Tensor, y: torch.Tensor, train: TrainConfig,
                      generator: torch.Generator,
                      extra_loss: LossTerm | None = None,
-                     optimizer: SGD | Adam | None = None, dp: DPSGD | None = None) -> dict[str, float]:
-    """Minimise CE (+ `extra_loss(model)`, e.g. a proximal term) over the client's data; returns loss/steps.
-    `dp`: with sample-level DP-SGD instead (ClientContext.dp_sgd; fedsim.training.dpsgd)."""
+                     optimizer: SGD | Adam | None = None, dp: DPSGD | None = None,
+                     batch_loss: BatchLoss | None = None) -> dict[str, float]:
+    """Minimise CE (or `batch_loss(model, xb, yb)`) + `extra_loss(model)` (e.g. a proximal term) over the client's
+    data; returns loss/steps. `dp`: with sample-level DP-SGD instead (ClientContext.dp_sgd; fedsim.training.dpsgd),
+    which clips each sample's CE gradient and so takes no `batch_loss`."""
     model.train()
     opt = optimizer or make_optimizer(model.parameters(), train)
     if dp is not None:
+        if batch_loss is not None:
+            raise ValueError("sample-level DP-SGD clips each sample's CE gradient; it cannot train a batch_loss")
         return train_dp_sgd(model, x, y, train, generator, dp, opt, extra_loss)
     total, count, steps = LossTotal(x.device), 0, 0
     for idx in batch_indices(len(y), train.batch_size, generator, train.epochs, train.steps, x.device):
         xb, yb = x.index_select(0, idx), y.index_select(0, idx)  # x[idx]'s rows at a third of its overhead
-        loss = F.cross_entropy(model(xb), yb)
+        loss = F.cross_entropy(model(xb), yb) if batch_loss is None else batch_loss(model, xb, yb)
         if extra_loss is not None:
             loss = loss + extra_loss(model)
         opt.zero_grad(set_to_none=True)
