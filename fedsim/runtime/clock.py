@@ -7,7 +7,6 @@ number of workers, and whether or not late clients are computed.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +14,7 @@ import numpy as np
 from fedsim import rng as streams
 from fedsim.config.schema import DistConfig, RunConfig, clients_per_round, sampling_rate
 from fedsim.errors import DataError
+from fedsim.runtime.csv_trace import client_column, number_column, read_csv
 
 
 @dataclass
@@ -58,82 +58,26 @@ def _read_trace(path: str, n: int) -> Profiles:
     DataError naming the file, the column and the first bad row (counted from 1 after the header), so a typo in a
     trace never turns into a silently wrong run.
     """
-    import pandas as pd
-
-    if os.path.isdir(path):
-        raise DataError(f"stragglers.trace: {path} is a folder, not a file")
-    if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe would be read forever
-        raise DataError(f"stragglers.trace: {path} is not a regular file")
-    try:
-        header = _header(path)
-        df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
-    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
-        raise DataError(f"stragglers.trace: cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
-    read = (*TRACE_COLUMNS, "availability")  # other columns (notes, a spreadsheet's empty ones) are not read
-    twice = next((c for i, c in enumerate(header) if c in read and c in header[:i]), None)
-    if twice is not None:  # pandas would rename the second one and read the first: which did the writer mean?
-        raise DataError(f"stragglers.trace: {path} has the column {twice!r} twice")
-    df.columns = [str(c).strip() for c in df.columns]
-    missing = [c for c in TRACE_COLUMNS if c not in df.columns]
-    if missing:
-        raise DataError(f"stragglers.trace: {path} lacks columns {missing} (it has {list(df.columns)})")
-    row_no = np.arange(len(df)) + 1  # data rows, counted from 1 after the header (blank lines skipped)
-    clients = _trace_column(df, "client", path, row_no)
-    not_id = (clients % 1 != 0) | (clients < 0) | (clients > 2**53)
-    if not_id.any():
-        bad = int(np.flatnonzero(not_id)[0])
-        raise DataError(f"stragglers.trace: {path} column client, row {row_no[bad]}: "
-                        f"{df['client'].iloc[bad]!r} is not a client id (0, 1, 2, ...)")
-    ids = clients.astype(np.int64)
+    key = "stragglers.trace"
+    df, row_no = read_csv(path, key, (*TRACE_COLUMNS, "availability"), TRACE_COLUMNS)
+    ids = client_column(df, key, path, row_no)
     _, first = np.unique(ids, return_index=True)
     dup = np.setdiff1d(np.arange(len(ids)), first)
     if len(dup):
         row = int(dup.min())
-        raise DataError(f"stragglers.trace: {path} column client, row {row_no[row]}: client {ids[row]} "
-                        "appears more than once")
+        raise DataError(f"{key}: {path} column client, row {row_no[row]}: client {ids[row]} appears more than once")
     absent = np.setdiff1d(np.arange(n), ids)
     if len(absent):
-        raise DataError(f"stragglers.trace: {path} column client: no row for client {absent[0]} "
+        raise DataError(f"{key}: {path} column client: no row for client {absent[0]} "
                         f"({len(absent)} of the {n} clients in data.num_clients have none)")
     rows = np.full(n, -1, dtype=np.int64)
     keep = ids < n
     rows[ids[keep]] = np.flatnonzero(keep)
-    speed = _trace_column(df, "speed", path, row_no, rows, SPEED_RANGE, low_included=True)
-    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, BANDWIDTH_RANGE, low_included=True)
-    avail = _trace_column(df, "availability", path, row_no, rows, (0.0, 1.0)) \
+    speed = number_column(df, "speed", key, path, row_no, rows, SPEED_RANGE, low_included=True)
+    bandwidth = number_column(df, "bandwidth_mbps", key, path, row_no, rows, BANDWIDTH_RANGE, low_included=True)
+    avail = number_column(df, "availability", key, path, row_no, rows, (0.0, 1.0)) \
         if "availability" in df.columns else np.ones(n)
     return Profiles(speed, bandwidth * 1e6 / 8, avail)
-
-
-def _header(path: str) -> list[str]:
-    """The trace's column names as written (stripped), duplicates kept."""
-    import csv
-
-    with open(path, newline="", encoding="utf-8") as f:
-        return [c.strip() for c in next(csv.reader(f), [])]
-
-
-def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarray | None = None,
-                  bounds: tuple[float, float] | None = None, low_included: bool = False) -> np.ndarray:
-    """One trace column (at `rows`, else all of it) as finite floats within `bounds` ((low, high], or [low, high]
-    with `low_included`); else a DataError."""
-    import pandas as pd
-
-    text = df[column].to_numpy()
-    if rows is not None:
-        text, row_no = text[rows], row_no[rows]
-    values = pd.to_numeric(pd.Series(text), errors="coerce").to_numpy(float)
-    bad = ~np.isfinite(values)
-    allowed = "a number"
-    if bounds is not None:
-        low, high = bounds
-        bad |= ~((values >= low if low_included else values > low) & (values <= high))
-        allowed = f"a number in {'[' if low_included else '('}{low:g}, {high:g}]"
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise DataError(f"stragglers.trace: {path} column {column}, row {row_no[i]}: {text[i]!r} is not "
-                        f"{allowed}")
-    return values
 
 
 def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
