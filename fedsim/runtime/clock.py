@@ -7,23 +7,29 @@ number of workers, and whether or not late clients are computed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedsim import rng as streams
 from fedsim.config.schema import DistConfig, RunConfig, clients_per_round, sampling_rate
 from fedsim.errors import DataError
+from fedsim.runtime.availability import OnlineWindows
+from fedsim.runtime.availability_sources import load_availability
 from fedsim.runtime.csv_trace import client_column, number_column, read_csv
 
 
 @dataclass
 class Profiles:
-    """Per-client device profile: compute speed (×), bandwidth (bytes/s), availability probability."""
+    """Per-client device profile: compute speed (×), bandwidth (bytes/s), availability probability; with an
+    availability over time, each client's online intervals (`windows`) and, for one round, who is online as it
+    starts (`online`, which sampling draws from)."""
 
     speed: np.ndarray
     bandwidth: np.ndarray
     availability: np.ndarray
+    windows: OnlineWindows | None = None
+    online: np.ndarray | None = None
 
 
 def _draw(rng: np.random.Generator, d: DistConfig, n: int) -> np.ndarray:
@@ -35,14 +41,18 @@ def _draw(rng: np.random.Generator, d: DistConfig, n: int) -> np.ndarray:
 
 
 def make_profiles(cfg: RunConfig) -> Profiles:
-    """Draw device profiles from the configured distributions, or read them from a trace CSV."""
-    n, s = cfg.data.num_clients, cfg.stragglers
+    """Draw device profiles from the configured distributions, or read them from a trace CSV; read or generate the
+    availability over time (participation.availability: a trace file or diurnal)."""
+    n, s, p = cfg.data.num_clients, cfg.stragglers, cfg.participation
     if s.trace:
-        return _read_trace(s.trace, n)
-    rng = streams.numpy_generator(cfg.seed, "clock/profiles")
-    speed = _draw(rng, s.speed, n)
-    bw = _draw(rng, s.bandwidth_mbps, n) * 1e6 / 8
-    return Profiles(speed, bw, np.full(n, cfg.participation.availability))
+        profiles = _read_trace(s.trace, n)
+    else:
+        rng = streams.numpy_generator(cfg.seed, "clock/profiles")
+        speed = _draw(rng, s.speed, n)
+        bw = _draw(rng, s.bandwidth_mbps, n) * 1e6 / 8
+        profiles = Profiles(speed, bw, np.full(n, 1.0 if isinstance(p.availability, str) else p.availability))
+    profiles.windows = load_availability(cfg)
+    return profiles
 
 
 TRACE_COLUMNS = ("client", "speed", "bandwidth_mbps")
@@ -81,12 +91,15 @@ def _read_trace(path: str, n: int) -> Profiles:
 
 
 def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
-    """Sorted client ids sampled for `round` among the available ones (over-selection included)."""
+    """Sorted client ids sampled for `round` among the available ones (over-selection included): those online as
+    the round starts (`profiles.online`), each also available with its probability."""
     n = cfg.data.num_clients
     rng = streams.numpy_generator(cfg.seed, "participation", round)
     # all available: draw from range(n) without building it (the same draw as from np.arange(n))
-    avail: np.ndarray | int = np.flatnonzero(rng.random(n) < profiles.availability) \
-        if (profiles.availability < 1).any() else n
+    ok = rng.random(n) < profiles.availability if (profiles.availability < 1).any() else None
+    if profiles.online is not None:
+        ok = profiles.online if ok is None else ok & profiles.online
+    avail: np.ndarray | int = n if ok is None else np.flatnonzero(ok)
     if cfg.participation.sampling == "poisson":  # each available client joins with probability q
         joins = rng.random(n) < sampling_rate(cfg)
         return np.flatnonzero(joins) if isinstance(avail, int) else avail[joins[avail]]
@@ -116,21 +129,27 @@ def durations(cfg: RunConfig, profiles: Profiles, cids: np.ndarray, num_samples:
 
 @dataclass
 class Schedule:
-    """Who does what this round: kept participants, over-selected extras dropped, late ones, the deadline."""
+    """Who does what this round: kept participants, over-selected extras dropped, late ones, the deadline, and
+    those that went offline before they finished."""
 
     participants: np.ndarray
     late: np.ndarray
     over_selected: np.ndarray
     deadline: float
     duration: dict[int, float]
+    offline: np.ndarray = field(default_factory=lambda: np.array([], int))
 
 
-def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
-    """Apply over-selection (keep the fastest K) and the deadline to the sampled clients."""
+def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray, gone: np.ndarray | None = None) -> Schedule:
+    """Apply over-selection (keep the fastest K) and the deadline to the sampled clients. Those `gone` offline
+    before they finish never report: they are set apart first, so over-selection keeps the fastest K of the rest."""
     s = cfg.stragglers
     by_id = {int(c): float(d) for c, d in zip(sampled, dur)}
+    offline = sampled[gone] if gone is not None else np.array([], int)
+    if gone is not None:
+        sampled, dur = sampled[~gone], dur[~gone]
     if not s.enabled:
-        return Schedule(sampled, np.array([], int), np.array([], int), math.inf, by_id)
+        return Schedule(sampled, np.array([], int), np.array([], int), math.inf, by_id, offline)
     poisson = cfg.participation.sampling == "poisson"  # a Poisson cohort is kept whole: its size is the draw's
     k = len(sampled) if poisson else min(clients_per_round(cfg), len(sampled))
     order = np.lexsort((sampled, dur))  # fastest first, ties by id
@@ -144,4 +163,4 @@ def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
     else:
         deadline = math.inf
     late = kept[kept_dur > deadline]
-    return Schedule(kept, late, extra, deadline, by_id)
+    return Schedule(kept, late, extra, deadline, by_id, offline)
