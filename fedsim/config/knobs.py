@@ -74,6 +74,7 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors, nonfinite: bool = 
         real = [a for a in args if a is not type(None)]
         if len(real) == 1:  # Optional[X]: X's own message says more than "expected X | null"
             return _convert(value, real[0], path, errors, nonfinite)
+        own = None  # the errors of the member of value's own kind (a number's float): they say more
         for arg in args:
             if arg is type(None):
                 continue
@@ -81,7 +82,13 @@ def _convert(value: Any, tp: Any, path: str, errors: _Errors, nonfinite: bool = 
             out = _convert(value, arg, path, sub, nonfinite)
             if not sub:
                 return out
-        errors.add(path, f"expected {_type_name(tp)}, got {shown(value)}")
+            if arg in (float, int, str) and isinstance(value, (float, int) if arg is float else arg) and \
+                    not isinstance(value, bool):
+                own = own or sub
+        if own:
+            errors.extend(own)
+        else:
+            errors.add(path, f"expected {_type_name(tp)}, got {shown(value)}")
         return None
     if origin is Literal:
         if value not in get_args(tp):

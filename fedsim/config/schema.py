@@ -93,10 +93,34 @@ class TrainConfig:
 
 
 @dataclass
+class DiurnalConfig:
+    low: float = knob(0.1, ge=0, le=1, doc="diurnal availability: a client's online probability at the curve's "
+                      "lowest, 12 hours from its peak")
+    high: float = knob(0.8, ge=0, le=1, doc="diurnal availability: its online probability at the peak")
+    peak_hour: float = knob(2.0, ge=0, lt=24, doc="diurnal availability: the local hour of the peak (night: phones "
+                            "charging)")
+    period_s: float = knob(86_400.0, gt=0, le=MAX_SECONDS, doc="diurnal availability: virtual seconds in a day; "
+                           "each client's online hours repeat every day")
+    slots: int = knob(24, ge=1, le=1440, doc="diurnal availability: a day's slots (each period_s / slots long), each "
+                      "online or not by one seeded draw at the curve's probability of its middle")
+    zone_spread_h: float = knob(8.0, ge=0, le=24, doc="diurnal availability: clients' time zones are drawn uniformly "
+                                "over this many hours (0: one zone; 24: all round the globe)")
+
+    def __post_init__(self) -> None:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low:g}) must not exceed high ({self.high:g})")
+
+
+@dataclass
 class ParticipationConfig:
     clients_per_round: int | None = knob(None, ge=1, le=MAX_CLIENTS, doc="clients sampled per round")
     fraction: float | None = knob(None, gt=0, le=1, doc="fraction of clients sampled per round")
-    availability: float = knob(1.0, gt=0, le=1, doc="probability that a client is available in a round")
+    availability: float | str = knob(
+        1.0, gt=0, le=1, doc="availability over virtual time (docs/availability.md): diurnal (participation.diurnal) "
+        "or a trace file of each client's online intervals (FedScale's client_behave_trace pickle, or a CSV with "
+        "columns client,start,end and optionally period); or, as a number, the probability that a client is "
+        "available in a round")
+    diurnal: DiurnalConfig = knob(factory=DiurnalConfig)
     sampling: Literal["fixed", "poisson"] = knob(
         "fixed", doc="fixed: exactly clients_per_round (or fraction) clients, drawn without replacement; poisson: "
         "each client joins independently with probability fraction (or clients_per_round / num_clients), as "

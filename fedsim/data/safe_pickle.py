@@ -30,7 +30,12 @@ def _empty_bytes(*args: Any) -> bytes:
 
 
 class _ArrayOnlyUnpickler(pickle.Unpickler):
+    arrays = True  # whether numpy arrays may be rebuilt; without, only plain values (no global resolves)
+
     def find_class(self, module: str, name: str) -> Any:
+        if not self.arrays:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only plain values: dicts, lists, "
+                                         "numbers, strings)")
         if (module, name) in _ARRAY_GLOBALS:
             return super().find_class(module, name)
         if (module, name) in (("__builtin__", "bytes"), ("builtins", "bytes")):
@@ -56,15 +61,18 @@ def _check(obj: Any, path: Path) -> Any:
     return obj
 
 
-def load_pickle_data(path: str | Path) -> Any:
-    """Unpickle `path` allowing only numbers, strings, bytes, containers and numeric numpy arrays.
+def load_pickle_data(path: str | Path, arrays: bool = True) -> Any:
+    """Unpickle `path` allowing only numbers, strings, bytes, containers and numeric numpy arrays (without `arrays`:
+    no numpy array either, only plain values).
 
     A malformed or crafted file is a one-line DataError; a missing or unreadable one raises OSError, so
     the caller can say which files it expected where."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            obj = _ArrayOnlyUnpickler(fh, encoding="latin1").load()
+            unpickler = _ArrayOnlyUnpickler(fh, encoding="latin1")
+            unpickler.arrays = arrays
+            obj = unpickler.load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             OverflowError, UnicodeDecodeError, MemoryError) as exc:
         raise DataError(f"{path}: not a readable data pickle ({type(exc).__name__}: {exc})") from None

@@ -28,7 +28,8 @@ ROUND_COLUMNS = ["round", "model", "accuracy", "loss", "participants", "arrived"
                  "bytes_up", "bytes_down", "virtual_time", "virtual_round", "wall_round_s"]
 ROUND_LEVEL = frozenset({"round", "model", "participants", "arrived", "stragglers", "over_selected", "failures",
                          "bytes_up", "bytes_down", "virtual_round", "virtual_time", "deadline", "wall_round_s",
-                         "wall_clients_s", "wall_server_s", "wall_eval_s", "clients_batched"})
+                         "wall_clients_s", "wall_server_s", "wall_eval_s", "clients_batched", "clients_online",
+                         "offline"})
 CLIENT_COLUMNS = ["round", "phase", "client", "worker", "arch", "samples", "status", "virtual_duration",
                   "bytes_up", "bytes_down", "wall_s", "error", "error_type", "error_message", "error_traceback"]
 

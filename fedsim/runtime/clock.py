@@ -7,23 +7,29 @@ number of workers, and whether or not late clients are computed.
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fedsim import rng as streams
 from fedsim.config.schema import DistConfig, RunConfig, clients_per_round, sampling_rate
 from fedsim.errors import DataError
+from fedsim.runtime.availability import OnlineWindows
+from fedsim.runtime.availability_sources import load_availability
+from fedsim.runtime.csv_trace import client_column, number_column, read_csv
 
 
 @dataclass
 class Profiles:
-    """Per-client device profile: compute speed (×), bandwidth (bytes/s), availability probability."""
+    """Per-client device profile: compute speed (×), bandwidth (bytes/s), availability probability; with an
+    availability over time, each client's online intervals (`windows`) and, for one round, who is online as it
+    starts (`online`, which sampling draws from)."""
 
     speed: np.ndarray
     bandwidth: np.ndarray
     availability: np.ndarray
+    windows: OnlineWindows | None = None
+    online: np.ndarray | None = None
 
 
 def _draw(rng: np.random.Generator, d: DistConfig, n: int) -> np.ndarray:
@@ -35,14 +41,18 @@ def _draw(rng: np.random.Generator, d: DistConfig, n: int) -> np.ndarray:
 
 
 def make_profiles(cfg: RunConfig) -> Profiles:
-    """Draw device profiles from the configured distributions, or read them from a trace CSV."""
-    n, s = cfg.data.num_clients, cfg.stragglers
+    """Draw device profiles from the configured distributions, or read them from a trace CSV; read or generate the
+    availability over time (participation.availability: a trace file or diurnal)."""
+    n, s, p = cfg.data.num_clients, cfg.stragglers, cfg.participation
     if s.trace:
-        return _read_trace(s.trace, n)
-    rng = streams.numpy_generator(cfg.seed, "clock/profiles")
-    speed = _draw(rng, s.speed, n)
-    bw = _draw(rng, s.bandwidth_mbps, n) * 1e6 / 8
-    return Profiles(speed, bw, np.full(n, cfg.participation.availability))
+        profiles = _read_trace(s.trace, n)
+    else:
+        rng = streams.numpy_generator(cfg.seed, "clock/profiles")
+        speed = _draw(rng, s.speed, n)
+        bw = _draw(rng, s.bandwidth_mbps, n) * 1e6 / 8
+        profiles = Profiles(speed, bw, np.full(n, 1.0 if isinstance(p.availability, str) else p.availability))
+    profiles.windows = load_availability(cfg)
+    return profiles
 
 
 TRACE_COLUMNS = ("client", "speed", "bandwidth_mbps")
@@ -58,91 +68,38 @@ def _read_trace(path: str, n: int) -> Profiles:
     DataError naming the file, the column and the first bad row (counted from 1 after the header), so a typo in a
     trace never turns into a silently wrong run.
     """
-    import pandas as pd
-
-    if os.path.isdir(path):
-        raise DataError(f"stragglers.trace: {path} is a folder, not a file")
-    if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe would be read forever
-        raise DataError(f"stragglers.trace: {path} is not a regular file")
-    try:
-        header = _header(path)
-        df = pd.read_csv(path, dtype=str, keep_default_na=False, skipinitialspace=True)
-    except (OSError, ValueError) as exc:  # missing, unreadable, not UTF-8, malformed rows
-        raise DataError(f"stragglers.trace: cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
-    read = (*TRACE_COLUMNS, "availability")  # other columns (notes, a spreadsheet's empty ones) are not read
-    twice = next((c for i, c in enumerate(header) if c in read and c in header[:i]), None)
-    if twice is not None:  # pandas would rename the second one and read the first: which did the writer mean?
-        raise DataError(f"stragglers.trace: {path} has the column {twice!r} twice")
-    df.columns = [str(c).strip() for c in df.columns]
-    missing = [c for c in TRACE_COLUMNS if c not in df.columns]
-    if missing:
-        raise DataError(f"stragglers.trace: {path} lacks columns {missing} (it has {list(df.columns)})")
-    row_no = np.arange(len(df)) + 1  # data rows, counted from 1 after the header (blank lines skipped)
-    clients = _trace_column(df, "client", path, row_no)
-    not_id = (clients % 1 != 0) | (clients < 0) | (clients > 2**53)
-    if not_id.any():
-        bad = int(np.flatnonzero(not_id)[0])
-        raise DataError(f"stragglers.trace: {path} column client, row {row_no[bad]}: "
-                        f"{df['client'].iloc[bad]!r} is not a client id (0, 1, 2, ...)")
-    ids = clients.astype(np.int64)
+    key = "stragglers.trace"
+    df, row_no = read_csv(path, key, (*TRACE_COLUMNS, "availability"), TRACE_COLUMNS)
+    ids = client_column(df, key, path, row_no)
     _, first = np.unique(ids, return_index=True)
     dup = np.setdiff1d(np.arange(len(ids)), first)
     if len(dup):
         row = int(dup.min())
-        raise DataError(f"stragglers.trace: {path} column client, row {row_no[row]}: client {ids[row]} "
-                        "appears more than once")
+        raise DataError(f"{key}: {path} column client, row {row_no[row]}: client {ids[row]} appears more than once")
     absent = np.setdiff1d(np.arange(n), ids)
     if len(absent):
-        raise DataError(f"stragglers.trace: {path} column client: no row for client {absent[0]} "
+        raise DataError(f"{key}: {path} column client: no row for client {absent[0]} "
                         f"({len(absent)} of the {n} clients in data.num_clients have none)")
     rows = np.full(n, -1, dtype=np.int64)
     keep = ids < n
     rows[ids[keep]] = np.flatnonzero(keep)
-    speed = _trace_column(df, "speed", path, row_no, rows, SPEED_RANGE, low_included=True)
-    bandwidth = _trace_column(df, "bandwidth_mbps", path, row_no, rows, BANDWIDTH_RANGE, low_included=True)
-    avail = _trace_column(df, "availability", path, row_no, rows, (0.0, 1.0)) \
+    speed = number_column(df, "speed", key, path, row_no, rows, SPEED_RANGE, low_included=True)
+    bandwidth = number_column(df, "bandwidth_mbps", key, path, row_no, rows, BANDWIDTH_RANGE, low_included=True)
+    avail = number_column(df, "availability", key, path, row_no, rows, (0.0, 1.0)) \
         if "availability" in df.columns else np.ones(n)
     return Profiles(speed, bandwidth * 1e6 / 8, avail)
 
 
-def _header(path: str) -> list[str]:
-    """The trace's column names as written (stripped), duplicates kept."""
-    import csv
-
-    with open(path, newline="", encoding="utf-8") as f:
-        return [c.strip() for c in next(csv.reader(f), [])]
-
-
-def _trace_column(df, column: str, path: str, row_no: np.ndarray, rows: np.ndarray | None = None,
-                  bounds: tuple[float, float] | None = None, low_included: bool = False) -> np.ndarray:
-    """One trace column (at `rows`, else all of it) as finite floats within `bounds` ((low, high], or [low, high]
-    with `low_included`); else a DataError."""
-    import pandas as pd
-
-    text = df[column].to_numpy()
-    if rows is not None:
-        text, row_no = text[rows], row_no[rows]
-    values = pd.to_numeric(pd.Series(text), errors="coerce").to_numpy(float)
-    bad = ~np.isfinite(values)
-    allowed = "a number"
-    if bounds is not None:
-        low, high = bounds
-        bad |= ~((values >= low if low_included else values > low) & (values <= high))
-        allowed = f"a number in {'[' if low_included else '('}{low:g}, {high:g}]"
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise DataError(f"stragglers.trace: {path} column {column}, row {row_no[i]}: {text[i]!r} is not "
-                        f"{allowed}")
-    return values
-
-
 def sample_round(cfg: RunConfig, round: int, profiles: Profiles) -> np.ndarray:
-    """Sorted client ids sampled for `round` among the available ones (over-selection included)."""
+    """Sorted client ids sampled for `round` among the available ones (over-selection included): those online as
+    the round starts (`profiles.online`), each also available with its probability."""
     n = cfg.data.num_clients
     rng = streams.numpy_generator(cfg.seed, "participation", round)
     # all available: draw from range(n) without building it (the same draw as from np.arange(n))
-    avail: np.ndarray | int = np.flatnonzero(rng.random(n) < profiles.availability) \
-        if (profiles.availability < 1).any() else n
+    ok = rng.random(n) < profiles.availability if (profiles.availability < 1).any() else None
+    if profiles.online is not None:
+        ok = profiles.online if ok is None else ok & profiles.online
+    avail: np.ndarray | int = n if ok is None else np.flatnonzero(ok)
     if cfg.participation.sampling == "poisson":  # each available client joins with probability q
         joins = rng.random(n) < sampling_rate(cfg)
         return np.flatnonzero(joins) if isinstance(avail, int) else avail[joins[avail]]
@@ -172,21 +129,27 @@ def durations(cfg: RunConfig, profiles: Profiles, cids: np.ndarray, num_samples:
 
 @dataclass
 class Schedule:
-    """Who does what this round: kept participants, over-selected extras dropped, late ones, the deadline."""
+    """Who does what this round: kept participants, over-selected extras dropped, late ones, the deadline, and
+    those that went offline before they finished."""
 
     participants: np.ndarray
     late: np.ndarray
     over_selected: np.ndarray
     deadline: float
     duration: dict[int, float]
+    offline: np.ndarray = field(default_factory=lambda: np.array([], int))
 
 
-def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
-    """Apply over-selection (keep the fastest K) and the deadline to the sampled clients."""
+def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray, gone: np.ndarray | None = None) -> Schedule:
+    """Apply over-selection (keep the fastest K) and the deadline to the sampled clients. Those `gone` offline
+    before they finish never report: they are set apart first, so over-selection keeps the fastest K of the rest."""
     s = cfg.stragglers
     by_id = {int(c): float(d) for c, d in zip(sampled, dur)}
+    offline = sampled[gone] if gone is not None else np.array([], int)
+    if gone is not None:
+        sampled, dur = sampled[~gone], dur[~gone]
     if not s.enabled:
-        return Schedule(sampled, np.array([], int), np.array([], int), math.inf, by_id)
+        return Schedule(sampled, np.array([], int), np.array([], int), math.inf, by_id, offline)
     poisson = cfg.participation.sampling == "poisson"  # a Poisson cohort is kept whole: its size is the draw's
     k = len(sampled) if poisson else min(clients_per_round(cfg), len(sampled))
     order = np.lexsort((sampled, dur))  # fastest first, ties by id
@@ -200,4 +163,4 @@ def schedule(cfg: RunConfig, sampled: np.ndarray, dur: np.ndarray) -> Schedule:
     else:
         deadline = math.inf
     late = kept[kept_dur > deadline]
-    return Schedule(kept, late, extra, deadline, by_id)
+    return Schedule(kept, late, extra, deadline, by_id, offline)

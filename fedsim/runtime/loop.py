@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 
 from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset
-from fedsim.errors import AlgorithmError, CheckpointError, FedsimError, RunFailedError
+from fedsim.errors import AlgorithmError, CheckpointError, DataError, FedsimError, RunFailedError
 from fedsim.method.contract import Phase, RoundInfo, get_algorithm
 from fedsim.models.size import check_models
 from fedsim.persist.checkpoint import (
@@ -36,6 +36,7 @@ from fedsim.persist.checkpoint import (
 from fedsim.persist.storage import Location, StorePath, location
 from fedsim.plugins import PluginSources
 from fedsim.results.tables import failure_columns, read_table, table_rows, update_meta
+from fedsim.runtime.availability import next_online, online, online_until
 from fedsim.runtime.backend import Backend, BroadcastReply, owner
 from fedsim.runtime.callbacks import Callback, Callbacks, RoundRows, RunInfo, RunStatus, default_callbacks
 from fedsim.runtime.clock import Profiles, Schedule, durations, make_profiles, sample_round, schedule
@@ -217,7 +218,7 @@ class Simulation:
         if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
             return "completed"
         for r in range(state.next_round, self.cfg.rounds):
-            status = self.record(state, self.train_round(r), callbacks)
+            status = self.record(state, self.train_round(r, state.virtual_time), callbacks)
             if status is not None:
                 return status
         return "completed"
@@ -239,11 +240,13 @@ class Simulation:
             return "completed"
         return "stopped" if stop else None
 
-    def train_round(self, r: int) -> _Trained:
-        """Sample and schedule the round and run its phases in order."""
+    def train_round(self, r: int, start: float = 0.0) -> _Trained:
+        """Sample and schedule the round that is due at virtual time `start`, and run its phases in order."""
         cfg, backend = self.cfg, self.backend
         t_round = time.perf_counter()
-        sampled = np.asarray(self.inputs.draw(cfg, r, self.profiles))
+        due = start
+        profiles, start = self.online_at(start)
+        sampled = np.asarray(self.inputs.draw(cfg, r, profiles))
         phases = backend.server.phases(r)
         for phase in phases:
             self.algorithm.check_phase(phase)
@@ -255,16 +258,19 @@ class Simulation:
         # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
         down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
         trips = 1 + (EXTRA_ROUND_TRIPS if cfg.privacy.secure_aggregation != "none" else 0)  # SecAgg's messages
-        sch = schedule(cfg, sampled, durations(cfg, self.profiles, sampled, self.num_samples[sampled], down, down,
-                                               trips))
+        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, down, trips)
+        until = online_until(profiles.windows, sampled, start) if profiles.windows is not None else None
+        sch = schedule(cfg, sampled, dur, None if until is None else until < start + dur)  # offline before the end
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]
+        offline = [int(c) for c in sch.offline]
         rec = _RoundRecord(r, sch, {c: n_of[c] for c in kept})
         arrived = [c for c in kept if c not in set(late)]
         for pi, phase in enumerate(phases):
             if pi > 0:
                 sent = backend.server.broadcast(phase, RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
                 server_s += sent.seconds
-            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [])
+            replies = self.run_phase(rec, pi, phase, sent, arrived, late if pi == 0 else [],
+                                     offline if pi == 0 else [])
             arrived = [c for c in arrived if rec.status.get((pi, c)) == "ok"]
             step = backend.server.step(phase, [replies[w] for w in sorted(replies)],
                                        RoundInfo(r, phase.name, kept, arrived, rec.num_samples))
@@ -276,13 +282,38 @@ class Simulation:
                     row.update(step.client_columns[row["client"]])
         evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds or backend.server.finished(r)
         vround = min(sch.deadline, max(sch.duration[c] for c in kept)) if kept else 0.0
+        if not kept and offline and until is not None:  # the round lasts until the last of its clients has left
+            vround = min(sch.deadline, float(until.max() - start))
+        vround += start - due  # waiting for a client to come online
         late_kept = sum(rec.status.get((0, c)) != "failed" for c in late)  # a late client that raised is a failure
         base = {"round": r, "participants": len(kept), "arrived": len(arrived), "stragglers": late_kept,
                 "over_selected": len(sch.over_selected), "failures": rec.failures, "bytes_up": rec.bytes_up,
                 "bytes_down": rec.bytes_down, "virtual_round": vround, "deadline": sch.deadline,
                 "wall_round_s": time.perf_counter() - t_round, "wall_clients_s": rec.clients_s,
                 "wall_server_s": server_s, "wall_eval_s": 0.0, "clients_batched": rec.batched, **rec.metrics}
+        if profiles.online is not None:  # availability over time: who was online as the round started, who left
+            base.update(clients_online=int(profiles.online.sum()), offline=len(offline))
         return _Trained(r, base, rec.client_rows, vround, evaluate)
+
+    def online_at(self, t: float) -> tuple[Profiles, float]:
+        """The profiles of a round due at virtual time t, with who is online as it starts, and when it starts: at t,
+        or, when no client is online then, as soon as one is (a DataError when none ever is again)."""
+        w = self.profiles.windows
+        if w is None:
+            return self.profiles, t
+        everyone = np.arange(w.num_clients)
+        on = online(w, everyone, t)
+        for _ in range(100):  # each pass moves past at least one interval (an instant that rounding misses)
+            if on.any():
+                return replace(self.profiles, online=on), t
+            t = float(next_online(w, everyone, t).min())
+            if not math.isfinite(t):
+                break
+            on = online(w, everyone, t)
+            if not on.any():
+                t = float(np.nextafter(t, math.inf))
+        raise DataError(f"{w.source}: no client is online at virtual time {t:g} or later, so no round can start; "
+                        "give the trace a period (FedScale's finish_time, a CSV's period column) or more intervals")
 
     def round_rows(self, trained: _Trained) -> list[dict]:
         """The round's rows of rounds.parquet, one per global model the evaluation scores (one unscored row when
@@ -296,12 +327,14 @@ class Simulation:
         return [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
-                  late: list[int]) -> dict[int, WorkerReply]:
-        """Run one phase on the workers and record every client's outcome; returns the replies by worker."""
+                  late: list[int], offline: Sequence[int] = ()) -> dict[int, WorkerReply]:
+        """Run one phase on the workers and record every client's outcome (`offline`: clients that left before they
+        finished, never run); returns the replies by worker."""
         common_b, per_b = sent.common_bytes, sent.per_client_bytes
         W = self.backend.num_workers
         skip = self.cfg.stragglers.skip_late
-        rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in arrived + late)  # late clients downloaded too
+        # late clients downloaded too, and so did those that went offline
+        rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in [*arrived, *late, *offline])
         clients = arrived + ([] if skip else late)
         steps = self.cfg.train.steps
         cost = {c: steps or max(rec.num_samples.get(c, 0), 1) for c in clients} if self.balance else None
@@ -347,6 +380,7 @@ class Simulation:
             self.replace_workers(sorted(failed))
         if skip:
             rows.extend(row(c, owner(c, W), "late", 0, 0.0) for c in late)
+        rows.extend(row(c, owner(c, W), "offline", 0, 0.0, samples=int(self.num_samples[c])) for c in offline)
         rows.sort(key=lambda x: x["client"])
         rec.client_rows.extend(rows)
         on_dead = {c for w in failed for c in assignments.get(w, [])}  # a dead worker is replaced: not the run's fault

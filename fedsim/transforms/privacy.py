@@ -102,7 +102,11 @@ def check_privacy(cfg: RunConfig, uploads_model_update: bool | None) -> None:
                           "default is N^-1.1)")
     if local:  # each client's release is private on its own: how the cohort is drawn does not enter
         return
-    if cfg.participation.availability < 1:
+    availability = cfg.participation.availability
+    if isinstance(availability, str):  # diurnal or a trace: who can join changes over time
+        raise ConfigError(f"privacy.level: participation.availability {availability!r} makes who joins depend on "
+                          "availability over time, which no accountant here models; set it to 1")
+    if availability < 1:
         raise ConfigError("privacy.level: participation.availability < 1 makes who joins depend on availability, "
                           "which no accountant here models; set it to 1")
     s = cfg.stragglers
