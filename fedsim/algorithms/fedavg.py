@@ -85,7 +85,7 @@ class FedAvg(Algorithm):
             return state, {}
         optimizer = self.server_optimizer()
         if optimizer is not None:  # FedAdam, FedYogi, FedAdagrad, FedAvgM: the kit's server step
-            return server_opt_by_arch(optimizer, state, updates), {}
+            return server_opt_by_arch(optimizer, state, updates)
         averaged = average_by_arch(updates, state.models)
         models = {a: move_toward(state.models[a], averaged[a], self.params.server_lr) for a in state.models}
         return GlobalModels(models=models, extra=state.extra), {}

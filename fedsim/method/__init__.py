@@ -54,7 +54,7 @@ from fedsim.method.distill import (
     leave_one_out,
     soften,
 )
-from fedsim.method.server_opt import ServerOptimizer, server_opt_by_arch, server_opt_step
+from fedsim.method.server_opt import STEP_RATIO_COLUMNS, ServerOptimizer, server_opt_by_arch, server_opt_step
 from fedsim.method.toolkit import (
     GlobalModels,
     State,
@@ -90,5 +90,5 @@ __all__ = [
     "init_global_models", "kd_loss", "knob", "leave_one_out", "loaded_model", "mechanism", "move_toward", "toolkit",
     "new_model", "register_algorithm", "register_dataset", "register_model", "register_state", "rng",
     "seeded_model", "soften", "split_by_arch", "sum_by_arch", "weighted_average", "weighted_sum",
-    "ServerOptimizer", "server_opt_by_arch", "server_opt_step",
+    "STEP_RATIO_COLUMNS", "ServerOptimizer", "server_opt_by_arch", "server_opt_step",
 ]

@@ -106,17 +106,34 @@ def server_opt_step(opt: ServerOptimizer, model: Mapping[str, torch.Tensor], ave
     return new, out
 
 
-def server_opt_by_arch(opt: ServerOptimizer, state: GlobalModels, updates: SummedUpdate) -> GlobalModels:
+STEP_RATIO_COLUMNS = {"train/step_ratio": "the server step's length over the round's mean client update's, "
+                      "‖x_new − x‖/‖avg − x‖ over the floating entries (FedAvg's is its server_lr): how much further "
+                      "or shorter the server optimizer goes than the clients' average; recorded every round"}
+"""The rounds.parquet column a server optimizer's step records, which a reproduce table may show (docs/methods/
+fedopt.md)."""
+
+
+def server_opt_by_arch(opt: ServerOptimizer, state: GlobalModels,
+                       updates: SummedUpdate) -> tuple[GlobalModels, dict[str, float]]:
     """The round's server step for every architecture that clients trained: average their models (the method's
-    own weights), then step each global model with `opt`; the optimiser state is kept in `state.extra`."""
+    own weights), then step each global model with `opt`; the optimiser state is kept in `state.extra`. Also the
+    step's length over the mean update's, ‖x_new − x‖/‖avg − x‖ over the floating entries (`step_ratio`; FedAvg's
+    is its server_lr): how much further, or shorter, the adaptive step goes than the clients' average would."""
     if updates.count == 0:
-        return state
+        return state, {}
     averaged = average_by_arch(updates, state.models)
     kept: dict[str, Any] = dict(state.extra.get(EXTRA_KEY, {}))
     models = dict(state.models)
+    step_sq = update_sq = 0.0
     for arch, old in state.models.items():
         w = updates.total.get(f"{arch}/{WEIGHT_KEY}")
         if w is None or float(w) <= 0:
             continue  # nobody trained this architecture: its model and its optimiser state stay as they are
         models[arch], kept[arch] = server_opt_step(opt, old, averaged[arch], kept.get(arch))
-    return GlobalModels(models=models, extra={**state.extra, EXTRA_KEY: kept})
+        for k, x in old.items():
+            if x.is_floating_point():
+                x64 = x.detach().to("cpu", torch.float64)
+                step_sq += float((models[arch][k].detach().to("cpu", torch.float64) - x64).pow(2).sum())
+                update_sq += float((averaged[arch][k].detach().to("cpu", torch.float64) - x64).pow(2).sum())
+    info = {"step_ratio": math.sqrt(step_sq / update_sq)} if update_sq > 0 else {}
+    return GlobalModels(models=models, extra={**state.extra, EXTRA_KEY: kept}), info
