@@ -34,11 +34,12 @@ test-fast: $(STAMP)  ## the inner loop (under 2 minutes): the methods' golden nu
 	  tests/test_config.py tests/runtime/test_loop.py tests/runtime/test_batching.py tests/test_twosum.py \
 	  tests/test_architecture.py
 
-bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload; robust aggregation vs Flower's; DP-SGD vs Opacus; SecAgg's cost
+bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the bench's own FedAvg workload; robust aggregation vs Flower's; DP-SGD vs Opacus; SecAgg's and FedAdam's costs
 	$(BIN)/python -m bench.fedavg_bench --repeat 3
 	$(BIN)/python -m bench.robust_bench --repeat 3
 	$(BIN)/python -m bench.dpsgd_bench --repeat 3
 	$(BIN)/python -m bench.secagg_bench
+	$(BIN)/python -m bench.fedavg_bench --configs A,B --systems fedsim_local,fedsim_fedadam --repeat 3 --stem fedopt_overhead
 	$(BIN)/python -m bench.report results/bench/fedavg.json --docs
 
 bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients

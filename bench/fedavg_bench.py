@@ -38,10 +38,12 @@ from bench.workload import BENCH_CONFIGS
 
 SYSTEMS = ["plain", "plain_t1", "fedsim_local", "fedsim_dp", "fedsim_ray", "flower", "pfl", "pfl_multiprocess",
            "ray_floor"]
-ALL = SYSTEMS + ["fedsim_1w", "flower_2c"]  # on request: one 2-thread fedsim worker, one 2-CPU Flower actor
+# on request: FedAdam's server step, one 2-thread fedsim worker, one 2-CPU Flower actor
+ALL = SYSTEMS + ["fedsim_fedadam", "fedsim_1w", "flower_2c"]
 LABEL = {"plain": "plain (2 threads)", "plain_t1": "plain (1 thread)",
          "fedsim_ray": "fedsim (Ray, 2 workers × 1 thread)", "fedsim_local": "fedsim (local, 1 worker × 2 threads)",
          "fedsim_1w": "fedsim (Ray, 1 worker × 2 threads)", "fedsim_dp": "fedsim with client-level DP (local)",
+         "fedsim_fedadam": "fedsim FedAdam (local)",
          "flower": "Flower (2 actors × 1 CPU)",
          "flower_2c": "Flower (1 actor × 2 CPUs)", "pfl": "pfl (1 process × 2 threads)",
          "pfl_multiprocess": "pfl (2 processes × 1 thread)", "ray_floor": "Ray alone (start, 2 actors, stop)"}

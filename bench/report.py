@@ -40,8 +40,8 @@ from jobs.readme_blocks import doc_pages
 OUT = REPO / "results" / "bench"
 COLUMNS = ["config", "system", "repeat", "status", "N", "K", "R", "model", "total_seconds", "startup_seconds",
            "seconds_per_round", "round_seconds", "peak_rss_mb", "final_accuracy", "load_before", "log"]
-SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_dp", "fedsim_1w", "flower",
-           "flower_2c", "pfl", "pfl_multiprocess", "ray_floor")
+SYSTEMS = ("plain", "plain_t1", "fedsim", "fedsim_ray", "fedsim_local", "fedsim_dp", "fedsim_fedadam", "fedsim_1w",
+           "flower", "flower_2c", "pfl", "pfl_multiprocess", "ray_floor")
 MAX_REPEAT = 1000  # interleaved repeats of a whole matrix: each takes minutes, so far above any real bench
 STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")  # a plain file name in results/bench: no folder, not hidden
 
@@ -92,6 +92,9 @@ def commands(system: str, folder: Path, fedsim_args: list[str]) -> list[str]:
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", "-o", "runtime.threads=2",
                 "-o", "algorithm.weighting=uniform", "-o", "privacy.level=client", "-o", "privacy.noise_multiplier=1",
                 "-o", "privacy.clip=1", "-o", "privacy.accountant=rdp", *fedsim_args]
+    if system == "fedsim_fedadam":  # fedsim_local with FedAdam's server step (float64 m, v, and the step itself)
+        return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--backend", "local", "-o", "runtime.threads=2",
+                "-o", "algorithm.name=fedadam", *fedsim_args]
     if system == "fedsim_1w":  # one worker with both CPUs, as the plain loop uses them
         return [sys.executable, "-m", "bench.fedsim_fedavg", *work, "--client-cpus", "2", "-o", "runtime.threads=2",
                 *fedsim_args]
@@ -383,6 +386,7 @@ TARGETS = [
     ("ABC", "fedsim Ray / pfl 2 processes, peak RSS", "fedsim_ray", "pfl_multiprocess", "peak_rss_mb", 1.0),
     ("AB", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.05),
     ("AB", "fedsim with client-level DP / without, s/round", "fedsim_dp", "fedsim_local", "s_per_round", 1.05),
+    ("AB", "fedsim FedAdam / FedAvg, s/round", "fedsim_fedadam", "fedsim_local", "s_per_round", 1.05),
     ("AB", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.05),
     ("C", "fedsim local / plain, s/round", "fedsim_local", "plain", "s_per_round", 1.5),
     ("C", "fedsim Ray / plain, s/round", "fedsim_ray", "plain", "s_per_round", 1.5),
@@ -482,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", nargs="*", default=None, metavar="PAGE",
                     help="write the <!-- bench:fedavg --> and <!-- bench:headline --> blocks from the summary, and "
                          "<!-- bench:scale -->, <!-- bench:gpu -->, <!-- bench:robust_aggregation -->, "
-                         "<!-- bench:dpsgd -->, <!-- bench:secagg --> and <!-- bench:dp_overhead --> from the .md "
+                         "<!-- bench:dpsgd -->, <!-- bench:secagg -->, <!-- bench:dp_overhead --> and "
+                         "<!-- bench:fedopt_overhead --> from the .md "
                          "files of those names beside it, on whichever "
                          "PAGE holds them (default: README.md and docs/**/*.md)")
     args = ap.parse_args(argv)
@@ -523,7 +528,7 @@ def paste_docs(data: dict, summary: str, pages: list[str]) -> list[str]:
     if "headline" in present:
         blocks["headline"] = headline_block(data, source)
     # make bench-scale's, bench.gpu_bench's and bench.robust_bench's reports, when beside it
-    for name in ("scale", "gpu", "robust_aggregation", "dpsgd", "secagg", "dp_overhead"):
+    for name in ("scale", "gpu", "robust_aggregation", "dpsgd", "secagg", "dp_overhead", "fedopt_overhead"):
         md = path.parent / f"{name}.md"
         if md.is_file():
             blocks[name] = markdown_block(md)

@@ -183,7 +183,8 @@ def test_bench_cli_refuses_bad_knobs_before_running_anything(tmp_path, monkeypat
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["bench.fedavg_bench: error: --rounds: must be from 1 to 1000000, got 0",
                    "bench.fedavg_bench: error: --systems: unknown system 'nope'; choose from plain, plain_t1, "
-                   "fedsim_local, fedsim_dp, fedsim_ray, flower, pfl, pfl_multiprocess, ray_floor, fedsim_1w, "
+                   "fedsim_local, fedsim_dp, fedsim_ray, flower, pfl, pfl_multiprocess, ray_floor, fedsim_fedadam, "
+                   "fedsim_1w, "
                    "flower_2c"]
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # nothing prepared, nothing run
 

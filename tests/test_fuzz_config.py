@@ -5,8 +5,8 @@ left behind.
 
 The cases run through `jobs.cli.main` in one warmed-up runner (imports done, one run made), so a case costs its own
 work only: those that the config refuses in the runner itself, the others each in a fork of it, with a time limit
-and a memory limit so that a value that asks for terabytes fails in its process rather than on the machine. A sample also runs as a real `fedsim`
-subprocess and must print the same line.
+and a memory limit so that a value that asks for terabytes fails in its process rather than on the machine. A
+sample also runs as a real `fedsim` subprocess and must print the same line.
 """
 
 from __future__ import annotations

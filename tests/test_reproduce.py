@@ -166,7 +166,7 @@ def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> 
     assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy", "fedopt"]
     for t in m.tables:
         assert len(t.seeds) >= 3 and t.paper_title
-        if t.id in ("robustness", "privacy", "fedopt"):  # our own grids: the claims in the title, no paper figures beside
+        if t.id in ("robustness", "privacy", "fedopt"):  # our own grids: the claims in the title, no paper figures
             assert not t.paper and t.mechanism
             continue
         assert t.paper

@@ -148,9 +148,10 @@ def _by_columns(rows: torch.Tensor, rule: Callable[[np.ndarray], np.ndarray],
 
 
 def _sorted(rows: torch.Tensor) -> torch.Tensor | None:
-    """The rows sorted per coordinate when the cohort is small enough that one sort beats numpy's selection per block
-    (3x at 10 updates), else None; the values are the same either way."""
-    return rows.sort(dim=0).values if rows.shape[0] <= _SORT_BELOW else None
+    """The rows sorted per coordinate (numpy's sort along axis 0) when the cohort is small enough that one sort beats
+    numpy's selection block by block (5 ms against 17 ms at 10 updates of ResNet-8), else None; the values are the
+    same either way."""
+    return torch.from_numpy(np.sort(rows.numpy(), axis=0)) if rows.shape[0] <= _SORT_BELOW else None
 
 
 def median(rows: torch.Tensor) -> Robust:
