@@ -446,7 +446,12 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             run_dir = created.path
         else:
             held = RunLock(run_dir)
-        sim = Simulation(cfg, backend, run_dir, inputs)
+        if cfg.participation.mode == "async":  # clients in flight on the virtual clock (fedsim.runtime.async_run)
+            from fedsim.runtime.async_run import AsyncSimulation
+
+            sim = AsyncSimulation(cfg, backend, run_dir, inputs)
+        else:
+            sim = Simulation(cfg, backend, run_dir, inputs)
         # first: a tracking library that is not installed fails the run before anything starts
         hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
