@@ -35,7 +35,7 @@ from fedsim.method import (
     register_algorithm,
     split_by_arch,
 )
-from fedsim.method.asynchronous import NEW_VERSION, Arrival, AsyncAlgorithm, StalenessParams
+from fedsim.method.asynchronous import NEW_VERSION, AsyncAlgorithm, StalenessParams, arrival
 
 
 @dataclass
@@ -80,10 +80,10 @@ class FedAsync(AsyncAlgorithm):
         return LocalTraining.of(ctx, msg.common[ctx.arch], finish)
 
     def server_step(self, phase: Phase, state: GlobalModels, updates: dict[int, ClientResult],
-                    info: Arrival) -> tuple[GlobalModels, dict[str, Any]]:
+                    info: RoundInfo) -> tuple[GlobalModels, dict[str, Any]]:
         if not updates:
             return state, {NEW_VERSION: 0}
-        alpha = self.params.alpha * self.params.weight(info.staleness)  # from the base α every time
+        alpha = self.params.alpha * self.params.weight(arrival(info).staleness)  # from the base α every time
         models = dict(state.models)
         for res in updates.values():  # one arrival
             for arch, (_, entries) in split_by_arch(SummedUpdate(res.payload, 1.0, 1)).items():

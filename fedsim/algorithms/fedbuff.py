@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from fedsim.config.limits import MAX_CLIENTS
 from fedsim.method import (
     Broadcast,
     ClientContext,
@@ -39,7 +40,7 @@ from fedsim.method import (
     server_opt_step,
     split_by_arch,
 )
-from fedsim.method.asynchronous import NEW_VERSION, Arrival, AsyncAlgorithm, StalenessParams
+from fedsim.method.asynchronous import NEW_VERSION, AsyncAlgorithm, StalenessParams, arrival
 from fedsim.method.server_opt import EXTRA_KEY
 
 BUFFER, BUFFERED = "buffer", "buffered"  # GlobalModels.extra: the weighted sum of updates, arrivals per arch
@@ -47,8 +48,8 @@ BUFFER, BUFFERED = "buffer", "buffered"  # GlobalModels.extra: the weighted sum 
 
 @dataclass
 class FedBuffParams(StalenessParams):
-    buffer_size: int = knob(10, ge=1, doc="K, arrivals buffered per server step (the paper's typical 10); at most "
-                                          "participation.concurrency")
+    buffer_size: int = knob(10, ge=1, le=MAX_CLIENTS, doc="K, arrivals buffered per server step (the paper's "
+                            "typical 10); at most participation.concurrency")
     server_lr: float = knob(1.0, gt=0, doc="server step size η along the buffer's mean update")
     server_opt: Literal["none", "adam", "yogi", "adagrad", "avgm"] = knob(
         "none", doc="none: x ← x + η·Δ̄; else that server optimiser's step along Δ̄ (fedadam's, fedyogi's, "
@@ -101,10 +102,10 @@ class FedBuff(AsyncAlgorithm):
                                momentum=p.momentum)
 
     def server_step(self, phase: Phase, state: GlobalModels, updates: dict[int, ClientResult],
-                    info: Arrival) -> tuple[GlobalModels, dict[str, Any]]:
+                    info: RoundInfo) -> tuple[GlobalModels, dict[str, Any]]:
         if not updates:
             return state, {NEW_VERSION: 0}
-        weight = self.params.weight(info.staleness)
+        weight = self.params.weight(arrival(info).staleness)
         buffer = dict(state.extra.get(BUFFER, {}))
         counts = dict(state.extra.get(BUFFERED, {}))
         for res in updates.values():  # one arrival

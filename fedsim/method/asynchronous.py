@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from fedsim.config.knobs import knob
-from fedsim.errors import ConfigError
+from fedsim.errors import AlgorithmError, ConfigError
 from fedsim.method.contract import Algorithm, RoundInfo, get_algorithm
 
 if TYPE_CHECKING:
@@ -62,6 +62,14 @@ class Arrival(RoundInfo):
     time: float = 0.0  # virtual seconds at the arrival
 
 
+def arrival(info: RoundInfo) -> Arrival:
+    """The Arrival an async server step was given; an AlgorithmError when a synchronous round called it."""
+    if not isinstance(info, Arrival):
+        raise AlgorithmError(f"an async method's server step got a synchronous round's {type(info).__name__} "
+                             "(participation.mode: async runs it)")
+    return info
+
+
 class AsyncAlgorithm(Algorithm):
     """Base of the methods built for async mode: one phase, `reduce="each"`, whose server step takes one `Arrival`
     at a time and reports NEW_VERSION in its metrics. Their clients keep no state (any worker may train any)."""
@@ -88,15 +96,14 @@ def check_mode(cfg: RunConfig) -> None:
     what it cannot simulate; each a one-line ConfigError naming the key."""
     p, name = cfg.participation, cfg.algorithm.name
     cls = get_algorithm(name)
-    built = issubclass(cls, AsyncAlgorithm)
     if p.mode == "sync":
-        if built:
+        if issubclass(cls, AsyncAlgorithm):
             raise ConfigError(f"algorithm.name: {name} is asynchronous; set participation.mode: async")
         if p.concurrency is not None:
             raise ConfigError("participation.concurrency: only async mode has clients in flight (participation.mode: "
                               "async); a synchronous round samples participation.clients_per_round")
         return
-    if not built:
+    if not issubclass(cls, AsyncAlgorithm):
         raise ConfigError(f"participation.mode: async cannot run {name}: its server step aggregates a whole round's "
                           "cohort, which never exists when clients arrive one at a time; use fedasync or fedbuff")
     n, c = cfg.data.num_clients, concurrency(cfg)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
 from fedsim import rng as streams
 from fedsim.errors import CheckpointError, ClientFailedError, RunFailedError
 from fedsim.method.asynchronous import NEW_VERSION, Arrival, concurrency
@@ -112,7 +113,7 @@ class AsyncSimulation(Simulation):
 
     def restore(self, rounds: Any, clients: Any, saved_round: int | None = None) -> RunState:
         state = super().restore(rounds, clients, saved_round)
-        saved = load_run_checkpoint(self.ckpt_path).get(CHECKPOINT_KEY)
+        saved: Any = load_run_checkpoint(self.ckpt_path).get(CHECKPOINT_KEY)
         try:
             ev = saved["events"]
             tasks = [Task(**t) for t in ev["flying"]]
