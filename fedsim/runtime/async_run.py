@@ -25,13 +25,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedsim import rng as streams
-from fedsim.errors import CheckpointError, ClientFailedError, RunFailedError
+from fedsim.errors import AlgorithmError, CheckpointError, ClientFailedError, RunFailedError
 from fedsim.method.asynchronous import NEW_VERSION, Arrival, concurrency
 from fedsim.method.contract import Broadcast, Phase, RoundInfo
 from fedsim.persist.checkpoint import load_run_checkpoint
@@ -39,8 +40,12 @@ from fedsim.results.tables import failure_columns
 from fedsim.runtime.backend import BroadcastReply
 from fedsim.runtime.callbacks import Callbacks, ResultsWriter, RoundRows, RunStatus
 from fedsim.runtime.clock import durations
-from fedsim.runtime.loop import RunState, Simulation, _Trained, assign
 from fedsim.runtime.worker import ClientOutcome, WorkerReply
+
+if TYPE_CHECKING:
+    from fedsim.runtime.loop import RunState, Simulation
+
+Assign = Callable[[list[int], int, dict[int, int]], dict[int, list[int]]]  # fedsim.runtime.loop.assign
 
 DISPATCH_STREAM = "async/dispatch"  # one draw per dispatch, keyed by its number
 CHECKPOINT_KEY = "async"
@@ -86,18 +91,20 @@ class _Span:
     t0: float = field(default_factory=time.perf_counter)
 
 
-class AsyncSimulation(Simulation):
-    """A run in async mode: the Simulation's setup, restore and recording, with an event loop for the rounds."""
+class AsyncRun:
+    """The rounds of a run in async mode: an event loop over a set-up Simulation (its backend, clock profiles,
+    records and worker replacement), which hands its run over here (fedsim.runtime.loop.Simulation.run)."""
 
-    def setup(self) -> None:
-        super().setup()
-        cfg = self.cfg
-        self.concurrency = concurrency(cfg)
+    def __init__(self, sim: Simulation, assign: Assign) -> None:
+        self.sim, self.assign = sim, assign
+        self.cfg, self.backend = sim.cfg, sim.backend
+        self.profiles, self.num_samples = sim.profiles, sim.num_samples
+        self.concurrency = concurrency(self.cfg)
         phases = self.backend.server.phases(0)
         if len(phases) != 1 or phases[0].reduce != "each":
-            raise RunFailedError(f"{cfg.algorithm.name}: an async method has one phase with reduce='each'")
+            raise AlgorithmError(f"{self.cfg.algorithm.name}: an async method has one phase with reduce='each'")
         self.phase: Phase = phases[0]
-        self.algorithm.check_phase(self.phase)
+        sim.algorithm.check_phase(self.phase)
         self.events = Events()
         self.version = 0
         self.models: dict[int, BroadcastReply] = {}  # the broadcast of each version a client in flight starts from
@@ -111,9 +118,10 @@ class AsyncSimulation(Simulation):
         size = np.full(n, float(down))
         return durations(self.cfg, self.profiles, ids, np.asarray(self.num_samples)[ids], size, size)
 
-    def restore(self, rounds: Any, clients: Any, saved_round: int | None = None) -> RunState:
-        state = super().restore(rounds, clients, saved_round)
-        saved: Any = load_run_checkpoint(self.ckpt_path).get(CHECKPOINT_KEY)
+    def restore(self, state: RunState) -> None:
+        """The event state of the checkpoint the Simulation restored `state` from."""
+        path = self.sim.ckpt_path
+        saved: Any = load_run_checkpoint(path).get(CHECKPOINT_KEY)
         try:
             ev = saved["events"]
             tasks = [Task(**t) for t in ev["flying"]]
@@ -124,11 +132,10 @@ class AsyncSimulation(Simulation):
                            for v, m in saved["models"].items()}
             self.version = int(saved["version"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{self.ckpt_path}: not an async run's checkpoint (its event state: {exc!r}"[:300]
+            raise CheckpointError(f"{path}: not an async run's checkpoint (its event state: {exc!r}"[:300]
                                   + ")") from None
         if self.version != state.next_round or any(t.version not in self.models for t in tasks):
-            raise CheckpointError(f"{self.ckpt_path}: its event state does not fit round {state.next_round - 1}")
-        return state
+            raise CheckpointError(f"{path}: its event state does not fit round {state.next_round - 1}")
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The event state at the last version recorded, for the checkpoint (ResultsWriter adds it)."""
@@ -142,6 +149,10 @@ class AsyncSimulation(Simulation):
                        for v, m in self.models.items() if v in kept}}}
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
+        """Versions from `state.next_round` on (a resumed run's events from its checkpoint), each handed to the
+        callbacks once recorded."""
+        if state.next_round > 0:
+            self.restore(state)
         for cb in callbacks.items:
             if isinstance(cb, ResultsWriter):
                 cb.extra = self.checkpoint_state
@@ -205,7 +216,7 @@ class AsyncSimulation(Simulation):
             by_client = {t.client: t for t in tasks}
             clients = sorted(by_client)
             cost = {c: steps or max(int(self.num_samples[c]), 1) for c in clients}
-            assignments = assign(clients, W, cost)
+            assignments = self.assign(clients, W, cost)
             t0 = time.perf_counter()
             replies, failed = self.backend.run_phase(version, slot, self.phase, self.models[version].broadcast,
                                                      assignments, [], self.cfg.runtime.round_timeout_s)
@@ -218,7 +229,7 @@ class AsyncSimulation(Simulation):
                     err = ClientFailedError(c, version, self.phase.name, lost.error_type, lost.message, lost.traceback)
                     self.results[by_client[c].dispatch] = (ClientOutcome(c, "failed", error=err), w)
             if failed:
-                self.replace_workers(sorted(failed))
+                self.sim.replace_workers(sorted(failed))
 
     def apply(self, task: Task, span: _Span) -> bool:
         """Apply one arrival (training it, and every other untrained client in flight, first); whether it made a new
@@ -233,11 +244,11 @@ class AsyncSimulation(Simulation):
         span.bytes_down += down
         row: dict[str, Any] = {
             "round": self.version, "phase": self.phase.name, "client": c, "worker": self.backend.worker_of(worker),
-            "arch": self.archs[c], "samples": int(self.num_samples[c]), "status": outcome.status,
+            "arch": self.sim.archs[c], "samples": int(self.num_samples[c]), "status": outcome.status,
             "virtual_duration": task.arrival - task.start, "bytes_up": 0, "bytes_down": down,
             "wall_s": outcome.seconds, "dispatch": task.dispatch, "start_version": task.version,
             "dispatch_time": task.start, "arrival_time": task.arrival, "staleness": staleness,
-            **self.roles.get(c, {})}
+            **self.sim.roles.get(c, {})}
         if outcome.result is not None:
             row.update({k: float(v) for k, v in outcome.result.metrics.items()})
         new = False
@@ -259,8 +270,8 @@ class AsyncSimulation(Simulation):
             if outcome.error is not None:
                 e = outcome.error
                 row.update(failure_columns(e.error_type, e.error_message, e.traceback))
-            self.failed_steps += 1
-            self.failed_rounds.add(self.version)
+            self.sim.failed_steps += 1
+            self.sim.failed_rounds.add(self.version)
             if self.consecutive_failures >= self.concurrency:
                 raise RunFailedError(f"version {self.version}: the last {self.consecutive_failures} arrivals all "
                                      f"failed; client {c}: {row.get('error', 'no result')}")
@@ -286,8 +297,12 @@ class AsyncSimulation(Simulation):
                 "in_flight": len(self.events.flying), "wall_round_s": time.perf_counter() - span.t0,
                 "wall_clients_s": span.clients_s, "wall_server_s": span.server_s, "wall_eval_s": 0.0,
                 "clients_batched": 0, **span.metrics}
-        evaluate = (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds
-        rows = self.round_rows(_Trained(r, base, span.client_rows, base["virtual_round"], evaluate))
+        rows = [{**base, "model": ""}]
+        if (r + 1) % cfg.eval.every == 0 or r + 1 == cfg.rounds:
+            t0 = time.perf_counter()
+            evaluated = self.backend.server.evaluate()
+            base.update(wall_eval_s=evaluated.seconds, wall_round_s=base["wall_round_s"] + time.perf_counter() - t0)
+            rows = [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
         for row in rows:
             row["virtual_time"] = self.events.now
         state.virtual_time = self.events.now

@@ -213,7 +213,12 @@ class Simulation:
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
         """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
-        method finished after its last saved round (a one-shot method) trains no further round."""
+        method finished after its last saved round (a one-shot method) trains no further round. In async mode the
+        rounds are server versions, made by clients arriving on the virtual clock (fedsim.runtime.async_run)."""
+        if self.cfg.participation.mode == "async":
+            from fedsim.runtime.async_run import AsyncRun
+
+            return AsyncRun(self, assign).run(state, callbacks)
         if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
             return "completed"
         for r in range(state.next_round, self.cfg.rounds):
@@ -446,12 +451,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
             run_dir = created.path
         else:
             held = RunLock(run_dir)
-        if cfg.participation.mode == "async":  # clients in flight on the virtual clock (fedsim.runtime.async_run)
-            from fedsim.runtime.async_run import AsyncSimulation
-
-            sim = AsyncSimulation(cfg, backend, run_dir, inputs)
-        else:
-            sim = Simulation(cfg, backend, run_dir, inputs)
+        sim = Simulation(cfg, backend, run_dir, inputs)
         # first: a tracking library that is not installed fails the run before anything starts
         hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
