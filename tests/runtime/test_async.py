@@ -184,3 +184,16 @@ def test_bad_input_is_one_line_naming_the_key(overrides, key, tmp_path, capsys) 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"fedsim: error: {key}"), err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.ray
+def test_the_ray_backend_gives_the_local_tables(ray_local, make_config) -> None:
+    from fedsim.api import make_backend
+
+    local = load(run(make_config(*FEDBUFF, "runtime.num_workers=2", "results.run_id=local", rounds=2),
+                     LocalBackend()))
+    cfg = make_config(*FEDBUFF, "runtime.num_workers=2", "runtime.backend=ray", "results.run_id=ray", rounds=2)
+    on_ray = load(run(cfg, make_backend(cfg)))
+    assert on_ray["clients"]["worker"].nunique() == 2
+    for name in ("rounds", "clients"):
+        pd.testing.assert_frame_equal(comparable(local[name]), comparable(on_ray[name]), obj=name)
