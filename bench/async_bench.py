@@ -28,7 +28,7 @@ def measure(in_flight: int, versions: int, root: Path) -> dict[str, float]:
     from fedsim.runtime.local import LocalBackend
     from fedsim.runtime.loop import run
 
-    clients = max(2 * in_flight, 100)
+    clients = in_flight + max(in_flight // 4, 16)  # digits has 1,437 training samples: at least one each
     cfg = load_config(None, [
         "name=async-bench", f"rounds={versions}", "data.name=digits", f"data.num_clients={clients}",
         "data.partition.kind=iid", "model.name=mlp", "model.options={hidden: 8}", "train.steps=1",

@@ -22,6 +22,7 @@ of the versions they start from. Their results are not kept: a resumed run train
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -109,6 +110,10 @@ class AsyncRun:
         self.version = 0
         self.models: dict[int, BroadcastReply] = {}  # the broadcast of each version a client in flight starts from
         self.results: dict[int, tuple[ClientOutcome, int]] = {}  # dispatch -> its outcome and worker
+        self.untrained: list[Task] = []  # dispatched, not yet trained
+        self.busy = np.zeros(self.cfg.data.num_clients, bool)  # the clients in flight
+        self.free = list(range(self.cfg.data.num_clients))  # the others, in id order
+        self.refs: dict[int, int] = {}  # clients in flight per start version
         self.consecutive_failures = 0
 
     def _seconds(self, down: int) -> np.ndarray:
@@ -134,13 +139,17 @@ class AsyncRun:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: not an async run's checkpoint (its event state: {exc!r}"[:300]
                                   + ")") from None
-        if self.version != state.next_round or any(t.version not in self.models for t in tasks):
+        n = self.cfg.data.num_clients
+        if self.version != state.next_round or any(t.version not in self.models or not 0 <= t.client < n
+                                                    for t in tasks):
             raise CheckpointError(f"{path}: its event state does not fit round {state.next_round - 1}")
+        for t in tasks:
+            self.fly(t)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The event state at the last version recorded, for the checkpoint (ResultsWriter adds it)."""
         ev = self.events
-        kept = {t.version for t in ev.flying}
+        kept = self.refs
         return {CHECKPOINT_KEY: {
             "version": self.version,
             "events": {"now": ev.now, "dispatched": ev.dispatched, "owed": ev.owed, "slots": dict(ev.slots),
@@ -172,7 +181,9 @@ class AsyncRun:
             assert nxt is not None, "clients are always in flight"
             heapq.heappop(ev.flying)
             ev.now, ev.owed = nxt.arrival, ev.owed + 1
-            if self.apply(nxt, span):
+            new = self.apply(nxt, span)
+            self.land(nxt)
+            if new:
                 status = self.record_version(state, span, callbacks)
                 if status is not None:
                     return status
@@ -186,30 +197,46 @@ class AsyncRun:
         in flight when none is available), from the current version."""
         ev, cfg = self.events, self.cfg
         n = cfg.data.num_clients
-        busy = np.zeros(n, bool)
-        for t in ev.flying:
-            busy[t.client] = True
         avail = self.profiles.availability
+        some_away = bool((avail < 1).any())
         for _ in range(count):
-            g = streams.numpy_generator(cfg.seed, DISPATCH_STREAM, ev.dispatched)
-            free = ~busy
-            up = free & (g.random(n) < avail) if (avail < 1).any() else free
-            pool = np.flatnonzero(up if up.any() else free)
-            c = int(pool[g.integers(len(pool))])
-            busy[c] = True
+            if some_away:
+                g = streams.numpy_generator(cfg.seed, DISPATCH_STREAM, ev.dispatched)
+                up = ~self.busy & (g.random(n) < avail)
+                pool = np.flatnonzero(up) if up.any() else self.free
+                c = int(pool[g.integers(len(pool))])
+            else:  # every client available: the stream's seed picks among the free ones, in id order (31 bits)
+                c = self.free[streams.seed(cfg.seed, DISPATCH_STREAM, ev.dispatched) * len(self.free) >> 31]
             slot = ev.slots.get(c, 0)
             ev.slots[c] = slot + 1
-            heapq.heappush(ev.flying, Task(ev.now + float(self.seconds[c]), c, ev.dispatched, self.version, slot,
-                                           ev.now))
+            task = Task(ev.now + float(self.seconds[c]), c, ev.dispatched, self.version, slot, ev.now)
+            heapq.heappush(ev.flying, task)
+            self.fly(task)
             ev.dispatched += 1
 
-    def train(self, arrived: Task, span: _Span) -> None:
-        """Train `arrived` and every client in flight without a result: one phase call per (start version, seeds'
-        phase index)."""
+    def fly(self, task: Task) -> None:
+        """Count `task` in flight: its client busy, its start version referenced, its training due."""
+        self.busy[task.client] = True
+        del self.free[bisect.bisect_left(self.free, task.client)]
+        self.refs[task.version] = self.refs.get(task.version, 0) + 1
+        self.untrained.append(task)
+
+    def land(self, task: Task) -> None:
+        """`task` arrived: its client free, its start version's model dropped once no client in flight needs it."""
+        self.busy[task.client] = False
+        bisect.insort(self.free, task.client)
+        self.refs[task.version] -= 1
+        if not self.refs[task.version]:
+            del self.refs[task.version]
+            if task.version != self.version:
+                self.models.pop(task.version, None)
+
+    def train(self, span: _Span) -> None:
+        """Train every dispatched client not yet trained: one phase call per (start version, seeds' phase index)."""
         groups: dict[tuple[int, int], list[Task]] = {}
-        for t in [arrived, *self.events.flying]:
-            if t.dispatch not in self.results:
-                groups.setdefault((t.version, t.slot), []).append(t)
+        for t in self.untrained:
+            groups.setdefault((t.version, t.slot), []).append(t)
+        self.untrained = []
         W = self.backend.num_workers
         steps = self.cfg.train.steps
         for (version, slot), tasks in sorted(groups.items()):
@@ -235,7 +262,7 @@ class AsyncRun:
         """Apply one arrival (training it, and every other untrained client in flight, first); whether it made a new
         server version."""
         if task.dispatch not in self.results:
-            self.train(task, span)
+            self.train(span)
         outcome, worker = self.results.pop(task.dispatch)
         c = task.client
         staleness = self.version - task.version
@@ -280,8 +307,8 @@ class AsyncRun:
             self.version += 1
             self.events.slots = {}
             self.models[self.version] = self._broadcast()
-            kept = {t.version for t in self.events.flying} | {self.version}
-            self.models = {v: m for v, m in self.models.items() if v in kept}
+            if self.version - 1 not in self.refs:  # the old version's model, unless a client in flight needs it
+                self.models.pop(self.version - 1, None)
         return new
 
     def record_version(self, state: RunState, span: _Span, callbacks: Callbacks) -> RunStatus | None:

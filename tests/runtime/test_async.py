@@ -130,7 +130,7 @@ def test_fedbuff_with_k_equal_c_and_equal_durations_is_fedavg_with_uniform_weigh
 
 
 FEDBUFF = [*ASYNC, "algorithm.name=fedbuff", "algorithm.buffer_size=2", "participation.concurrency=4",
-           "algorithm.server_opt=adam", "algorithm.server_lr=0.05"]
+           "algorithm.server_opt=adam", "algorithm.server_lr=0.05", "participation.availability=0.7"]
 
 
 def test_one_and_two_workers_give_the_same_tables(make_config) -> None:
