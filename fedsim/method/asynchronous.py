@@ -10,7 +10,6 @@ aggregates a round's whole cohort, which never exists when clients arrive one by
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -122,9 +121,3 @@ def check_mode(cfg: RunConfig) -> None:
         raise ConfigError("train.keep_optimizer_state: async clients keep no state between dispatches")
     cls.check_async(cfg, c)
 
-
-def finite_or_nan(values: list[float]) -> tuple[float, float]:
-    """Mean and max of `values`, NaN for none."""
-    if not values:
-        return math.nan, math.nan
-    return sum(values) / len(values), max(values)
