@@ -197,3 +197,23 @@ def test_the_ray_backend_gives_the_local_tables(ray_local, make_config) -> None:
     assert on_ray["clients"]["worker"].nunique() == 2
     for name in ("rounds", "clients"):
         pd.testing.assert_frame_equal(comparable(local[name]), comparable(on_ray[name]), obj=name)
+
+
+def test_a_failing_client_is_recorded_and_replaced_and_applies_nothing(monkeypatch, tmp_path, make_config) -> None:
+    original = FedAsync.local_training
+
+    def flaky(self, phase, state, msg, ctx):
+        if ctx.client_id == 1:
+            raise RuntimeError("client 1 always fails")
+        return original(self, phase, state, msg, ctx)
+
+    monkeypatch.setattr(FedAsync, "local_training", flaky)
+    cfg = make_config(*ASYNC, "algorithm.name=fedasync", "data.num_clients=4", "participation.concurrency=4",
+                      f"stragglers.trace={trace(tmp_path, [1.0, 1.5, 2.5, 3.0])}", rounds=5)
+    t = load(run(cfg, LocalBackend()))
+    clients, rounds = t["clients"], t["rounds"]
+    failed = clients[clients["status"] == "failed"]
+    assert set(failed["client"]) == {1} and len(failed) == 2  # at 1.5 and 3.0, each time dispatched again
+    assert failed["error"].str.contains("client 1 always fails").all()
+    assert rounds["updates"].tolist() == [1] * 5 and rounds["failures"].tolist() == [0, 1, 0, 0, 1]
+    assert (clients[clients["status"] == "ok"]["client"] != 1).all()
