@@ -98,6 +98,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.participation.sampling == "poisson" and s.enabled and s.over_select > 0:
         raise ConfigError("stragglers.over_select: with participation.sampling: poisson the cohort is kept whole; "
                           "set it to 0")
+    from fedsim.method.asynchronous import check_mode
+
+    check_mode(cfg)  # a method built for one participation.mode refuses the other
     check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
     if cfg.results.run_id is not None:
         check_folder_name("results.run_id", cfg.results.run_id, max_len=255)

@@ -125,6 +125,12 @@ class ParticipationConfig:
         "fixed", doc="fixed: exactly clients_per_round (or fraction) clients, drawn without replacement; poisson: "
         "each client joins independently with probability fraction (or clients_per_round / num_clients), as "
         "DP-FedAvg's accounting assumes")
+    mode: Literal["sync", "async"] = knob(
+        "sync", doc="sync: rounds of a sampled cohort; async: clients in flight arrive one at a time on the virtual "
+        "clock and the method (fedasync, fedbuff) applies each arrival, and `rounds` then counts server versions "
+        "(docs/async.md)")
+    concurrency: int | None = knob(None, ge=1, le=MAX_CLIENTS, doc="async mode: clients in flight at once (C); "
+                                   "unset: clients_per_round (or fraction) clients")
 
     def __post_init__(self) -> None:
         if self.clients_per_round is not None and self.fraction is not None:
@@ -357,7 +363,7 @@ class RunConfig:
     name: str = knob("run", doc="run name, used in the run folder")
     seed: int = knob(0, ge=0, le=MAX_SEED,
                      doc="run seed: sampling, partition, init and every client draw derive from it")
-    rounds: int = knob(30, ge=1, le=MAX_ROUNDS, doc="communication rounds")
+    rounds: int = knob(30, ge=1, le=MAX_ROUNDS, doc="communication rounds (async mode: server versions)")
     plugins: list[str] = knob([], doc="your own modules, imported first so the config can name what they register: "
                               "module names or .py files/package folders relative to the config; shipped to Ray "
                               "workers (docs/writing-a-method.md)")

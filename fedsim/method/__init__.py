@@ -9,7 +9,8 @@
 - local training as data (`LocalTraining`, `Stage`), which workers may batch (`Phase(..., local_training=True)`);
 - aggregation (exact, order-independent weighted sums), server optimisers (FedAdam, FedYogi, FedAdagrad,
   FedAvgM: `ServerOptimizer`, `server_opt_by_arch`), global-model helpers, knowledge distillation, the
-  training loop's pieces (optimizers, batches, evaluation) and the mechanism-column helpers (`mechanism`).
+  training loop's pieces (optimizers, batches, evaluation) and the mechanism-column helpers (`mechanism`);
+- asynchronous methods: `AsyncAlgorithm`, the `Arrival` its server step gets, `NEW_VERSION`, staleness weights.
 
 Importing this module imports no method (built-ins register when a config first names one).
 """
@@ -28,6 +29,13 @@ from fedsim.method.aggregate import (
     sum_by_arch,
     weighted_average,
     weighted_sum,
+)
+from fedsim.method.asynchronous import (
+    NEW_VERSION,
+    Arrival,
+    AsyncAlgorithm,
+    StalenessParams,
+    staleness_weight,
 )
 from fedsim.method.contract import (
     Algorithm,
@@ -91,4 +99,5 @@ __all__ = [
     "new_model", "register_algorithm", "register_dataset", "register_model", "register_state", "rng",
     "seeded_model", "soften", "split_by_arch", "sum_by_arch", "weighted_average", "weighted_sum",
     "STEP_RATIO_COLUMNS", "ServerOptimizer", "server_opt_by_arch", "server_opt_step",
+    "NEW_VERSION", "Arrival", "AsyncAlgorithm", "StalenessParams", "staleness_weight",
 ]

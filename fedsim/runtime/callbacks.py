@@ -157,6 +157,7 @@ class ResultsWriter(Callback):
         self.saved: int | None = None  # the round the checkpoint holds
         self.written: tuple[int, float] | None = None  # the last round written, and its virtual time
         self._handed = [0, 0]  # rows of each table written so far
+        self.extra: Callable[[], dict[str, Any]] | None = None  # more for the checkpoint (async mode's events)
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.method.contract import get_algorithm
@@ -205,7 +206,7 @@ class ResultsWriter(Callback):
         path = self.run.checkpoint
         payload = {"round": round, "virtual_time": virtual_time, "server_state": self.backend.server.get_state(),
                    "client_states": {} if self.stateless else self.backend.export_states(),
-                   "chain_state": self.backend.server.chain_state()}
+                   "chain_state": self.backend.server.chain_state(), **(self.extra() if self.extra else {})}
         self._write(functools.partial(save_run_checkpoint, path, payload, round), where)
         self.saved = round
 

@@ -214,7 +214,12 @@ class Simulation:
 
     def run(self, state: RunState, callbacks: Callbacks) -> RunStatus:
         """The rounds from `state.next_round` on, each handed to the callbacks once recorded. A resumed run whose
-        method finished after its last saved round (a one-shot method) trains no further round."""
+        method finished after its last saved round (a one-shot method) trains no further round. In async mode the
+        rounds are server versions, made by clients arriving on the virtual clock (fedsim.runtime.async_run)."""
+        if self.cfg.participation.mode == "async":
+            from fedsim.runtime.async_run import AsyncRun
+
+            return AsyncRun(self, assign).run(state, callbacks)
         if state.next_round > 0 and self.backend.server.finished(state.next_round - 1):
             return "completed"
         for r in range(state.next_round, self.cfg.rounds):
