@@ -42,8 +42,9 @@ bench: $(STAMP)  ## fedsim vs the plain loop, Flower and pfl-research on the ben
 	$(BIN)/python -m bench.fedavg_bench --configs A,B --systems fedsim_local,fedsim_fedadam --repeat 3 --stem fedopt_overhead
 	$(BIN)/python -m bench.report results/bench/fedavg.json --docs
 
-bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients
+bench-scale: $(STAMP)  ## fedsim vs Flower at 1k and 10k clients; the async loop's cost at 10k and 1M registered
 	$(BIN)/python -m bench.scale_bench --repeat 2
+	$(BIN)/python -m bench.async_bench
 	$(BIN)/python -m bench.report results/bench/fedavg.json --docs
 
 reproduce: $(STAMP)  ## rerun every method table of the docs' method pages (hours; resumes) and paste them there

@@ -486,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", nargs="*", default=None, metavar="PAGE",
                     help="write the <!-- bench:fedavg --> and <!-- bench:headline --> blocks from the summary, and "
                          "<!-- bench:scale -->, <!-- bench:gpu -->, <!-- bench:robust_aggregation -->, "
-                         "<!-- bench:dpsgd -->, <!-- bench:secagg -->, <!-- bench:dp_overhead --> and "
-                         "<!-- bench:fedopt_overhead --> from the .md "
+                         "<!-- bench:dpsgd -->, <!-- bench:secagg -->, <!-- bench:dp_overhead -->, "
+                         "<!-- bench:fedopt_overhead --> and <!-- bench:async_overhead --> from the .md "
                          "files of those names beside it, on whichever "
                          "PAGE holds them (default: README.md and docs/**/*.md)")
     args = ap.parse_args(argv)
@@ -528,7 +528,8 @@ def paste_docs(data: dict, summary: str, pages: list[str]) -> list[str]:
     if "headline" in present:
         blocks["headline"] = headline_block(data, source)
     # make bench-scale's, bench.gpu_bench's and bench.robust_bench's reports, when beside it
-    for name in ("scale", "gpu", "robust_aggregation", "dpsgd", "secagg", "dp_overhead", "fedopt_overhead"):
+    for name in ("scale", "gpu", "robust_aggregation", "dpsgd", "secagg", "dp_overhead", "fedopt_overhead",
+                 "async_overhead"):
         md = path.parent / f"{name}.md"
         if md.is_file():
             blocks[name] = markdown_block(md)

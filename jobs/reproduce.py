@@ -145,11 +145,12 @@ def _check_table(t: TableSpec, where: str) -> None:
     if t.compare not in scores:
         raise ConfigError(f"{where}.compare: {t.compare!r} is not one of {list(scores)}")
     from fedsim.method import STEP_RATIO_COLUMNS
+    from fedsim.method.asynchronous import ASYNC_COLUMNS
     from fedsim.method.contract import algorithm_names, get_algorithm
     from fedsim.transforms import CHAIN_COLUMNS
 
     documented = {c for n in algorithm_names() for c in get_algorithm(n).mechanism_columns} | CHAIN_COLUMNS | \
-        set(STEP_RATIO_COLUMNS)
+        set(STEP_RATIO_COLUMNS) | set(ASYNC_COLUMNS)
     for j, m in enumerate(t.mechanism):
         unknown = [c for c in m.columns if c not in documented]
         if not m.columns or unknown:

@@ -65,6 +65,10 @@ class Sweep:
     space_seed: int = knob(0, ge=0, doc="seed of the draws from `space`")
     arms: list[Arm] = knob(factory=list, doc="rows of the table; none: one row, the base config as it is")
     target: float | None = knob(None, doc="accuracy threshold for rounds-to-target")
+    target_by: list[Literal["rounds", "virtual_time", "updates"]] = knob(
+        ["rounds"], doc="what reaching the target is counted in, a column each: rounds, virtual_time (the virtual "
+        "clock's seconds) or updates (client updates that arrived, summed over the rounds): runs whose rounds differ "
+        "(synchronous rounds, asynchronous versions) compare by the last two")
     budgets: list[int] = knob([], ge=1, le=MAX_ROUNDS, doc="report accuracy after these many rounds")
     metric: str = knob("accuracy", doc="column of rounds.parquet to score")
     model: str = knob("best", doc="global-model row to use: best (highest final), macro (mean), or a model name")
@@ -190,12 +194,35 @@ def curve(rounds: pd.DataFrame, metric: str, model: str) -> pd.Series:
     return pd.Series(ev[metric].to_numpy(), index=ev["round"].to_numpy() + 1)
 
 
-def score(c: pd.Series, target: float | None, budgets: list[int]) -> dict[str, float]:
-    """best, final, rounds-to-target and accuracy-at-budget of one run; a budget past its last round is NaN."""
+TO_TARGET = {"rounds": "rounds_to_target", "virtual_time": "time_to_target", "updates": "updates_to_target"}
+"""The score of each `target_by` count."""
+
+
+def progress(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per round (1-based index, as `curve`'s): the virtual time at its end and the client updates that arrived up to
+    it (rounds.parquet's `arrived`, summed; an async run's versions count theirs)."""
+    per = rounds.groupby("round", sort=True).first()
+    arrived = per["arrived"] if "arrived" in per else pd.Series(0, index=per.index)
+    time = per["virtual_time"] if "virtual_time" in per else pd.Series(np.nan, index=per.index)
+    return pd.DataFrame({"virtual_time": time.to_numpy(), "updates": arrived.cumsum().to_numpy()},
+                        index=per.index.to_numpy() + 1)
+
+
+def score(c: pd.Series, target: float | None, budgets: list[int], made: pd.DataFrame | None = None,
+          by: Sequence[str] = ("rounds",)) -> dict[str, float]:
+    """best, final, what reaching the target took (rounds; with `made`, `progress` of the run, also virtual time and
+    client updates) and accuracy-at-budget of one run; a budget past its last round is NaN."""
     out = {"best": float(c.max()), "final": float(c.iloc[-1])}
     if target is not None:
         hit = c[c >= target]
-        out["rounds_to_target"] = float(hit.index[0]) if len(hit) else np.nan
+        first = hit.index[0] if len(hit) else None
+        for count in by:
+            if first is None:
+                out[TO_TARGET[count]] = np.nan
+            elif count == "rounds":
+                out[TO_TARGET[count]] = float(first)
+            elif made is not None:
+                out[TO_TARGET[count]] = float(made.loc[first, count])
     last = c.index.max() if len(c) else 0
     for b in budgets:
         upto = c[c.index <= b]
@@ -234,7 +261,8 @@ def summary(df: pd.DataFrame, sw: Sweep) -> tuple[list[str], list[tuple[tuple, l
     drawn = {"sample", *sw.space}
     head = [*grid_cols, "method", "best acc (%)", "final acc (%)"]
     if sw.target is not None:
-        head.append(f"rounds to {sw.target * 100:g}%")
+        names = {"rounds": "rounds", "virtual_time": "virtual s", "updates": "client updates"}
+        head += [f"{names[count]} to {sw.target * 100:g}%" for count in sw.target_by]
     head += [f"acc @ {b} rounds (%)" for b in sw.budgets]
     unfinished = "status" in df and bool((df["status"] != "finished").any())
     if unfinished:
@@ -244,9 +272,10 @@ def summary(df: pd.DataFrame, sw: Sweep) -> tuple[list[str], list[tuple[tuple, l
         keys = keys if isinstance(keys, tuple) else (keys,)
         cells = [_key_cell(k, c in drawn) for c, k in zip([*grid_cols, "arm"], keys)]
         cells += [_pm(g["best"]), _pm(g["final"])]
-        if sw.target is not None:
-            reached = g["rounds_to_target"].notna().sum()
-            cell = _pm(g["rounds_to_target"], pct=False) if reached else "not reached"
+        for count in sw.target_by if sw.target is not None else []:
+            took = g[TO_TARGET[count]]
+            reached = took.notna().sum()
+            cell = _pm(took, pct=False) if reached else "not reached"
             cells.append(cell + (f" ({reached}/{len(g)} seeds)" if 0 < reached < len(g) else ""))
         cells += [_pm(g[f"at_{b}"]) for b in sw.budgets]
         if unfinished:
@@ -259,7 +288,7 @@ def summary_frame(df: pd.DataFrame, sw: Sweep) -> pd.DataFrame:
     """The table as numbers: per setting and arm, mean and (population) std over seeds of every score, the
     seeds that gave one, and how many runs finished; a budget past every run's rounds is empty (NaN)."""
     keys = [*setting_columns(sw), "arm"]
-    scores = [c for c in ["best", "final", "rounds_to_target", *(f"at_{b}" for b in sw.budgets)] if c in df]
+    scores = [c for c in ["best", "final", *TO_TARGET.values(), *(f"at_{b}" for b in sw.budgets)] if c in df]
     rows = []
     for values, g in df.groupby(keys, sort=False, dropna=False):
         row: dict[str, Any] = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
@@ -342,9 +371,11 @@ def execute(runs: list[dict], configs: list, sw: Sweep, fresh: bool = False, job
     labels = [f"[{i + 1}/{len(runs)}] {r['arm']} {r['grid']} seed={r['seed']}" for i, r in enumerate(runs)]
     rows = []
     for r, run_dir in zip(runs, run_all(configs, labels, fresh, jobs)):
-        c = curve(load(run_dir)["rounds"], sw.metric, sw.model)
+        table = load(run_dir)["rounds"]
+        c = curve(table, sw.metric, sw.model)
         rows.append({**r["grid"], **r.get("space", {}), "arm": r["arm"], "seed": r["seed"], "run": str(run_dir),
-                     "rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)})
+                     "rounds_run": int(c.index.max()),
+                     **score(c, sw.target, sw.budgets, progress(table), sw.target_by)})
     return pd.DataFrame(rows)
 
 
@@ -362,15 +393,17 @@ def trial_rows(runs: list[dict], configs: list, sw: Sweep, errors: dict[int, str
                                "run": str(folder), "error": errors.get(i, "")}
         scores: dict[str, Any] = {}
         if (folder / "rounds.parquet").is_file():
-            c = curve(load(folder)["rounds"], sw.metric, sw.model)
+            table = load(folder)["rounds"]
+            c = curve(table, sw.metric, sw.model)
             if len(c):
-                scores = {"rounds_run": int(c.index.max()), **score(c, sw.target, sw.budgets)}
+                scores = {"rounds_run": int(c.index.max()),
+                          **score(c, sw.target, sw.budgets, progress(table), sw.target_by)}
         finished = (folder / FINISHED).is_file() and i not in errors
         row["status"] = "finished" if finished else "failed" if i in errors else KILLED if ended == KILLED else \
             "stopped" if scores else "not run"
         rows.append({**row, **scores})
     df = pd.DataFrame(rows)
-    for col in ["rounds_run", "best", "final", *(["rounds_to_target"] if sw.target is not None else []),
+    for col in ["rounds_run", "best", "final", *([TO_TARGET[b] for b in sw.target_by] if sw.target is not None else []),
                 *(f"at_{b}" for b in sw.budgets)]:
         if col not in df:
             df[col] = np.nan

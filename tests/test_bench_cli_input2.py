@@ -245,6 +245,7 @@ def test_ray_floor_refuses_bad_workers_before_importing_ray(no_ray, capsys, work
     (["bench.ray_floor", "--workers", "-1"], "ray_floor"), (["bench.phase_latency", "--calls", "1"], "phase_latency"),
     (["bench.dosfl_memory", "--iterations", "0"], "dosfl_memory"),
     (["bench.fedavg_bench", "--repeat", "abc"], "fedavg_bench"),
+    (["bench.async_bench", "--registered", "a"], "async_bench"),
 ])
 def test_programs_say_their_module_name_when_run_with_python_m(argv, tool):
     proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)

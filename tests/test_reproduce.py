@@ -13,7 +13,7 @@ import pytest
 
 from fedsim.errors import ConfigError
 from jobs import reproduce as rp
-from jobs.sweep import Sweep, score, summary
+from jobs.sweep import Sweep, progress, score, summary
 from tests.conftest import ROOT
 from tests.forked import run_module
 
@@ -77,6 +77,25 @@ def test_a_budget_past_the_last_round_is_empty_not_the_last_value() -> None:
     sparse = pd.Series([0.5, 0.8], index=[2, 4])  # evaluated every 2nd round
     assert score(sparse, None, [3, 4, 5]) == pytest.approx({"best": 0.8, "final": 0.8, "at_3": 0.5, "at_4": 0.8,
                                                             "at_5": math.nan}, nan_ok=True)
+
+
+def test_the_target_is_also_counted_in_virtual_seconds_and_client_updates() -> None:
+    """Two global models a round (their rows repeat the round's counts): the target first reached in round 2, after
+    7.5 virtual seconds and 3 + 4 arrived updates; a table with one column per count."""
+    rounds = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "model": ["a", "b"] * 3,
+                           "accuracy": [0.1, 0.2, 0.5, 0.7, 0.9, 0.6], "virtual_time": [2.5, 2.5, 7.5, 7.5, 9.0, 9.0],
+                           "arrived": [3, 3, 4, 4, 5, 5]})
+    made = progress(rounds)
+    assert made["updates"].tolist() == [3, 7, 12] and made["virtual_time"].tolist() == [2.5, 7.5, 9.0]
+    c = pd.Series([0.2, 0.7, 0.9], index=[1, 2, 3])
+    s = score(c, 0.65, [], made, ["rounds", "virtual_time", "updates"])
+    assert (s["rounds_to_target"], s["time_to_target"], s["updates_to_target"]) == (2.0, 7.5, 7.0)
+    never = score(c, 0.95, [], made, ["virtual_time"])
+    assert math.isnan(never["time_to_target"]) and "rounds_to_target" not in never
+    sw = Sweep(target=0.65, target_by=["virtual_time", "updates"])
+    df = pd.DataFrame([{"arm": "x", "seed": 0, "best": 0.9, "final": 0.9, **s}])
+    head, rows = summary(df, sw)
+    assert head[-2:] == ["virtual s to 65%", "client updates to 65%"] and rows[0][1][-2:] == ["7.5 ± 0.0", "7.0 ± 0.0"]
 
 
 def test_the_table_leaves_those_cells_empty() -> None:
@@ -163,10 +182,11 @@ def test_mechanism_cells_average_rounds_then_seeds_and_dash_what_a_run_lacks(tmp
 
 def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
     m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
-    assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy", "fedopt"]
+    assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy",
+                                        "fedopt", "async"]
     for t in m.tables:
         assert len(t.seeds) >= 3 and t.paper_title
-        if t.id in ("robustness", "privacy", "fedopt"):  # our own grids: the claims in the title, no paper figures
+        if t.id in ("robustness", "privacy", "fedopt", "async"):  # our own grids: the claims in the title
             assert not t.paper and t.mechanism
             continue
         assert t.paper

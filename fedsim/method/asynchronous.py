@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
 
 NEW_VERSION = "new_version"  # a server-step metric: 1 when the step made a new server version, else 0
+ASYNC_COLUMNS = {"staleness_mean": "an async version's applied updates' mean staleness (server versions between "
+                                   "their dispatch and their arrival)",
+                 "staleness_max": "an async version's largest staleness among its applied updates"}
+"""rounds.parquet columns of an async run that a reproduce table may show (docs/async.md)."""
 Staleness = Literal["constant", "polynomial", "hinge"]
 
 

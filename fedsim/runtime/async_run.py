@@ -22,7 +22,6 @@ of the versions they start from. Their results are not kept: a resumed run train
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import time
@@ -78,6 +77,42 @@ class Events:
     flying: list[Task] = field(default_factory=list)  # a heap: the next arrival first
 
 
+class FreeClients:
+    """The clients not in flight, in id order: the k-th of them, and taking one out or putting it back, each in
+    O(log N) (a Fenwick tree of 0/1 counts), so a dispatch costs the same at 10k and at 1M registered clients."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.count = n, n
+        self.tree = [i & -i for i in range(n + 1)]  # every client free: node i counts its lowbit(i) clients
+        self.top = 1 << max(n.bit_length() - 1, 0)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _add(self, client: int, delta: int) -> None:
+        i, tree = client + 1, self.tree
+        while i <= self.n:
+            tree[i] += delta
+            i += i & -i
+        self.count += delta
+
+    def take(self, client: int) -> None:
+        self._add(client, -1)
+
+    def put(self, client: int) -> None:
+        self._add(client, 1)
+
+    def kth(self, k: int) -> int:
+        """The id of the k-th (from 0) client not in flight."""
+        pos, rest, step, tree = 0, k + 1, self.top, self.tree
+        while step:
+            if pos + step <= self.n and tree[pos + step] < rest:
+                pos += step
+                rest -= tree[pos]
+            step >>= 1
+        return pos
+
+
 @dataclass
 class _Span:
     """What the arrivals of one version accumulate."""
@@ -115,7 +150,8 @@ class AsyncRun:
         self.results: dict[int, tuple[ClientOutcome, int]] = {}  # dispatch -> its outcome and worker
         self.untrained: list[Task] = []  # dispatched, not yet trained
         self.busy = np.zeros(self.cfg.data.num_clients, bool)  # the clients in flight
-        self.free = list(range(self.cfg.data.num_clients))  # the others, in id order
+        self.free = FreeClients(self.cfg.data.num_clients)  # the others, in id order
+        self.some_away = bool((self.profiles.availability < 1).any())  # a fixed probability below 1 somewhere
         self.refs: dict[int, int] = {}  # clients in flight per start version
         self.consecutive_failures = 0
 
@@ -207,14 +243,14 @@ class AsyncRun:
         w = self.profiles.windows
         if w is None:
             return len(self.free)
-        free = np.asarray(self.free, dtype=np.int64)
+        free = np.flatnonzero(~self.busy)  # O(N), as the online lookup over them
         return int(online(w, free, t).sum()) if len(free) else 0
 
     def next_free_online(self, t: float) -> float:
         """The first time after t that a client not in flight comes online (a DataError when none ever does and no
         client is in flight to wait for)."""
         w = self.profiles.windows
-        free = np.asarray(self.free, dtype=np.int64)
+        free = np.flatnonzero(~self.busy)  # O(N), as the online lookup over them
         wake = float(next_online(w, free, t).min()) if w is not None and len(free) else math.inf
         if not math.isfinite(wake) and not self.events.flying:
             source = w.source if w is not None else "participation.availability"
@@ -230,7 +266,7 @@ class AsyncRun:
         ev, cfg = self.events, self.cfg
         n = cfg.data.num_clients
         avail = self.profiles.availability
-        some_away = bool((avail < 1).any())
+        some_away = self.some_away
         w = self.profiles.windows
         on = online(w, np.arange(n), ev.now) if w is not None else None
         for _ in range(count):
@@ -241,7 +277,7 @@ class AsyncRun:
                 pool = np.flatnonzero(up) if up.any() else np.flatnonzero(free)
                 c = int(pool[g.integers(len(pool))])
             else:  # every client available: the stream's seed picks among the free ones, in id order (31 bits)
-                c = self.free[streams.seed(cfg.seed, DISPATCH_STREAM, ev.dispatched) * len(self.free) >> 31]
+                c = self.free.kth(streams.seed(cfg.seed, DISPATCH_STREAM, ev.dispatched) * len(self.free) >> 31)
             slot = ev.slots.get(c, 0)
             ev.slots[c] = slot + 1
             arrival = ev.now + float(self.seconds[c])
@@ -254,14 +290,14 @@ class AsyncRun:
     def fly(self, task: Task) -> None:
         """Count `task` in flight: its client busy, its start version referenced, its training due."""
         self.busy[task.client] = True
-        del self.free[bisect.bisect_left(self.free, task.client)]
+        self.free.take(task.client)
         self.refs[task.version] = self.refs.get(task.version, 0) + 1
         self.untrained.append(task)
 
     def land(self, task: Task) -> None:
         """`task` arrived: its client free, its start version's model dropped once no client in flight needs it."""
         self.busy[task.client] = False
-        bisect.insort(self.free, task.client)
+        self.free.put(task.client)
         self.refs[task.version] -= 1
         if not self.refs[task.version]:
             del self.refs[task.version]

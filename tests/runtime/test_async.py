@@ -17,6 +17,7 @@ from fedsim.method import ClientResult, GlobalModels, Phase, as_summable
 from fedsim.method.asynchronous import NEW_VERSION, Arrival, staleness_weight
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
+from fedsim.runtime.async_run import FreeClients
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from tests.runtime.test_resume_methods import StopAfter, ordered
@@ -152,6 +153,26 @@ def test_dispatch_draws_online_clients_waits_for_one_and_an_update_whose_client_
     np.testing.assert_allclose(first.to_numpy(), [0, 0, 0, 5], atol=1e-9)
     before5 = clients[clients["dispatch_time"] < 5]
     assert set(before5["client"]) == {0, 1, 2} and (clients[clients["client"] == 1]["dispatch_time"] == 0).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
+def test_the_free_clients_kth_is_a_sorted_lists_through_takes_and_puts(n) -> None:
+    """FreeClients (a Fenwick tree, O(log N) a dispatch) against the sorted list it replaces, whose k-th client the
+    dispatch draws: the same k-th after any sequence of clients taken into flight and put back."""
+    free, ref = FreeClients(n), list(range(n))
+    rng = np.random.default_rng(n)
+    for _ in range(500):
+        out = sorted(set(range(n)) - set(ref))
+        if ref and (not out or rng.random() < 0.5):
+            c = ref[rng.integers(len(ref))]
+            free.take(c)
+            ref.remove(c)
+        else:
+            c = out[rng.integers(len(out))]
+            free.put(c)
+            ref = sorted([*ref, c])
+        every = max(1, len(ref) // 16)
+        assert len(free) == len(ref) and [free.kth(k) for k in range(0, len(ref), every)] == ref[::every]
 
 
 FEDBUFF = [*ASYNC, "algorithm.name=fedbuff", "algorithm.buffer_size=2", "participation.concurrency=4",
