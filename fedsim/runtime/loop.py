@@ -46,6 +46,7 @@ from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 from fedsim.transforms import check_availability, check_round
+from fedsim.transforms.compression import keeps_client_state
 from fedsim.transforms.secagg import EXTRA_ROUND_TRIPS
 
 log = logging.getLogger("fedsim.loop")
@@ -143,7 +144,8 @@ class Simulation:
         self.roles = {c: {"role": "malicious" if c in bad else "benign"} for c in range(cfg.data.num_clients)} \
             if cfg.attack.kind != "none" else {}
         self.algorithm = get_algorithm(cfg.algorithm.name)
-        self.balance = self.algorithm.stateless_clients(cfg)
+        # error feedback's residuals pin clients to their workers, as a method's own client states do
+        self.balance = self.algorithm.stateless_clients(cfg) and not keeps_client_state(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
