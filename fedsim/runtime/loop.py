@@ -46,7 +46,7 @@ from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 from fedsim.transforms import check_availability, check_round
-from fedsim.transforms.compression import keeps_client_state
+from fedsim.transforms.compression import keeps_client_state, predicted_upload
 from fedsim.transforms.secagg import EXTRA_ROUND_TRIPS
 
 log = logging.getLogger("fedsim.loop")
@@ -257,10 +257,11 @@ class Simulation:
         n_of = {c: int(self.num_samples[c]) for c in ids}
         sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))
         server_s = sent.seconds
-        # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
+        # predicted durations decide lateness before anything is computed (uploads assumed the download's size,
+        # compressed as the config says)
         down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
         trips = 1 + (EXTRA_ROUND_TRIPS if cfg.privacy.secure_aggregation != "none" else 0)  # SecAgg's messages
-        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, down, trips)
+        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, predicted_upload(cfg, down), trips)
         until = online_until(profiles.windows, sampled, start) if profiles.windows is not None else None
         sch = schedule(cfg, sampled, dur, None if until is None else until < start + dur)  # offline before the end
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from fedsim import rng
@@ -73,72 +74,93 @@ def level_bits(levels: int) -> int:
     return max(levels, 1).bit_length()
 
 
-Codec = Callable[[torch.Tensor, "torch.Generator | None"], tuple[torch.Tensor, int]]
-"""(flat float64 vector, the client's generator) -> (what the server decodes, the encoded bytes)."""
+Codec = Callable[[torch.Tensor, "torch.Generator | None"], torch.Tensor]
+"""(flat float64 vector, the client's generator) -> what the server decodes."""
+
+
+def padded(d: int) -> int:
+    """The power of 2 a rotated vector of d entries is padded to."""
+    return 1 << max(d - 1, 0).bit_length()
+
+
+def encoded_bytes(kind: str, d: int, levels: int, fraction: float) -> int:
+    """What one tensor of d coordinates weighs encoded by `kind` (docs/compression.md has the table)."""
+    if kind in ("fp16", "bf16"):
+        return 2 * d
+    if kind == "int8":
+        return d + FLOAT_BYTES
+    if kind == "qsgd":
+        return FLOAT_BYTES + math.ceil(d * (1 + level_bits(levels)) / 8)
+    if kind in ("topk", "randk"):
+        return kept_count(fraction, d) * (FLOAT_BYTES + index_bytes(d))
+    if kind == "sign":
+        return FLOAT_BYTES + math.ceil(d / 8)
+    if kind == "rotation":
+        return 2 * FLOAT_BYTES + math.ceil(padded(d) * level_bits(levels) / 8)
+    raise ValueError(f"no compression kind {kind!r}")
 
 
 def cast(dtype: torch.dtype) -> Codec:
     """fp16 / bf16: each value cast and back; 2 bytes a coordinate."""
-    def codec(v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, int]:
-        return v.to(dtype).to(torch.float64), v.numel() * 2
+    def codec(v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        return v.to(dtype).to(torch.float64)
     return codec
 
 
-def int8(v: torch.Tensor, gen: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+def int8(v: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
     """Per-tensor scale max|v|/127 (float32), each value rounded to the nearest of -127..127; d + 4 bytes."""
     top = float(v.abs().max()) if v.numel() else 0.0
     scale = float(torch.tensor(top / 127, dtype=torch.float32))
     q = torch.clamp(torch.round(v / scale), -127, 127) if scale > 0 else torch.zeros_like(v)
-    return q * scale, v.numel() + FLOAT_BYTES
+    return q * scale
 
 
 def qsgd(levels: int) -> Codec:
     """QSGD (Alistarh et al. 2017): ‖v‖₂ as float32, and per coordinate its sign and a level of |v_i|/‖v‖·s rounded
     up with probability its fractional part (unbiased); 4 bytes + ceil(d·(1 + bits of 0..s) / 8)."""
-    def codec(v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    def codec(v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         d = v.numel()
-        size = FLOAT_BYTES + math.ceil(d * (1 + level_bits(levels)) / 8)
         norm = float32_at_least(float(torch.linalg.vector_norm(v))) if d else 0.0
         u = torch.rand(d, generator=gen, dtype=torch.float64).to(v.device)  # drawn whatever the norm
         if norm == 0:
-            return torch.zeros_like(v), size
+            return torch.zeros_like(v)
         r = v.abs() / norm * levels
         low = torch.floor(r)
         level = torch.clamp(low + (u < r - low).to(torch.float64), max=levels)
-        return torch.sign(v) * level * (norm / levels), size
+        return torch.sign(v) * level * (norm / levels)
     return codec
 
 
 def topk(fraction: float) -> Codec:
     """The ceil(k·d) largest |v_i| (ties to the lower index), values as float32 and their indices."""
-    def codec(v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    def codec(v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         d = v.numel()
         k = kept_count(fraction, d)
         idx = torch.argsort(v.abs(), descending=True, stable=True)[:k]
         out = torch.zeros_like(v)
         out[idx] = as_float32(v[idx])
-        return out, k * (FLOAT_BYTES + index_bytes(d))
+        return out
     return codec
 
 
 def randk(fraction: float) -> Codec:
     """ceil(k·d) coordinates drawn uniformly without replacement, values as float32 and their indices, scaled by
     d/k on arrival (unbiased)."""
-    def codec(v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    def codec(v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         d = v.numel()
         k = kept_count(fraction, d)
         idx = torch.randperm(d, generator=gen)[:k].to(v.device)
         out = torch.zeros_like(v)
         out[idx] = as_float32(v[idx]) * (d / k)
-        return out, k * (FLOAT_BYTES + index_bytes(d))
+        return out
     return codec
 
 
-def sign(v: torch.Tensor, gen: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+def sign(v: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
     """Scaled sign (EF-signSGD): ‖v‖₁/d as float32 times sign(v), a zero sent as +; 4 bytes + ceil(d/8)."""
     d = v.numel()
     scale = float(as_float32(v.abs().sum() / d)) if d else 0.0
-    return torch.where(v >= 0, scale, -scale).to(torch.float64), FLOAT_BYTES + math.ceil(d / 8)
+    return torch.where(v >= 0, scale, -scale).to(torch.float64)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -157,21 +179,20 @@ def rotation(levels: int) -> Codec:
     """Suresh et al. 2017: v padded to D = 2^m, random signs ξ, rotated y = H(ξ·v)/√D, each y_i stochastically
     rounded to one of s + 1 evenly spaced levels in [min y, max y] (unbiased); decoded ξ·H ŷ/√D, cut to d.
     Sends min and max as float32 and D·(bits of 0..s) bits; the signs come from the shared seed."""
-    def codec(v: torch.Tensor, gen: torch.Generator | None) -> tuple[torch.Tensor, int]:
+    def codec(v: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         d = v.numel()
-        D = 1 << max(d - 1, 0).bit_length()
+        D = padded(d)
         signs = (torch.randint(0, 2, (D,), generator=gen, dtype=torch.int64) * 2 - 1).to(v.device, torch.float64)
         u = torch.rand(D, generator=gen, dtype=torch.float64).to(v.device)
-        size = 2 * FLOAT_BYTES + math.ceil(D * level_bits(levels) / 8)
         y = hadamard(torch.nn.functional.pad(v, (0, D - d)) * signs)
         lo, hi = float32_at_most(float(y.min())), float32_at_least(float(y.max()))  # enclose y
         if hi == lo:
-            return (hadamard(torch.full_like(y, lo)) * signs)[:d], size
+            return (hadamard(torch.full_like(y, lo)) * signs)[:d]
         step = (hi - lo) / levels
         r = (y - lo) / step
         low = torch.floor(r)
         level = torch.clamp(low + (u < r - low).to(torch.float64), 0, levels)
-        return (hadamard(lo + level * step) * signs)[:d], size
+        return (hadamard(lo + level * step) * signs)[:d]
     return codec
 
 
@@ -216,6 +237,11 @@ class Compression:
         c = self.cfg.compression
         self.codec = codec_of(c.kind, c.levels, c.fraction)
 
+    def encoded_bytes(self, d: int) -> int:
+        """What a tensor of d coordinates weighs encoded."""
+        c = self.cfg.compression
+        return encoded_bytes(c.kind, d, c.levels, c.fraction)
+
     @property
     def error_feedback(self) -> bool:
         return self.cfg.compression.error_feedback
@@ -238,9 +264,8 @@ class Compression:
                 size += value.numel() * value.element_size()
                 continue
             p = update[key] + residual[key].to(update[key].device) if key in residual else update[key]
-            decoded, nbytes = self.codec(p.reshape(-1), gen)
-            decoded = decoded.reshape(p.shape)
-            size += nbytes
+            decoded = self.codec(p.reshape(-1), gen).reshape(p.shape)
+            size += self.encoded_bytes(p.numel())
             if self.error_feedback:
                 kept[key] = (p - decoded).cpu()
             name = key[len(arch) + 1:] if key.startswith(f"{arch}/") else key
@@ -276,6 +301,15 @@ class Compression:
                     continue
             out[cid] = state
         return out
+
+
+def predicted_upload(cfg: RunConfig, down: np.ndarray) -> np.ndarray:
+    """The upload sizes the virtual clock plans a round with: the download's (as without compression), encoded as
+    one float32 tensor of that many bytes / 4 coordinates (the recorded bytes_up counts each tensor exactly)."""
+    c = cfg.compression
+    if c.kind == "none":
+        return down
+    return np.array([encoded_bytes(c.kind, int(b) // FLOAT_BYTES, c.levels, c.fraction) for b in down], dtype=float)
 
 
 def keeps_client_state(cfg: RunConfig) -> bool:

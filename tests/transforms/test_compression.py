@@ -42,57 +42,59 @@ def f32_up(x: float) -> float:
 
 def test_casts_round_each_value_and_send_two_bytes_a_coordinate():
     v = torch.tensor([0.5, -1.25, 3.0, 0.1, 1 + 2**-9], dtype=torch.float64)
-    half, size = C.cast(torch.float16)(v, None)
-    assert size == 10 and np.array_equal(half.numpy(), v.numpy().astype(np.float16).astype(np.float64))
-    bf, size = C.cast(torch.bfloat16)(v, None)
-    assert size == 10 and bf[:3].tolist() == [0.5, -1.25, 3.0]  # representable: exact
+    half = C.cast(torch.float16)(v, None)
+    assert C.encoded_bytes("fp16", 5, 1, 0.5) == C.encoded_bytes("bf16", 5, 1, 0.5) == 10
+    assert np.array_equal(half.numpy(), v.numpy().astype(np.float16).astype(np.float64))
+    bf = C.cast(torch.bfloat16)(v, None)
+    assert bf[:3].tolist() == [0.5, -1.25, 3.0]  # representable: exact
     assert bf[4].item() == 1.0 and abs(bf[3].item() - 0.1) <= 2**-8 * 0.1  # 8 bits of mantissa
 
 
 def test_int8_rounds_to_the_nearest_step_of_a_per_tensor_scale():
-    out, size = C.int8(V)
+    out = C.int8(V)
     scale = float(np.float32(0.9 / 127))
     want = np.clip(np.round(V.numpy() / scale), -127, 127) * scale
-    assert size == 6 + 4 and np.array_equal(out.numpy(), want)
-    assert C.int8(torch.zeros(3, dtype=torch.float64))[0].tolist() == [0.0, 0.0, 0.0]
+    assert C.encoded_bytes("int8", 6, 1, 0.5) == 6 + 4 and np.array_equal(out.numpy(), want)
+    assert C.int8(torch.zeros(3, dtype=torch.float64)).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_qsgd_is_the_stochastic_rounding_of_the_normalised_magnitudes():
     s = 4
-    out, size = C.qsgd(s)(V, draws(7))
+    out = C.qsgd(s)(V, draws(7))
     u = torch.rand(6, generator=draws(7), dtype=torch.float64).numpy()
     v = V.numpy()
     norm = f32_up(float(np.linalg.norm(v)))
     r = np.abs(v) / norm * s
     level = np.floor(r) + (u < r - np.floor(r))
     assert np.array_equal(out.numpy(), np.sign(v) * level * (norm / s))
-    assert size == 4 + math.ceil(6 * (1 + 3) / 8)  # the norm, then a sign and one of 0..4 (3 bits) per coordinate
+    # the norm, then a sign and one of 0..4 (3 bits) per coordinate
+    assert C.encoded_bytes("qsgd", 6, s, 0.5) == 4 + math.ceil(6 * (1 + 3) / 8)
 
 
 def test_topk_keeps_the_largest_magnitudes_with_their_indices():
-    out, size = C.topk(0.34)(V, None)  # ceil(0.34·6) = 3: |−0.9|, |0.9|, |0.3|
+    out = C.topk(0.34)(V, None)  # ceil(0.34·6) = 3: |−0.9|, |0.9|, |0.3|
     assert out.tolist() == [0.0, float(np.float32(-0.9)), float(np.float32(0.3)), float(np.float32(0.9)), 0.0, 0.0]
-    assert size == 3 * (4 + 1)
-    assert C.topk(0.1)(V, None)[0].nonzero().flatten().tolist() == [1]  # a tie goes to the lower index
+    assert C.encoded_bytes("topk", 6, 1, 0.34) == C.encoded_bytes("randk", 6, 1, 0.34) == 3 * (4 + 1)
+    assert C.topk(0.1)(V, None).nonzero().flatten().tolist() == [1]  # a tie goes to the lower index
     assert [C.index_bytes(d) for d in (1, 256, 257, 65536, 65537, 2**32 + 1)] == [1, 1, 2, 2, 4, 8]
 
 
 def test_randk_sends_k_drawn_coordinates_scaled_by_d_over_k():
-    out, size = C.randk(0.5)(V, draws(3))
+    out = C.randk(0.5)(V, draws(3))
     idx = torch.randperm(6, generator=draws(3))[:3].numpy()
     want = np.zeros(6)
     want[idx] = V.numpy().astype(np.float32)[idx] * 2
-    assert np.array_equal(out.numpy(), want) and size == 3 * 5
+    assert np.array_equal(out.numpy(), want)
 
 
 def test_sign_sends_the_mean_magnitude_and_one_bit_a_coordinate():
-    out, size = C.sign(torch.tensor([1.0, -2.0, 0.0, 3.0], dtype=torch.float64))
-    assert out.tolist() == [1.5, -1.5, 1.5, 1.5] and size == 4 + 1
+    out = C.sign(torch.tensor([1.0, -2.0, 0.0, 3.0], dtype=torch.float64))
+    assert out.tolist() == [1.5, -1.5, 1.5, 1.5] and C.encoded_bytes("sign", 4, 1, 0.5) == 4 + 1
 
 
 def test_rotation_quantises_the_rotated_vector_and_rotates_back():
     v = V[:5]
-    out, size = C.rotation(2)(v, draws(5))
+    out = C.rotation(2)(v, draws(5))
     gen = draws(5)
     signs = (torch.randint(0, 2, (8,), generator=gen) * 2 - 1).double().numpy()
     u = torch.rand(8, generator=gen, dtype=torch.float64).numpy()
@@ -103,19 +105,20 @@ def test_rotation_quantises_the_rotated_vector_and_rotates_back():
     level = np.floor(r) + (u < r - np.floor(r))
     want = (signs * (H @ (lo + level * (hi - lo) / 2)))[:5]
     assert np.allclose(out.numpy(), want, rtol=0, atol=1e-12)
-    assert size == 2 * 4 + math.ceil(8 * 2 / 8)  # min and max, then 2 bits (0..2) for each of the 8 padded
-    fine, _ = C.rotation(2**16)(v, draws(5))
+    # min and max, then 2 bits (0..2) for each of the 8 padded coordinates
+    assert C.encoded_bytes("rotation", 5, 2, 0.5) == 2 * 4 + math.ceil(8 * 2 / 8)
+    fine = C.rotation(2**16)(v, draws(5))
     assert np.allclose(fine.numpy(), v.numpy(), atol=1e-4)  # H is orthonormal: its own inverse
 
 
-@pytest.mark.parametrize("codec, n", [(C.qsgd(2), 3000), (C.randk(0.5), 3000), (C.rotation(1), 3000)])
+@pytest.mark.parametrize("codec, n", [(C.qsgd(2), 2000), (C.randk(0.5), 2000), (C.rotation(1), 2000)])
 def test_the_stochastic_schemes_are_unbiased(codec, n):
     """The mean of n draws within 5 standard errors of the input; each draw's variance is at most ‖v‖² per
     coordinate (qsgd: ‖v‖²/4s²; randk: v_i²(d/k − 1); rotation: ‖v‖², its range being ≤ 2‖v‖)."""
-    mean = sum(codec(V, draws(seed))[0] for seed in range(n)) / n
+    mean = sum(codec(V, draws(seed)) for seed in range(n)) / n
     bound = 5 * float(torch.linalg.vector_norm(V)) / math.sqrt(n)
     assert float((mean - V).abs().max()) < bound
-    biased = sum(C.topk(0.5)(V, None)[0] for _ in range(2)) / 2  # the check catches a biased scheme
+    biased = sum(C.topk(0.5)(V, None) for _ in range(2)) / 2  # the check catches a biased scheme
     assert float((biased - V).abs().max()) > bound
 
 
@@ -235,3 +238,21 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, messa
     assert main(["run", str(tmp_path / "c.yaml"), "--quiet", "-o", f"results.root={tmp_path}", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"fedsim: error: {message}"), err
+
+
+def test_the_virtual_clock_plans_the_compressed_upload(make_config):
+    """Uploads are planned as the download's size encoded as one tensor: sign sends 1/32 of it, so each client's
+    virtual round is shorter than the plain run's by what those bytes took."""
+    cfg = make_config("compression.kind=sign")
+    assert C.predicted_upload(cfg, np.array([4000.0, 0.0])).tolist() == [4 + 125, 4]
+
+    def durations(*extra: str) -> pd.Series:
+        cfg = make_config(*extra, "stragglers.enabled=true", "stragglers.deadline=none", rounds=1)
+        cfg.results.run_id = "_".join(extra) or "plain"
+        return load(run(cfg, LocalBackend()))["clients"].set_index("client")["virtual_duration"]
+
+    plain, signed, fp16 = durations(), durations("compression.kind=sign"), durations("compression.kind=fp16")
+    assert (signed < fp16).all() and (fp16 < plain).all()
+    # (down + up) / bandwidth: fp16 saves half the upload, sign 1 − (4 + d/8)/4d of it, over the same bandwidth
+    saved = (plain - fp16) / (plain - signed)
+    assert np.allclose(saved, saved.iloc[0]) and 0.5 < saved.iloc[0] < 0.55
