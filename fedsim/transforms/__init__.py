@@ -4,6 +4,7 @@ on them).
 
     client step (the method) -> DP-SGD in local training, sample level  (fedsim.training.dpsgd)
                               -> update Δ_k = upload − reference      (fedsim.transforms.updates)
+                              -> encoded, counted, decoded (+ residual) (fedsim.transforms.compression)
     per client, in its worker -> poisoned data (an attacker's)          (fedsim.transforms.robustness)
                               -> clip to L2 norm C                      (fedsim.transforms.privacy)
                               -> quantised and masked, secure aggregation (fedsim.transforms.secure, .secagg)

@@ -90,7 +90,9 @@ class UpdateChain:
         if self.sample is not None and not any(k.endswith(STEPS_KEY) for k in res.metrics):  # its DP-SGD ran
             raise ConfigError(f"privacy.level: sample, and client {client}'s step did not train with fedsim's DP-SGD "
                               "(a method's client step must pass ctx.dp_sgd to train_classifier or LocalTraining)")
-        if self.compression is not None:  # what the server decodes replaces the upload from here on
+        # what the server decodes replaces the upload from here on; under client-level DP it is clipped after, so
+        # the clip still bounds what reaches the sum (the residual and a scaled or rounded-up decoding included)
+        if self.compression is not None:
             res = self.compression.client(res, arch, reference, round, client, phase)
         if self.privacy is None and self.secure is None:
             return res if self.robustness is None else self.robustness.client(res, arch, reference)

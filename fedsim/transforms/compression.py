@@ -218,10 +218,9 @@ def check_compression(cfg: RunConfig, uploads_model_update: bool | None) -> None
     if cfg.privacy.secure_aggregation != "none":
         raise ConfigError("compression.kind: secure aggregation masks a dense quantised vector of its own, so a "
                           "compressed upload would not survive it; set privacy.secure_aggregation: none")
-    if cfg.privacy.level in ("client", "local"):
-        raise ConfigError(f"compression.kind: under privacy.level {cfg.privacy.level} the server's noise is sized to "
-                          "the clip, and a decoded upload (scaled, quantised, or with its residual) may exceed it; "
-                          "use privacy.level sample or none")
+    if cfg.privacy.level == "local":
+        raise ConfigError("compression.kind: under privacy.level local each client adds dense noise to its clipped "
+                          "update, which would travel uncompressed; use privacy.level client, sample or none")
 
 
 @dataclass

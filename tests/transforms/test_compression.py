@@ -210,6 +210,19 @@ def test_a_robust_aggregator_reads_the_decoded_updates(make_config):
     assert (rounds["clients"]["bytes_up"] < 40_000).all() and rounds["rounds"]["accuracy"].notna().all()
 
 
+def test_client_level_dp_clips_the_decoded_update(make_config):
+    """Compression, then DP's clip: the norm DP clips is the decoded update's (top-k's is below the plain one's for
+    the same client and model in round 0), and the accountant's epsilon is the plain DP run's."""
+    dp = ["participation.clients_per_round=4", "algorithm.weighting=uniform", "privacy.level=client",
+          "privacy.noise_multiplier=1.0", "privacy.clip=0.5", "privacy.accountant=rdp"]
+    plain = load(run(make_config(*dp, "results.run_id=plain", rounds=1), LocalBackend()))
+    topk = load(run(make_config(*dp, "compression.kind=topk", "compression.fraction=0.05", "results.run_id=topk",
+                                rounds=1), LocalBackend()))
+    pd.testing.assert_series_equal(plain["rounds"]["privacy/epsilon"], topk["rounds"]["privacy/epsilon"])
+    norms = [t["clients"].set_index("client")["privacy/update_norm"] for t in (plain, topk)]
+    assert (norms[1] < norms[0]).all() and (topk["clients"]["bytes_up"] < plain["clients"]["bytes_up"] / 5).all()
+
+
 BAD = "name: bad\nrounds: 1\ndata: {name: digits, num_clients: 4}\nparticipation: {clients_per_round: 2}\n" \
       "runtime: {backend: local, num_workers: 1, threads: 1}\n"
 
@@ -226,9 +239,8 @@ BAD = "name: bad\nrounds: 1\ndata: {name: digits, num_clients: 4}\nparticipation
                                                           "fednova's round"),
     (["compression.kind=qsgd", "privacy.secure_aggregation=secagg", "privacy.secagg_range=1"],
      "compression.kind: secure aggregation masks a dense quantised vector"),
-    (["compression.kind=int8", "privacy.level=client", "privacy.noise_multiplier=1", "algorithm.weighting=uniform",
-      "privacy.accountant=rdp"], "compression.kind: under privacy.level client the server's noise is sized to the "
-                                 "clip"),
+    (["compression.kind=int8", "privacy.level=local", "privacy.noise_multiplier=1"],
+     "compression.kind: under privacy.level local each client adds dense noise"),
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, message):
     from jobs.cli import main
