@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedsim import rng
-from fedsim.errors import ConfigError
+from fedsim.errors import CheckpointError, ConfigError
 from fedsim.method.contract import ClientResult
 from fedsim.transforms.updates import update_of
 
@@ -262,7 +262,12 @@ class Compression:
                 out[key] = value
                 size += value.numel() * value.element_size()
                 continue
-            p = update[key] + residual[key].to(update[key].device) if key in residual else update[key]
+            p = update[key]
+            if key in residual:
+                if residual[key].shape != p.shape:
+                    raise CheckpointError(f"client {client}'s compression residual for {key!r} has shape "
+                                          f"{tuple(residual[key].shape)}, its update {tuple(p.shape)}")
+                p = p + residual[key].to(p.device, torch.float64)
             decoded = self.codec(p.reshape(-1), gen).reshape(p.shape)
             size += self.encoded_bytes(p.numel())
             if self.error_feedback:
@@ -294,7 +299,11 @@ class Compression:
         self.residuals, self.pending = {}, {}
         for cid, state in states.items():
             if isinstance(state, dict) and RESIDUAL_KEY in state:
-                self.residuals[cid] = dict(state[RESIDUAL_KEY])
+                residual = state[RESIDUAL_KEY]
+                if not isinstance(residual, dict) or not all(isinstance(v, torch.Tensor) and v.is_floating_point()
+                                                             for v in residual.values()):
+                    raise CheckpointError(f"client {cid}'s compression residual is not a dict of float tensors")
+                self.residuals[cid] = dict(residual)
                 state = state.get(STATE_KEY)
                 if state is None:
                     continue

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fedsim.configure import load_config
+from fedsim.errors import CheckpointError
 from fedsim.method.contract import ClientResult
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
@@ -150,6 +151,11 @@ def test_error_feedback_compresses_update_plus_residual_and_keeps_what_was_dropp
     restored = C.Compression(cfg)
     assert restored.load(comp.export({3: None, 4: {"own": torch.ones(1)}})) == {4: {"own": torch.ones(1)}}
     assert torch.equal(restored.residuals[3]["m/w"], comp.residuals[3]["m/w"])
+    with pytest.raises(CheckpointError, match="client 3's compression residual is not a dict of float tensors"):
+        restored.load({3: {C.RESIDUAL_KEY: {"m/w": "text"}, C.STATE_KEY: None}})
+    restored.load({3: {C.RESIDUAL_KEY: {"m/w": torch.zeros(3)}, C.STATE_KEY: None}})
+    with pytest.raises(CheckpointError, match="residual for 'm/w' has shape \\(3,\\), its update \\(2, 2\\)"):
+        restored.client(ClientResult(payload([0.0] * 4, [0.0, 0.0])), "m", REFERENCE, 2, 3, "train")
 
 
 def entry_bytes(state: dict[str, torch.Tensor], per_float) -> int:
