@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fedsim.configure import load_config
-from fedsim.errors import CheckpointError
+from fedsim.errors import CheckpointError, ConfigError
 from fedsim.method.contract import ClientResult
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
@@ -243,6 +243,8 @@ BAD = "name: bad\nrounds: 1\ndata: {name: digits, num_clients: 4}\nparticipation
                                                         "round is not one phase that uploads one"),
     (["compression.kind=qsgd", "algorithm.name=fednova"], "compression.kind: compresses a model update, and "
                                                           "fednova's round"),
+    (["compression.kind=sign", "algorithm.name=dafkd"], "compression.kind: compresses a model update, and dafkd's"),
+    (["compression.kind=sign", "algorithm.name=dosfl"], "compression.kind: compresses a model update, and dosfl's"),
     (["compression.kind=qsgd", "privacy.secure_aggregation=secagg", "privacy.secagg_range=1"],
      "compression.kind: secure aggregation masks a dense quantised vector"),
     (["compression.kind=int8", "privacy.level=local", "privacy.noise_multiplier=1"],
@@ -274,3 +276,16 @@ def test_the_virtual_clock_plans_the_compressed_upload(make_config):
     # (down + up) / bandwidth: fp16 saves half the upload, sign 1 − (4 + d/8)/4d of it, over the same bandwidth
     saved = (plain - fp16) / (plain - signed)
     assert np.allclose(saved, saved.iloc[0]) and 0.5 < saved.iloc[0] < 0.55
+
+
+def test_a_round_without_a_model_update_is_refused_when_it_runs():
+    """A method whose phases are known only once it runs (a plugin's) is checked round by round: compression on a
+    round that sums no model update is a ConfigError naming the phases, not an upload silently left alone."""
+    from fedsim.method.contract import Phase
+    from fedsim.transforms import check_round
+
+    cfg = load_config(None, ["compression.kind=int8"])
+    check_round(cfg, [Phase("train", "sum", model_update=True), Phase("distill", "each")])
+    with pytest.raises(ConfigError, match="compression.kind: compresses a model update, and fedavg's round uploads "
+                                          "none \\(its phases \\['logits'\\]"):
+        check_round(cfg, [Phase("logits", "sum")])
