@@ -359,6 +359,20 @@ class AggregatorConfig:
 
 
 @dataclass
+class CompressionConfig:
+    kind: Literal["none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "rotation"] = knob(
+        "none", doc="how each client encodes its model update for upload (docs/compression.md): a cast (fp16, bf16), "
+        "per-tensor int8, QSGD, top-k or random-k sparsification, scaled sign, or a randomised Hadamard rotation "
+        "then quantisation; the server aggregates what it decodes, and bytes_up counts what was encoded")
+    error_feedback: bool = knob(False, doc="each client adds what compression dropped last time (its residual, kept "
+                                "between rounds and in checkpoints) to the next update it compresses")
+    levels: int = knob(16, ge=1, le=2**16, doc="qsgd, rotation: quantisation levels s per coordinate (rotation: s "
+                       "intervals between the rotated vector's min and max; 1 is one bit a coordinate)")
+    fraction: float = knob(0.01, gt=0, lt=1, doc="topk, randk: share k of each tensor's coordinates sent "
+                           "(ceil(k·size) of them, at least one)")
+
+
+@dataclass
 class RunConfig:
     name: str = knob("run", doc="run name, used in the run folder")
     seed: int = knob(0, ge=0, le=MAX_SEED,
@@ -376,6 +390,7 @@ class RunConfig:
     privacy: PrivacyConfig = knob(factory=PrivacyConfig)
     attack: AttackConfig = knob(factory=AttackConfig)
     aggregator: AggregatorConfig = knob(factory=AggregatorConfig)
+    compression: CompressionConfig = knob(factory=CompressionConfig)
     runtime: RuntimeConfig = knob(factory=RuntimeConfig)
     eval: EvalConfig = knob(factory=EvalConfig)
     results: ResultsConfig = knob(factory=ResultsConfig)

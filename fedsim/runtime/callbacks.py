@@ -162,11 +162,13 @@ class ResultsWriter(Callback):
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.method.contract import get_algorithm
         from fedsim.results.tables import CLIENT_COLUMNS, ROUND_COLUMNS, TableWriter
+        from fedsim.transforms.compression import keeps_client_state
 
         self.run = run
         # clients that keep nothing have no state to collect: the workers are not asked (a dead one must cost only
         # its clients)
-        self.stateless = get_algorithm(run.cfg.algorithm.name).stateless_clients(run.cfg)
+        self.stateless = get_algorithm(run.cfg.algorithm.name).stateless_clients(run.cfg) and \
+            not keeps_client_state(run.cfg)  # error feedback's residuals are client states too
         # clients.parquet is written before rounds.parquet, so a round in rounds.parquet has its client rows on
         # disk: `fedsim.results.tables.load` on a live run reads rounds.parquet first and keeps the clients up to it
         self.tables = (TableWriter(run.run_dir / "clients.parquet", CLIENT_COLUMNS),

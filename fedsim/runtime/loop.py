@@ -46,6 +46,7 @@ from fedsim.runtime.signals import shielded
 from fedsim.runtime.tracking import tracking_callbacks
 from fedsim.runtime.worker import WorkerReply
 from fedsim.transforms import check_availability, check_round
+from fedsim.transforms.compression import keeps_client_state, predicted_upload
 from fedsim.transforms.secagg import EXTRA_ROUND_TRIPS
 
 log = logging.getLogger("fedsim.loop")
@@ -143,7 +144,8 @@ class Simulation:
         self.roles = {c: {"role": "malicious" if c in bad else "benign"} for c in range(cfg.data.num_clients)} \
             if cfg.attack.kind != "none" else {}
         self.algorithm = get_algorithm(cfg.algorithm.name)
-        self.balance = self.algorithm.stateless_clients(cfg)
+        # error feedback's residuals pin clients to their workers, as a method's own client states do
+        self.balance = self.algorithm.stateless_clients(cfg) and not keeps_client_state(cfg)
         arrays = {"x_train": data.x_train, "y_train": data.y_train, "x_test": data.x_test, "y_test": data.y_test}
         meta = {"num_classes": data.num_classes, "mean": tuple(data.mean), "std": tuple(data.std),
                 "extras": data.extras}
@@ -260,10 +262,11 @@ class Simulation:
         n_of = {c: int(self.num_samples[c]) for c in ids}
         sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))
         server_s = sent.seconds
-        # predicted durations decide lateness before anything is computed (uploads assumed the download's size)
+        # predicted durations decide lateness before anything is computed (uploads assumed the download's size,
+        # compressed as the config says)
         down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
         trips = 1 + (EXTRA_ROUND_TRIPS if cfg.privacy.secure_aggregation != "none" else 0)  # SecAgg's messages
-        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, down, trips)
+        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, predicted_upload(cfg, down), trips)
         until = online_until(profiles.windows, sampled, start) if profiles.windows is not None else None
         sch = schedule(cfg, sampled, dur, None if until is None else until < start + dur)  # offline before the end
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]

@@ -28,6 +28,7 @@ from fedsim.runtime.setup import CLIENT_STREAM, AnyPartition, as_tensor, build_e
 from fedsim.runtime.store import ClientStateStore, state_nbytes
 from fedsim.training.local import DROPOUT_STREAM
 from fedsim.transforms import build_chain
+from fedsim.transforms.compression import BYTES_UP as COMPRESSED_BYTES_UP
 from fedsim.transforms.secure import BYTES_UP as SECAGG_BYTES_UP
 
 if TYPE_CHECKING:
@@ -214,7 +215,8 @@ class ClientWorker:
                 sent = state_nbytes(res.payload)  # what the client uploads (the chain's float64 sum entries aside)
                 if transform is not None:
                     res = transform(cid, res)
-                    sent = int(res.metrics.get(SECAGG_BYTES_UP, sent))  # a masked upload weighs what it sends
+                    sent = int(res.metrics.get(SECAGG_BYTES_UP, res.metrics.get(COMPRESSED_BYTES_UP, sent)))
+                    # a masked or compressed upload weighs what it sends
                 _check_weight(res, cid)
                 _check_finite_upload(res)  # before the sum: one client's NaN would spoil every other's
                 if status == "ok" and summed is not None:  # a payload that does not fit fails its client only
@@ -229,6 +231,8 @@ class ClientWorker:
                               f"{self.env.client_archs[cid]!r} (phase {phase!r}: {type(exc).__name__}: {first}); the "
                               "run stops, its finished rounds kept: try a smaller train.batch_size or model, or "
                               "fewer runtime.num_workers") from None
+        if self.chain.compression is not None:  # error feedback's new residual kept with the client's outcome
+            self.chain.compression.settle(cid, exc is None and res is not None and status == "ok")
         if exc is not None or res is None:
             return ClientOutcome(cid, "failed", seconds=time.perf_counter() - t0,
                                  error=ClientFailedError.wrap(exc or ValueError("no result"), cid, round, phase))
@@ -248,10 +252,11 @@ class ClientWorker:
 
     def export_states(self) -> dict[int, Any]:
         """Personal states of this worker's clients (for checkpoints)."""
-        return self.store.export()
+        states = self.store.export()
+        return states if self.chain.compression is None else self.chain.compression.export(states)
 
     def load_states(self, states: dict[int, Any]) -> None:
-        self.store.load(states)
+        self.store.load(states if self.chain.compression is None else self.chain.compression.load(states))
 
     def close(self) -> None:
         """Remove this worker's spilled states (a cache: checkpoints keep their own copy), then the run's spill

@@ -4,6 +4,7 @@ on them).
 
     client step (the method) -> DP-SGD in local training, sample level  (fedsim.training.dpsgd)
                               -> update Δ_k = upload − reference      (fedsim.transforms.updates)
+                              -> encoded, counted, decoded (+ residual) (fedsim.transforms.compression)
     per client, in its worker -> poisoned data (an attacker's)          (fedsim.transforms.robustness)
                               -> clip to L2 norm C                      (fedsim.transforms.privacy)
                               -> quantised and masked, secure aggregation (fedsim.transforms.secure, .secagg)
@@ -23,7 +24,8 @@ from fedsim.transforms.chain import UpdateChain, build_chain, check_availability
 
 CHAIN_COLUMNS = frozenset({"attack/success_rate", "attack/attackers", "attack/z", "attack/gamma", "aggregator/kept",
                            "aggregator/kept_malicious", "aggregator/skipped", "privacy/epsilon",
-                           "privacy/clipped_fraction", "privacy/clip"})
-"""rounds.parquet columns of the chain that a reproduce table may show (docs/robustness.md, docs/privacy.md)."""
+                           "privacy/clipped_fraction", "privacy/clip", "bytes_up"})
+"""rounds.parquet columns of the chain that a reproduce table may show (docs/robustness.md, docs/privacy.md), and
+bytes_up, which compression changes (docs/compression.md)."""
 
 __all__ = ["CHAIN_COLUMNS", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

@@ -12,6 +12,7 @@ import torch
 from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.method.contract import ClientData, ClientResult, Phase, SummedUpdate
+from fedsim.transforms.compression import Compression, check_compression
 from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
 from fedsim.transforms.robustness import Robustness, build_robustness, check_robustness
 from fedsim.transforms.sample_dp import STEPS_KEY, SampleLevelDP, check_model
@@ -34,12 +35,13 @@ class UpdateChain:
     robustness: Robustness | None = None  # attackers and the robust aggregator (fedsim.transforms.robustness)
     sample: SampleLevelDP | None = None  # DP-SGD in every client and its accountant (fedsim.transforms.sample_dp)
     secure: SecureAggregation | None = None  # quantised, masked uploads and their unmasked sum (transforms.secure)
+    compression: Compression | None = None  # compressed uploads, decoded in the worker (transforms.compression)
     stopped_after: int | None = None  # the round after which privacy.max_epsilon stops the run
 
     def applies(self, phase: Phase) -> bool:
         """Whether the chain transforms this phase's uploads (a model update summed over clients)."""
         on = self.privacy is not None or self.sample is not None or self.secure is not None or (
-            self.robustness is not None and self.robustness.on_updates)
+            self.robustness is not None and self.robustness.on_updates) or self.compression is not None
         return on and phase.reduce == "sum" and phase.model_update
 
     def per_client(self, phase: Phase) -> bool:
@@ -88,6 +90,10 @@ class UpdateChain:
         if self.sample is not None and not any(k.endswith(STEPS_KEY) for k in res.metrics):  # its DP-SGD ran
             raise ConfigError(f"privacy.level: sample, and client {client}'s step did not train with fedsim's DP-SGD "
                               "(a method's client step must pass ctx.dp_sgd to train_classifier or LocalTraining)")
+        # what the server decodes replaces the upload from here on; under client-level DP it is clipped after, so
+        # the clip still bounds what reaches the sum (the residual and a scaled or rounded-up decoding included)
+        if self.compression is not None:
+            res = self.compression.client(res, arch, reference, round, client, phase)
         if self.privacy is None and self.secure is None:
             return res if self.robustness is None else self.robustness.client(res, arch, reference)
         keys = float_keys({arch: reference})
@@ -168,7 +174,11 @@ class UpdateChain:
 
 def check_round(cfg: RunConfig, phases: list[Phase]) -> None:
     """Under DP a round is one phase that sums a model update: another phase's uploads would reach the server
-    unclipped and unnoised, and a second release would be one the accountant does not count (a ConfigError)."""
+    unclipped and unnoised, and a second release would be one the accountant does not count (a ConfigError).
+    Compression needs some phase that sums a model update: it compresses nothing else."""
+    if cfg.compression.kind != "none" and not any(p.reduce == "sum" and p.model_update for p in phases):
+        raise ConfigError(f"compression.kind: compresses a model update, and {cfg.algorithm.name}'s round uploads "
+                          f"none (its phases {[p.name for p in phases]} do not sum one with model_update=True)")
     if cfg.privacy.level == "none":
         return
     if len(phases) != 1 or phases[0].reduce != "sum" or not phases[0].model_update:
@@ -202,7 +212,9 @@ def build_chain(cfg: RunConfig, solve: bool = False, data: Any = None, env: Env 
     privacy = ClientLevelDP.from_config(cfg, solve) if level in ("client", "local") else None
     kind = cfg.privacy.secure_aggregation
     secure = SecureAggregation(cfg, kind) if kind != "none" else None
-    return UpdateChain(privacy=privacy, robustness=build_robustness(cfg, data), sample=sample, secure=secure)
+    compression = Compression(cfg) if cfg.compression.kind != "none" else None
+    return UpdateChain(privacy=privacy, robustness=build_robustness(cfg, data), sample=sample, secure=secure,
+                       compression=compression)
 
 
 def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
@@ -210,6 +222,7 @@ def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     check_privacy(cfg, uploads_model_update)
     check_robustness(cfg, uploads_model_update)
     check_secure(cfg, uploads_model_update)
+    check_compression(cfg, uploads_model_update)
 
 
 __all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]
