@@ -15,6 +15,7 @@ and is counted in `personal_never_trained`. `personal_accuracy_p10` is the mean 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from fedsim.method.aggregate import weighted_average
 from fedsim.method.contract import Algorithm, Broadcast, ClientContext, ClientResult, Env, Phase, RoundInfo
 from fedsim.method.toolkit import State, evaluate_models, evaluation_model, init_global_models, new_model, seeded_model
 from fedsim.persist.checkpoint import register_state
-from fedsim.training.train import evaluate_classifier, predict_logits
+from fedsim.training.train import evaluate_classifier, predict_logits, train_classifier
 
 BN_TYPES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
@@ -51,11 +52,21 @@ def covers(key: str, prefixes: Iterable[str]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
+def blank(env: Env, arch: str) -> torch.nn.Module:
+    """An instance of `arch` to read names from (torch's RNG untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        return new_model(env, arch)
+
+
+def all_keys(env: Env, arch: str) -> list[str]:
+    """Every state-dict key of `arch`."""
+    return list(blank(env, arch).state_dict())
+
+
 def split_keys(env: Env, arch: str, prefixes: Sequence[str], config_key: str) -> frozenset[str]:
     """The state-dict keys of `arch` under `prefixes` (default: the classifier head); a ConfigError naming
     `config_key` when they cover no entry of the model or every one."""
-    with torch.random.fork_rng(devices=[]):
-        model = new_model(env, arch)
+    model = blank(env, arch)
     chosen = list(prefixes) or head_prefixes(model)
     keys = list(model.state_dict())
     inside = frozenset(k for k in keys if covers(k, chosen))
@@ -71,8 +82,7 @@ def split_keys(env: Env, arch: str, prefixes: Sequence[str], config_key: str) ->
 def batchnorm_keys(env: Env, arch: str, config_key: str) -> frozenset[str]:
     """The state-dict keys of `arch`'s BatchNorm layers (weights, biases and running statistics); a ConfigError
     naming `config_key` when the model has none."""
-    with torch.random.fork_rng(devices=[]):
-        model = new_model(env, arch)
+    model = blank(env, arch)
     mods = [n for n, m in model.named_modules() if isinstance(m, BN_TYPES)]
     if not mods:
         raise ConfigError(f"{config_key}: model {arch!r} has no BatchNorm layer, so FedBN would be FedAvg; "
@@ -268,3 +278,35 @@ class PersonalMethod(Algorithm):
         scored = score(personal if personal is not None else model, ctx)
         return ClientResult(payload=keep(sd, own, inside=False), weight=float(ctx.data.num_samples),
                             metrics={**metrics, **scored}, state=kept or None)
+
+
+def train_only(model: torch.nn.Module, trainable: Iterable[str], x: torch.Tensor, y: torch.Tensor, train: Any,
+               generator: torch.Generator, epochs: int, steps: int | None = None, **options: Any
+               ) -> dict[str, float]:
+    """`epochs` epochs (or `steps` batches) of `train_classifier` with a fresh optimizer on the parameters named in
+    `trainable`, the others frozen (no gradient, so SGD leaves them, weight decay included); flags restored after."""
+    if epochs <= 0 and not steps:
+        return {}
+    names = set(trainable)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in names)
+        cfg = dataclasses.replace(train, epochs=epochs, steps=steps)
+        return train_classifier(model, x, y, cfg, generator, **options)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+
+
+def loaded(ctx: ClientContext, role: str, weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A worker-reused instance of the client's architecture for `role` (a second model: Ditto's, APFL's personal
+    one), holding `weights`."""
+    model = ctx.models.get(f"{role}/{ctx.arch}", lambda: new_model(ctx.env, ctx.arch).to(ctx.device))
+    model.load_state_dict(weights)
+    return model
+
+
+def replace_epochs(train: Any, epochs: int) -> Any:
+    """The run's train settings with `epochs` epochs (and no step count)."""
+    return dataclasses.replace(train, epochs=epochs, steps=None)
