@@ -34,9 +34,11 @@ from fedsim.method import (
 
 @dataclass
 class DittoParams:
-    lam: float = knob(0.1, ge=0, doc="λ, the weight of (λ/2)·‖v − w‖² in each personal model's loss (the paper "
-                                     "tunes it in {0.01, 0.1, 1, 2})")
-    personal_epochs: int = knob(1, ge=0, le=MAX_EPOCHS, doc="epochs on the personal model each round")
+    lam: float = knob(1.0, ge=0, doc="λ, the weight of (λ/2)·‖v − w‖² in each personal model's loss (Plato's and "
+                                     "the FedRep repo's 1)")
+    personal_epochs: int | None = knob(None, ge=0, le=MAX_EPOCHS, doc="epochs on the personal model each round; "
+                                                                     "unset: as the global model's (train.epochs "
+                                                                     "or train.steps)")
 
 
 def proximal(lam: float, anchor: dict[str, torch.Tensor]) -> Any:
@@ -62,8 +64,9 @@ class Ditto(PersonalMethod):
         metrics = train_classifier(model, ctx.data.x, ctx.data.y, ctx.env.config.train, ctx.generator())
         own = personal.loaded(ctx, "ditto/personal", (state or {}).get("model", glob))
         anchor = {k: v.to(ctx.device) for k, v in glob.items()}
-        tr = personal.replace_epochs(ctx.env.config.train, self.params.personal_epochs)
-        if self.params.personal_epochs > 0:
+        pe = self.params.personal_epochs
+        tr = ctx.env.config.train if pe is None else personal.replace_epochs(ctx.env.config.train, pe)
+        if pe != 0:
             done = train_classifier(own, ctx.data.x, ctx.data.y, tr, ctx.stream("ditto/personal"),
                                     extra_loss=proximal(self.params.lam, anchor))
             metrics.update({f"personal_{k}": v for k, v in done.items()})

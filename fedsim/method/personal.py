@@ -310,3 +310,10 @@ def loaded(ctx: ClientContext, role: str, weights: Mapping[str, torch.Tensor]) -
 def replace_epochs(train: Any, epochs: int) -> Any:
     """The run's train settings with `epochs` epochs (and no step count)."""
     return dataclasses.replace(train, epochs=epochs, steps=None)
+
+
+def mixture(v: torch.nn.Module, w: torch.nn.Module, alpha: float) -> State:
+    """The state αv + (1−α)w on floating-point entries (v's integer buffers as they are)."""
+    sw = w.state_dict()
+    return {k: (alpha * t + (1 - alpha) * sw[k]).detach() if t.is_floating_point() else t.detach()
+            for k, t in v.state_dict().items()}
