@@ -90,10 +90,11 @@ class APFL(PersonalMethod):
             total_w += float(loss_w.detach()) * len(idx)
             total_v += float(loss_v.detach()) * len(idx)
             steps += len(idx)
+        a1 = float(alpha.detach()) if alpha.requires_grad else a0  # a fixed α stays exactly as given
         metrics = {"train_loss": total_w / max(steps, 1), "personal_train_loss": total_v / max(steps, 1),
-                   "alpha": float(alpha)}
-        mix = personal.loaded(ctx, "apfl/mixture", personal.mixture(v, w, float(alpha)))
+                   "alpha": a1}
+        mix = personal.loaded(ctx, "apfl/mixture", personal.mixture(v, w, a1))
         result = self.upload(ctx, w, metrics, state, personal=mix)
         result.state = {**(result.state or {}), "model": personal.keep(v.state_dict(), v.state_dict()),
-                        "alpha": float(alpha)}
+                        "alpha": a1}
         return result
