@@ -43,7 +43,7 @@ class DittoParams:
 
 def proximal(lam: float, anchor: dict[str, torch.Tensor]) -> Any:
     """The loss term (λ/2)·Σ‖p − anchor‖² over the model's parameters."""
-    def term(model: torch.nn.Module) -> torch.Tensor:
+    def term(model: torch.nn.Module) -> torch.Tensor | float:
         return 0.5 * lam * sum(((p - anchor[n]) ** 2).sum() for n, p in model.named_parameters())
     return term
 

@@ -12,7 +12,7 @@ the one it ends its round with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -41,7 +41,7 @@ class FedPer(PersonalMethod):
     """Local SGD on the whole model; the body is averaged, the head stays at the client."""
 
     name = "fedper"
-    Params = FedPerParams
+    Params: ClassVar[type] = FedPerParams  # FedBN and LG-FedAvg bring their own
 
     def personal_keys(self, env: Env, arch: str) -> frozenset[str]:
         return personal.split_keys(env, arch, self.params.personal_layers, "algorithm.personal_layers")

@@ -153,11 +153,12 @@ def shard_accuracies(env: Env, arch: str, weights: Mapping[str, torch.Tensor], c
     model = evaluation_model(env, arch, weights, device)
     bs = env.config.eval.batch_size
     with torch.no_grad():
-        return _shard_accuracies(env, part, data, model, clients, device, bs)
+        return _shard_accuracies(part, data, model, clients, device, bs)
 
 
-def _shard_accuracies(env: Env, part: Any, data: Any, model: torch.nn.Module, clients: Sequence[int],
-                      device: torch.device, bs: int) -> dict[int, float]:
+def _shard_accuracies(part: Any, data: Any, model: torch.nn.Module, clients: Sequence[int], device: torch.device,
+                      bs: int) -> dict[int, float]:
+    """shard_accuracies' work: the partition's index shards into the server's test set, or drawn generated shards."""
     test = getattr(part, "test", None)
     if test is not None and data is not None:
         x = torch.as_tensor(data.x_test, device=device)
