@@ -268,9 +268,10 @@ class StopAfter(Callback):
 
 
 def test_one_and_two_workers_and_a_resumed_run_give_the_same_numbers(make_config) -> None:
-    """Ditto (a personal model per client; the others share its machinery): two rounds on one worker, on two, and
-    stopped after round 0 then resumed: the same tables, and the same personal states bit for bit."""
-    for algo in ("ditto",):
+    """Ditto (a personal model per client) and FedRep (a personal head; the others share their machinery): two rounds
+    on one worker, on two, and (Ditto) stopped after round 0 then resumed: the same tables, and the same personal
+    states bit for bit."""
+    for algo in ("ditto", "fedrep"):
         opts = [*SMALL, f"algorithm.name={algo}"]
         runs = {name: run(make_config(*opts, f"results.run_id={algo}{name}", rounds=2),
                           LocalBackend(num_workers=workers)) for name, workers in (("one", 1), ("two", 2))}
@@ -294,6 +295,19 @@ def test_one_and_two_workers_and_a_resumed_run_give_the_same_numbers(make_config
             key = "model" if algo == "ditto" else "personal"
             for cid, state in ours.items():
                 assert all(torch.equal(v, theirs[cid][key][k]) for k, v in state[key].items()), (algo, other, cid)
+
+
+def test_fedper_trained_together_gives_the_numbers_of_one_client_at_a_time(make_config, one_thread) -> None:
+    """FedPer's client step is a LocalTraining plan, so `runtime.batch_clients` may train its clients together."""
+    tables = {b: load(run(make_config(*SMALL, "algorithm.name=fedper", f"runtime.batch_clients={b}",
+                                      f"results.run_id=b{b}", rounds=2), LocalBackend()))
+              for b in ("false", "true")}
+    batched = {b: t["rounds"]["clients_batched"].sum() for b, t in tables.items()}
+    assert batched["true"] > 0 and batched["false"] == 0
+    for name in ("rounds", "clients"):
+        drop = ["clients_batched"]
+        pd.testing.assert_frame_equal(comparable(tables["false"][name]).drop(columns=drop, errors="ignore"),
+                                      comparable(tables["true"][name]).drop(columns=drop, errors="ignore"), obj=name)
 
 
 @pytest.mark.parametrize("overrides, message", [
