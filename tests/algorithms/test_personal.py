@@ -236,6 +236,20 @@ def test_perfedavg_first_order_meta_step_and_one_step_personal_model() -> None:
         assert worker.store.get(cid) is None  # nothing personal to keep
 
 
+@pytest.mark.parametrize("epochs", [0, 1])
+def test_fedavg_ft_uploads_fedavgs_step_and_scores_the_global_model_fine_tuned(epochs: int) -> None:
+    server, worker = setup("fedavg_ft", f"algorithm.finetune_epochs={epochs}")
+    w0 = {k: v.clone() for k, v in server.state.models["two_layer_personal"].items()}
+    _, results = one_round(server, worker)
+    for cid in (0, 1):
+        w1 = {k: w0[k] - LR * gr for k, gr in grad(w0, *data(PARTS[cid])).items()}
+        for k in w0:
+            torch.testing.assert_close(results[cid].payload[k], w1[k], rtol=1e-5, atol=1e-6)
+        # one epoch is one full batch here: the fine-tuned model is the same step from the global model
+        want = accuracy(w1 if epochs else w0, TESTS[cid])
+        assert results[cid].metrics["personal_accuracy"] == pytest.approx(want)
+
+
 def test_personal_columns_use_own_shards_and_score_never_trained_clients_with_the_server_model() -> None:
     """Client 0 trained (its score kept); client 1 never did: it counts with the server model's accuracy on its own
     shard. Mean over clients, p10 the worst one of two."""
