@@ -163,10 +163,11 @@ def test_mechanism_cells_average_rounds_then_seeds_and_dash_what_a_run_lacks(tmp
 
 def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> None:
     m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
-    assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy", "fedopt"]
+    assert [t.id for t in m.tables] == ["single_image", "dafkd", "fedgdkd", "dosfl", "robustness", "privacy", "fedopt",
+                                        "personal"]
     for t in m.tables:
         assert len(t.seeds) >= 3 and t.paper_title
-        if t.id in ("robustness", "privacy", "fedopt"):  # our own grids: the claims in the title, no paper figures beside
+        if t.id in ("robustness", "privacy", "fedopt", "personal"):  # our own grids: the claims in the title, no paper figures beside
             assert not t.paper and t.mechanism
             continue
         assert t.paper

@@ -94,7 +94,7 @@ class APFL(PersonalMethod):
         metrics = {"train_loss": total_w / max(steps, 1), "personal_train_loss": total_v / max(steps, 1),
                    "alpha": a1}
         mix = personal.loaded(ctx, "apfl/mixture", personal.mixture(v, w, a1))
-        result = self.upload(ctx, w, metrics, state, personal=mix)
+        result = self.upload(ctx, w, metrics, state, personal=mix, start=glob)
         result.state = {**(result.state or {}), "model": personal.keep(v.state_dict(), v.state_dict()),
                         "alpha": a1}
         return result

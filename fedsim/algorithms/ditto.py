@@ -70,6 +70,6 @@ class Ditto(PersonalMethod):
             done = train_classifier(own, ctx.data.x, ctx.data.y, tr, ctx.stream("ditto/personal"),
                                     extra_loss=proximal(self.params.lam, anchor))
             metrics.update({f"personal_{k}": v for k, v in done.items()})
-        result = self.upload(ctx, model, metrics, state, personal=own)
+        result = self.upload(ctx, model, metrics, state, personal=own, start=glob)
         result.state = {**(result.state or {}), "model": personal.keep(own.state_dict(), own.state_dict())}
         return result

@@ -4,7 +4,8 @@
               personal model: the received global w after `finetune_epochs` epochs of SGD on D_k
     server:   w ← Σ_k |D_k|·w_k / Σ_k |D_k|
 
-`finetune_epochs: 0` scores FedAvg's global model itself on each client's own shard. The fine-tuning draws its
+`finetune_epochs: 0` scores FedAvg's global model itself on each client's own shard: the server scores the current
+global model on every client's shard at each evaluation, so no client's score is stale. The fine-tuning draws its
 batches from a stream of its own, so the global model's training is FedAvg's whatever it is set to.
 """
 
@@ -41,6 +42,9 @@ class FedAvgFT(PersonalMethod):
     Params = FedAvgFTParams
     global_model = True
 
+    def personal_is_global(self) -> bool:
+        return self.params.finetune_epochs == 0
+
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                     ctx: ClientContext) -> ClientResult:
         glob, train = msg.common[ctx.arch], ctx.env.config.train
@@ -51,4 +55,4 @@ class FedAvgFT(PersonalMethod):
         model = ctx.models.get(ctx.arch)
         model.load_state_dict(glob)
         metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator())
-        return self.upload(ctx, model, metrics, state, personal=tuned)
+        return self.upload(ctx, model, metrics, state, personal=tuned, start=glob)

@@ -52,6 +52,6 @@ class FedPer(PersonalMethod):
         start = personal.start_state(ctx, msg.common[ctx.arch], (state or {}).get("personal"))
 
         def finish(model: torch.nn.Module, metrics: dict[str, float], optimizer: dict | None) -> ClientResult:
-            return self.upload(ctx, model, metrics, state)
+            return self.upload(ctx, model, metrics, state, start=start)
 
         return LocalTraining.of(ctx, start, finish)

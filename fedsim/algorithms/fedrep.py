@@ -52,7 +52,8 @@ class FedRep(PersonalMethod):
                     ctx: ClientContext) -> ClientResult:
         """Head epochs (body frozen), then body epochs (head frozen), from (broadcast body, own head)."""
         model = ctx.models.get(ctx.arch)
-        model.load_state_dict(personal.start_state(ctx, msg.common[ctx.arch], (state or {}).get("personal")))
+        start = personal.start_state(ctx, msg.common[ctx.arch], (state or {}).get("personal"))
+        model.load_state_dict(start)
         own = self.personal[ctx.arch]
         params = [n for n, _ in model.named_parameters()]
         gen, train = ctx.generator(), ctx.env.config.train
@@ -61,4 +62,4 @@ class FedRep(PersonalMethod):
         body = personal.train_only(model, [n for n in params if n not in own], ctx.data.x, ctx.data.y, train, gen,
                                    train.epochs, train.steps)
         metrics = {**{f"head_{k}": v for k, v in head.items()}, **body}
-        return self.upload(ctx, model, metrics, state)
+        return self.upload(ctx, model, metrics, state, start=start)

@@ -80,4 +80,4 @@ class PerFedAvg(PersonalMethod):
             total += loss * len(d2)
             seen += len(d2)
         metrics = {"train_loss": total / max(seen, 1), "steps": float(len(batches) // 2)}
-        return self.upload(ctx, theta, metrics, state, personal=tuned)
+        return self.upload(ctx, theta, metrics, state, personal=tuned, start=glob)

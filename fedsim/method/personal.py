@@ -201,14 +201,16 @@ class PersonalServer:
         return new
 
 
-def personal_columns(env: Env, state: PersonalServer, device: torch.device) -> dict[str, float]:
+def personal_columns(env: Env, state: PersonalServer, device: torch.device, server_scores_all: bool = False
+                     ) -> dict[str, float]:
     """personal_accuracy_mean and _p10 over every client (never-trained ones at the server model's accuracy on
-    their shard), personal_never_trained and personal_trained (counts)."""
+    their shard; every client so when `server_scores_all`: the personal model is the server's), and the counts
+    personal_never_trained and personal_trained."""
     n = len(env.client_archs)
     accs = {c: s[0] for c, s in state.scores.items()}
     never = [c for c in range(n) if c not in accs]
     for arch in env.archs:
-        mine = [c for c in never if env.client_archs[c] == arch]
+        mine = [c for c in (range(n) if server_scores_all else never) if env.client_archs[c] == arch]
         accs.update({c: a for c, a in shard_accuracies(env, arch, state.models[arch], mine, device).items()
                      if not math.isnan(a)})
     values = [accs[c] for c in sorted(accs)]
@@ -228,6 +230,12 @@ class PersonalMethod(Algorithm):
     `local_training` (a plan: batchable) or `client_step`."""
 
     global_model: ClassVar[bool] = False  # rounds.parquet gets the server model's test accuracy too
+    mechanism_columns: ClassVar[dict[str, str]] = {
+        "train/mech_personal_gain": "mean over the round's clients of their personal model's accuracy on their own "
+                                    "test shard minus that of the model they started the round from (the received "
+                                    "global model, or for split models the received shared entries with their own "
+                                    "personal ones): what the round's personalisation adds on the client's own data",
+    }
 
     def __init__(self, params: Any, env: Env) -> None:
         super().__init__(params, env)
@@ -240,6 +248,11 @@ class PersonalMethod(Algorithm):
     def personal_keys(self, env: Env, arch: str) -> frozenset[str]:
         """The state-dict keys of `arch` each client keeps to itself (default: none)."""
         return frozenset()
+
+    def personal_is_global(self) -> bool:
+        """Whether every client's personal model is the server's model, so the server scores all of them on their
+        shards each evaluation, not only those who never trained (FedAvg's global model as a reference)."""
+        return False
 
     def init_server(self, env: Env) -> PersonalServer:
         return PersonalServer(models=init_global_models(env))
@@ -257,26 +270,34 @@ class PersonalMethod(Algorithm):
         scores = state.recorded(updates)
         got = [scores[c][0] for c in updates if c in scores]
         metrics = {"personal_accuracy_clients": float(sum(got) / len(got))} if got else {}
+        gains = [r.metrics["personal_accuracy"] - r.metrics["mech_start_accuracy"] for r in updates.values()
+                 if "mech_start_accuracy" in r.metrics]
+        if gains:
+            metrics["mech_personal_gain"] = float(sum(gains) / len(gains))
         return PersonalServer(models=models, scores=scores, extra=state.extra), metrics
 
     def evaluate(self, state: PersonalServer, x_test: torch.Tensor, y_test: torch.Tensor,
                  device: torch.device) -> list[dict[str, Any]]:
-        cols = personal_columns(self.env, state, device)
+        cols = personal_columns(self.env, state, device, self.personal_is_global())
         if not self.global_model:
             return [{"model": "personal", **cols}]
         return [{**row, **cols} for row in evaluate_models(self.env, state.models, x_test, y_test, device)]
 
     # ---------------------------------------------------------------- client
     def upload(self, ctx: ClientContext, model: torch.nn.Module, metrics: dict[str, float],
-               state: dict[str, Any] | None, personal: torch.nn.Module | None = None) -> ClientResult:
+               state: dict[str, Any] | None, personal: torch.nn.Module | None = None,
+               start: Mapping[str, torch.Tensor] | None = None) -> ClientResult:
         """The client's result: the trained shared entries up, its personal entries kept (with `state`'s other
-        entries), and the score of its personal model (`personal`, default the trained model) on its own shard."""
+        entries), and the score of its personal model (`personal`, default the trained model) on its own shard;
+        with eval.mechanism, also the score of the model it started from (`start`), for mech_personal_gain."""
         sd = model.state_dict()
         own = self.personal.get(ctx.arch, frozenset())
         kept = dict(state or {})
         if own:
             kept["personal"] = keep(sd, own)
         scored = score(personal if personal is not None else model, ctx)
+        if start is not None and ctx.env.config.eval.mechanism:
+            scored["mech_start_accuracy"] = score(loaded(ctx, "personal/start", start), ctx)["personal_accuracy"]
         return ClientResult(payload=keep(sd, own, inside=False), weight=float(ctx.data.num_samples),
                             metrics={**metrics, **scored}, state=kept or None)
 

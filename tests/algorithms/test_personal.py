@@ -73,7 +73,7 @@ def one_round(server, worker, states=None):
     common = server.broadcast(phase, info).broadcast.common
     reply = worker.run_phase(0, 0, phase, common, {}, [0, 1])
     results = {o.client_id: o.result for o in reply.outcomes}
-    server.step(phase, [reply], info)
+    server.metrics = server.step(phase, [reply], info).metrics  # the test reads the round's server columns here
     return common, results
 
 
@@ -189,6 +189,11 @@ def test_ditto_personal_step_adds_lambda_times_v_minus_w() -> None:
             torch.testing.assert_close(results[cid].payload[k], want_w[k], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(worker.store.get(cid)["model"][k], want_v[k], rtol=1e-5, atol=1e-6)
         assert results[cid].metrics["personal_accuracy"] == pytest.approx(accuracy(want_v, TESTS[cid]))
+    # the mechanism column: personal accuracy minus the received global model's, on each client's own shard
+    gains = [accuracy({k: v0[k] - LR * (grad(v0, *data(PARTS[0]))[k] + lam * (v0[k] - w0[k])) for k in v0}, TESTS[0])
+             - accuracy(w0, TESTS[0]),
+             results[1].metrics["personal_accuracy"] - accuracy(w0, TESTS[1])]
+    assert server.metrics["mech_personal_gain"] == pytest.approx(np.mean(gains))
     for k in w0:  # the server is FedAvg's
         torch.testing.assert_close(server.state.models["two_layer_personal"][k],
                                    (3 * (w0[k] - LR * grad(w0, *data(PARTS[0]))[k]) +
@@ -248,6 +253,11 @@ def test_fedavg_ft_uploads_fedavgs_step_and_scores_the_global_model_fine_tuned(e
         # one epoch is one full batch here: the fine-tuned model is the same step from the global model
         want = accuracy(w1 if epochs else w0, TESTS[cid])
         assert results[cid].metrics["personal_accuracy"] == pytest.approx(want)
+    # fine-tuned: each client's kept score; the global model itself: the current one, scored on every shard
+    model = server.state.models["two_layer_personal"]
+    (row,) = server.evaluate().rows
+    want = [accuracy(model, TESTS[c]) if epochs == 0 else results[c].metrics["personal_accuracy"] for c in (0, 1)]
+    assert row["personal_accuracy_mean"] == pytest.approx(np.mean(want)) and row["personal_never_trained"] == 0
 
 
 def test_personal_columns_use_own_shards_and_score_never_trained_clients_with_the_server_model() -> None:
