@@ -324,7 +324,7 @@ def train_only(model: torch.nn.Module, trainable: Iterable[str], x: torch.Tensor
 def loaded(ctx: ClientContext, role: str, weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     """A worker-reused instance of the client's architecture for `role` (a second model: Ditto's, APFL's personal
     one), holding `weights`."""
-    model = ctx.models.get(f"{role}/{ctx.arch}", lambda: new_model(ctx.env, ctx.arch).to(ctx.device))
+    model = ctx.models.get(f"{role}/{ctx.arch}", lambda: blank(ctx.env, ctx.arch).to(ctx.device))  # RNG untouched
     model.load_state_dict(weights)
     return model
 
