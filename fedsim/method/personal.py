@@ -34,11 +34,11 @@ from fedsim.training.train import evaluate_classifier, predict_logits, train_cla
 BN_TYPES = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)
 
 
-def require_client_test(env: Env, method: str) -> None:
+def require_client_test(env: Env, method: str, hint: str = "") -> None:
     """Personal models are scored on personal test shards; refuse to run without them."""
     if env.config.data.client_test == "none":
         raise ConfigError(f"data.client_test: {method} scores each personal model on its own test shard; "
-                          "set it to 'balanced' or 'proportional'")
+                          f"set it to 'balanced'{hint} or 'proportional'")
 
 
 def head_prefixes(model: torch.nn.Module) -> list[str]:
@@ -114,13 +114,19 @@ def start_state(ctx: ClientContext, shared: Mapping[str, torch.Tensor], own: Map
     return base
 
 
-def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
-    """Accuracy and loss of a personal model on the client's own test shard (with its size)."""
+def test_shard(ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The client's own test inputs and labels; a ConfigError when the run gives clients none."""
     d = ctx.data
     if d.x_test is None or d.y_test is None:
-        raise ConfigError("data.client_test: this method needs personal test shards ('balanced')")
-    m = evaluate_classifier(model, d.x_test, d.y_test, ctx.env.config.eval.batch_size)
-    return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(d.y_test))}
+        raise ConfigError("data.client_test: this method needs personal test shards ('balanced' or 'proportional')")
+    return d.x_test, d.y_test
+
+
+def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
+    """Accuracy and loss of a personal model on the client's own test shard (with its size)."""
+    x_test, y_test = test_shard(ctx)
+    m = evaluate_classifier(model, x_test, y_test, ctx.env.config.eval.batch_size)
+    return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(y_test))}
 
 
 def average_each(updates: Mapping[int, ClientResult], archs: Sequence[str], previous: Mapping[str, State]
