@@ -3,14 +3,17 @@ score every client's personal model on its own test shard.
 
 A split names parameter-name prefixes (`fc` names `fc.weight`, `fc.bias`); `split_keys` turns them into the
 state-dict keys they cover, refusing a split that names no entry of the model or all of them. `PersonalServer`
-is the server state of the personal methods (FedPer, FedRep, FedBN, LG-FedAvg, Ditto, APFL, Per-FedAvg): the
-full model per architecture (its shared entries averaged each round, its personal ones left at their initial
-values, so it is what a client that has never trained starts from) and every client's latest personal score.
+is the server state of the personal methods (FedPer, FedRep, FedBN, LG-FedAvg, Ditto, APFL, Per-FedAvg,
+FedAvg fine-tuned): the full model per architecture (its shared entries averaged each round, its personal ones
+left at their initial values, so it is what a client that has never trained starts from) and every client's
+latest personal score; `PersonalMethod` is their server side.
 
 The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the score its
-personal model got on its own shard the last time it trained (a client that sat rounds out keeps its score,
-as it keeps its model); a client that has never trained reports the server model's accuracy on its shard
-and is counted in `personal_never_trained`. `personal_accuracy_p10` is the mean of the worst tenth (at least one).
+personal model got on its own shard at the end of the last round it trained (only sampled clients run, so one
+that sat rounds out is not re-scored); a client that has never trained reports the server model's accuracy on
+its shard and is counted in `personal_never_trained` (every client is, where the personal model is the server's:
+`personal_is_global`). The mean is over clients, not samples; `personal_accuracy_p10` is the mean of the worst
+tenth (at least one client).
 """
 
 from __future__ import annotations
