@@ -184,7 +184,7 @@ def test_the_manifest_lists_every_embedded_table_with_at_least_three_seeds() -> 
     m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
     ids = [t.id for t in m.tables]
     assert ids[:4] == ["single_image", "dafkd", "fedgdkd", "dosfl"]  # the seed papers' tables
-    own = ["robustness", "privacy", "fedopt", "async", "compression"]  # our own grids: the claims in the title
+    own = ["robustness", "privacy", "fedopt", "async", "compression", "personal"]  # ours: the claims in the title
     assert sorted(ids[4:]) == sorted(own)
     for t in m.tables:
         assert len(t.seeds) >= 3 and t.paper_title

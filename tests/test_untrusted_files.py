@@ -19,11 +19,13 @@ import yaml
 from fedsim.algorithms._personal import PersonalScores
 from fedsim.algorithms.dafkd import DaFKDState
 from fedsim.algorithms.feddf import FedDFState
+from fedsim.algorithms.feddyn import FedDynState
 from fedsim.algorithms.fedgdkd import FedGDKDState, Prev
 from fedsim.algorithms.local_only import PoolState
 from fedsim.algorithms.scaffold import ScaffoldState
 from fedsim.configure import load_config
 from fedsim.errors import CheckpointError
+from fedsim.method.personal import PersonalServer
 from fedsim.method.toolkit import GlobalModels
 from fedsim.persist.checkpoint import (
     load_checkpoint,
@@ -63,6 +65,8 @@ def _example_states() -> list:
         scores,
         PoolState({"x": torch.randn(3, 8, 8), "y": torch.arange(3)}, [0, 2], scores, {"rounds": 2}),
         ScaffoldState({"cnn": _weights(8)}, {"cnn": _weights(9)}),
+        FedDynState({"cnn": _weights(10)}, {"cnn": {"conv.weight": _weights(11)["conv.weight"].double()}}),
+        PersonalServer({"mlp": _weights(12)}, {0: (0.5, 1.25, 30.0), 7: (1.0, 0.1, 4.0)}, {"k": 1}),
     ]
 
 

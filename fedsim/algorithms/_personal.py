@@ -17,20 +17,18 @@ from fedsim import rng
 from fedsim.method import (
     ClientContext,
     ClientResult,
-    ConfigError,
     Env,
     clone_state,
-    evaluate_classifier,
     new_model,
+    personal,
     register_state,
 )
+from fedsim.method.personal import score, test_shard  # noqa: F401  the kit's, where FedGDKD's comparators look
 
 
 def require_client_test(env: Env, method: str) -> None:
     """Personal models are scored on personal test shards; refuse to run without them."""
-    if env.config.data.client_test == "none":
-        raise ConfigError(f"data.client_test: {method} scores each personal model on its own test shard; "
-                          "set it to 'balanced' (the thesis protocol) or 'proportional'")
+    personal.require_client_test(env, method, " (the thesis protocol)")
 
 
 def init_seed(run_seed: int, client_id: int) -> int:
@@ -66,21 +64,6 @@ def with_model(state: dict | None, model: torch.nn.Module, **extra: Any) -> dict
         else:
             out[k] = v
     return out
-
-
-def test_shard(ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """The client's own test inputs and labels; a ConfigError when the run gives clients none."""
-    d = ctx.data
-    if d.x_test is None or d.y_test is None:
-        raise ConfigError("data.client_test: this method needs personal test shards ('balanced')")
-    return d.x_test, d.y_test
-
-
-def score(model: torch.nn.Module, ctx: ClientContext) -> dict[str, float]:
-    """Accuracy and loss of the personal model on the client's own test shard."""
-    x_test, y_test = test_shard(ctx)
-    m = evaluate_classifier(model, x_test, y_test, ctx.env.config.eval.batch_size)
-    return {"personal_accuracy": m["accuracy"], "personal_loss": m["loss"], "test_samples": float(len(y_test))}
 
 
 @register_state

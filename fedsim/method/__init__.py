@@ -9,7 +9,8 @@
 - local training as data (`LocalTraining`, `Stage`), which workers may batch (`Phase(..., local_training=True)`);
 - aggregation (exact, order-independent weighted sums), server optimisers (FedAdam, FedYogi, FedAdagrad,
   FedAvgM: `ServerOptimizer`, `server_opt_by_arch`), global-model helpers, knowledge distillation, the
-  training loop's pieces (optimizers, batches, evaluation) and the mechanism-column helpers (`mechanism`);
+  training loop's pieces (optimizers, batches, evaluation), the mechanism-column helpers (`mechanism`) and the
+  personal methods' split models and personal scores (`personal`, `PersonalMethod`);
 - asynchronous methods: `AsyncAlgorithm`, the `Arrival` its server step gets, `NEW_VERSION`, staleness weights.
 
 Importing this module imports no method (built-ins register when a config first names one).
@@ -19,7 +20,7 @@ from fedsim import rng
 from fedsim.config.knobs import knob
 from fedsim.data.registry import Dataset, register_dataset
 from fedsim.errors import AlgorithmError, ConfigError
-from fedsim.method import mechanism, toolkit
+from fedsim.method import mechanism, personal, toolkit
 from fedsim.method.aggregate import (
     WEIGHT_KEY,
     as_summable,
@@ -62,6 +63,7 @@ from fedsim.method.distill import (
     leave_one_out,
     soften,
 )
+from fedsim.method.personal import PersonalMethod, PersonalServer
 from fedsim.method.server_opt import STEP_RATIO_COLUMNS, ServerOptimizer, server_opt_by_arch, server_opt_step
 from fedsim.method.toolkit import (
     GlobalModels,
@@ -96,7 +98,8 @@ __all__ = [
     "State", "SummedUpdate", "algorithm_names", "as_summable", "average_by_arch", "clip_logits", "clone_state",
     "distill", "domain_weights", "ensemble_teacher", "evaluate_models", "evaluation_model", "get_algorithm",
     "init_global_models", "kd_loss", "knob", "leave_one_out", "loaded_model", "mechanism", "move_toward", "toolkit",
-    "new_model", "register_algorithm", "register_dataset", "register_model", "register_state", "rng",
+    "new_model", "personal", "PersonalMethod", "PersonalServer", "register_algorithm", "register_dataset",
+    "register_model", "register_state", "rng",
     "seeded_model", "soften", "split_by_arch", "sum_by_arch", "weighted_average", "weighted_sum",
     "STEP_RATIO_COLUMNS", "ServerOptimizer", "server_opt_by_arch", "server_opt_step",
     "NEW_VERSION", "Arrival", "AsyncAlgorithm", "StalenessParams", "staleness_weight",
