@@ -20,7 +20,12 @@ SUM_COMPATIBLE = frozenset({"mean", "norm_bound"})
 """Rules the workers' partial sums can give: the mean, and norm bounding (each update clipped where it is trained,
 then summed)."""
 
-_BLOCK = 1 << 12  # columns a coordinate-wise rule copies at a time: its memory stays a sliver of the updates
+_BLOCK = 1 << 20  # entries (8 MiB of float64) a blocked rule copies at a time: its memory stays a sliver of the updates
+
+
+def _columns(rows: int) -> int:
+    """Columns of `rows` rows in one block."""
+    return max(1, _BLOCK // max(rows, 1))
 _SORT_BELOW = 32  # cohorts up to this size: the median and trimmed mean sort (one copy of the updates, small here)
 
 
@@ -51,12 +56,16 @@ def squared_distances(rows: torch.Tensor) -> torch.Tensor:
     symmetric, clamped at 0, with an exact zero diagonal; updates have small norms, so the cancellation costs
     little."""
     gram = torch.zeros((rows.shape[0], rows.shape[0]), dtype=torch.float64)
-    for i in range(0, rows.shape[1], _BLOCK):  # a block of columns at a time: no transposed copy of the whole
-        block = rows[:, i:i + _BLOCK]
+    cols = _columns(rows.shape[0])
+    for i in range(0, rows.shape[1], cols):  # a block of columns at a time: no transposed copy of the whole
+        block = rows[:, i:i + cols]
         gram.addmm_(block, block.T)
     sq = gram.diagonal()  # the norms from the same product: a row and its duplicate are 0 apart
-    d = (sq[:, None] + sq[None, :] - 2.0 * gram).clamp_(min=0.0)
-    d = (d + d.T) / 2  # a blocked matrix product need not be symmetric to the last bit: a tie must stay a tie
+    d = sq[:, None] + sq[None, :]
+    d.sub_(gram.mul_(2.0)).clamp_(min=0.0)  # in place: three n × n matrices at most (8 MiB each at n = 1,000)
+    del gram
+    # a blocked matrix product need not be symmetric to the last bit: a tie must stay a tie
+    d.add_(d.T.clone()).mul_(0.5)
     d.fill_diagonal_(0.0)
     return d
 
@@ -64,9 +73,16 @@ def squared_distances(rows: torch.Tensor) -> torch.Tensor:
 def krum_scores(dist: torch.Tensor, f: int) -> torch.Tensor:
     """Each row's sum of squared distances to its n − f − 2 nearest other rows (itself excluded by index)."""
     n = dist.shape[0]
-    k = max(1, n - f - 2)
-    others = dist + torch.diag(torch.full((n,), float("inf"), dtype=dist.dtype))
-    return others.topk(min(k, n - 1), dim=1, largest=False).values.sum(dim=1) if n > 1 else torch.zeros(1)
+    if n <= 1:
+        return torch.zeros(1)
+    k = min(max(1, n - f - 2), n - 1)
+    step = max(1, _BLOCK // (2 * n))  # rows at a time: no n × n copy, nor an n × k topk of the whole
+    scores = []
+    for i in range(0, n, step):
+        others = dist[i:i + step].clone()
+        others[torch.arange(len(others)), torch.arange(i, i + len(others))] = float("inf")  # itself, by index
+        scores.append(others.topk(k, dim=1, largest=False).values.sum(dim=1))
+    return torch.cat(scores)
 
 
 def _lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
@@ -134,12 +150,13 @@ def _by_columns(rows: torch.Tensor, rule: Callable[[np.ndarray], np.ndarray],
     rule's own copy to reorder in place: what it copies is one block per thread. numpy's selection releases the
     GIL, so the blocks run on torch's thread count (1.3-1.7x on 2 cores at 100-1,000 updates)."""
     x = rows.numpy()
+    cols = _columns(x.shape[0] if only is None else len(only))
 
     def block(i: int) -> np.ndarray:
-        view = x[:, i:i + _BLOCK] if only is None else x[only, i:i + _BLOCK]
+        view = x[:, i:i + cols] if only is None else x[only, i:i + cols]
         return rule(np.array(view.T, order="C", copy=True))  # always a copy: the rule may reorder it
 
-    starts = range(0, x.shape[1], _BLOCK)
+    starts = range(0, x.shape[1], cols)
     threads = min(torch.get_num_threads(), len(starts))
     if threads <= 1:
         return torch.from_numpy(np.concatenate([block(i) for i in starts]))
@@ -204,7 +221,7 @@ def geometric_median(rows: torch.Tensor, weights: torch.Tensor, nu: float = 1e-5
 
 def _distances_to(rows: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
     """‖v_i − point‖ for every row, a block of rows at a time (no difference matrix of the whole)."""
-    step = max(1, _BLOCK * 16 // max(1, rows.shape[1]))
+    step = max(1, _BLOCK // max(1, rows.shape[1]))
     return torch.cat([(rows[i:i + step] - point).norm(dim=1) for i in range(0, rows.shape[0], step)])
 
 
