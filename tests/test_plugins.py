@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,19 @@ if status != JobStatus.SUCCEEDED:
 
 @pytest.mark.ray
 @pytest.mark.slow
+def _listening(port: int, head: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait until something accepts on 127.0.0.1:port (the head's GCS), or fail if the head exits first."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert head.poll() is None, "ray start --head exited"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the head's GCS did not listen on port {port} within {timeout_s:g} s")
+
+
 def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path):
     """On a Ray head with 2 CPUs, a driver that joins it from a folder where nothing makes the plugin importable,
     and a job submitted with --working-dir (whose workers see the repository root, not examples/): both get the
@@ -210,6 +224,7 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
                              f"--ray-client-server-port={client_port}"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        _listening(gcs, head)  # `ray start` returns at once: on a loaded machine the GCS listens seconds later
         joined = subprocess.run([sys.executable, "-m", "jobs.cli", "run",
                                  *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
                                             f"runtime.ray_address=127.0.0.1:{gcs}", "runtime.startup_timeout_s=300")],
