@@ -18,10 +18,8 @@ from typing import Any
 import torch
 
 from fedsim.method import (
-    Broadcast,
     ClientContext,
     ClientResult,
-    Env,
     GlobalModels,
     LocalTraining,
     Message,
@@ -30,7 +28,6 @@ from fedsim.method import (
     SummedUpdate,
     as_summable,
     evaluate_models,
-    init_global_models,
     knob,
     register_algorithm,
     split_by_arch,
@@ -61,15 +58,6 @@ class FedAsync(AsyncAlgorithm):
 
     name = "fedasync"
     Params = FedAsyncParams
-
-    def init_server(self, env: Env) -> GlobalModels:
-        return GlobalModels(models=init_global_models(env))
-
-    def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "each", local_training=True)]
-
-    def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
-        return Broadcast(common=state.models)
 
     def local_training(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
         """Local SGD from the model of the client's dispatch, then upload the model."""

@@ -20,11 +20,9 @@ import torch
 
 from fedsim.config.limits import MAX_CLIENTS
 from fedsim.method import (
-    Broadcast,
     ClientContext,
     ClientResult,
     ConfigError,
-    Env,
     GlobalModels,
     LocalTraining,
     Message,
@@ -34,7 +32,6 @@ from fedsim.method import (
     SummedUpdate,
     as_summable,
     evaluate_models,
-    init_global_models,
     knob,
     register_algorithm,
     server_opt_step,
@@ -73,15 +70,6 @@ class FedBuff(AsyncAlgorithm):
         if k > concurrency:
             raise ConfigError(f"algorithm.buffer_size: K={k} exceeds participation.concurrency={concurrency} "
                               "(clients in flight); FedBuff buffers at most as many updates as train at once")
-
-    def init_server(self, env: Env) -> GlobalModels:
-        return GlobalModels(models=init_global_models(env))
-
-    def phases(self, round: int) -> list[Phase]:
-        return [Phase("train", "each", local_training=True)]
-
-    def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
-        return Broadcast(common=state.models)
 
     def local_training(self, phase: Phase, state: dict | None, msg: Message, ctx: ClientContext) -> LocalTraining:
         """Local SGD from the model of the client's dispatch; upload y − x_τ (float64; integer buffers as they are)."""

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Literal
 
 from fedsim.config.knobs import knob
 from fedsim.errors import AlgorithmError, ConfigError
-from fedsim.method.contract import Algorithm, RoundInfo, get_algorithm
+from fedsim.method.contract import Algorithm, Broadcast, Env, Phase, RoundInfo, get_algorithm
+from fedsim.method.toolkit import GlobalModels, init_global_models
 
 if TYPE_CHECKING:
     from fedsim.config.schema import RunConfig
@@ -84,6 +85,16 @@ class AsyncAlgorithm(Algorithm):
     @classmethod
     def check_async(cls, cfg: RunConfig, concurrency: int) -> None:
         """A ConfigError for this method's parameters that do not fit `concurrency` clients in flight."""
+
+    def init_server(self, env: Env) -> GlobalModels:
+        return GlobalModels(models=init_global_models(env))
+
+    def phases(self, round: int) -> list[Phase]:
+        return [Phase("train", "each", local_training=True)]
+
+    def broadcast(self, phase: Phase, state: GlobalModels, info: RoundInfo) -> Broadcast:
+        """The global models, which each dispatched client trains from."""
+        return Broadcast(common=state.models)
 
 
 def concurrency(cfg: RunConfig) -> int:
