@@ -73,11 +73,14 @@ class PerFedAvg(PersonalMethod):
         theta.train(), trial.train()
         batches = list(batch_indices(len(y), train.batch_size, ctx.generator(), train.epochs, train.steps, x.device))
         total, seen = 0.0, 0
-        for d, d2 in zip(batches[0::2], batches[1::2]):
+        # a meta-step takes two batches (inner, outer); a client with one batch uses it for both rather than not
+        # training at all, and an odd last batch is left out
+        pairs = list(zip(batches[0::2], batches[1::2])) or [(batches[0], batches[0])]
+        for d, d2 in pairs:
             trial.load_state_dict(theta.state_dict())
             sgd_step(trial, x.index_select(0, d), y.index_select(0, d), p.alpha)
             loss = sgd_step(theta, x.index_select(0, d2), y.index_select(0, d2), p.beta, at=trial)
             total += loss * len(d2)
             seen += len(d2)
-        metrics = {"train_loss": total / max(seen, 1), "steps": float(len(batches) // 2)}
+        metrics = {"train_loss": total / max(seen, 1), "steps": float(len(pairs))}
         return self.upload(ctx, theta, metrics, state, personal=tuned, start=glob)

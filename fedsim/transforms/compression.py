@@ -212,6 +212,11 @@ def check_compression(cfg: RunConfig, uploads_model_update: bool | None) -> None
         if c.error_feedback:
             raise ConfigError("compression.error_feedback: needs a compression.kind (it is none, which drops nothing)")
         return
+    if c.error_feedback and c.kind in ("randk", "qsgd"):
+        raise ConfigError(f"compression.error_feedback: {c.kind} is unbiased by scaling up what it keeps, so its error "
+                          "can exceed the update and the residual grows every round (error feedback needs a "
+                          "compressor whose error is smaller than its input); use it with topk, sign, rotation or a "
+                          f"cast, or {c.kind} without it")
     if uploads_model_update is False:
         raise ConfigError(f"compression.kind: compresses a model update, and {cfg.algorithm.name}'s round is not one "
                           "phase that uploads one (model_update=True)")

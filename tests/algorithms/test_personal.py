@@ -226,9 +226,10 @@ def test_apfl_steps_w_then_v_on_the_mixture_and_alpha_along_its_gradient(alpha_l
         assert results[cid].metrics["personal_accuracy"] == pytest.approx(accuracy(scored, TESTS[cid]))
 
 
-def test_perfedavg_first_order_meta_step_and_one_step_personal_model() -> None:
+@pytest.mark.parametrize("steps", [2, 1])  # one batch: the meta-step takes it as both D and D′ (it once skipped it)
+def test_perfedavg_first_order_meta_step_and_one_step_personal_model(steps: int) -> None:
     alpha, beta = 0.3, 0.2
-    server, worker = setup("perfedavg", f"algorithm.alpha={alpha}", f"algorithm.beta={beta}", "train.steps=2")
+    server, worker = setup("perfedavg", f"algorithm.alpha={alpha}", f"algorithm.beta={beta}", f"train.steps={steps}")
     w0 = {k: v.clone() for k, v in server.state.models["two_layer_personal"].items()}
     _, results = one_round(server, worker)
     for cid in (0, 1):
@@ -238,6 +239,7 @@ def test_perfedavg_first_order_meta_step_and_one_step_personal_model() -> None:
         for k in w0:
             torch.testing.assert_close(results[cid].payload[k], meta[k], rtol=1e-5, atol=1e-6)
         assert results[cid].metrics["personal_accuracy"] == pytest.approx(accuracy(trial, TESTS[cid]))
+        assert results[cid].metrics["steps"] == 1
         assert worker.store.get(cid) is None  # nothing personal to keep
 
 

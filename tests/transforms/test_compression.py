@@ -185,11 +185,12 @@ def test_compression_none_leaves_the_run_as_it_was(make_config):
         pd.testing.assert_frame_equal(deterministic(plain[table]), deterministic(none[table]))
 
 
-EF = ["compression.kind=randk", "compression.fraction=0.1", "compression.error_feedback=true"]
+EF = ["compression.kind=rotation", "compression.levels=4", "compression.error_feedback=true"]
 
 
 def test_the_same_numbers_on_one_and_two_workers(make_config):
-    """random-k's draws and the residuals do not depend on which worker holds a client."""
+    """The rotation's random signs and rounding, and the residuals, do not depend on which worker holds a
+    client."""
     cfg = make_config(*EF, rounds=3)
     one = load(run(cfg, LocalBackend(num_workers=1)))
     cfg.results.run_id = "two"
@@ -239,6 +240,8 @@ BAD = "name: bad\nrounds: 1\ndata: {name: digits, num_clients: 4}\nparticipation
     (["compression.levels=0"], "compression.levels: must be >= 1, got 0"),
     (["compression.kind=zip"], "compression.kind: must be one of ['none', 'fp16'"),
     (["compression.error_feedback=true"], "compression.error_feedback: needs a compression.kind"),
+    (["compression.kind=randk", "compression.error_feedback=true"], "compression.error_feedback: randk is unbiased by "
+                                                                   "scaling up what it keeps"),
     (["compression.kind=topk", "algorithm.name=feddf"], "compression.kind: compresses a model update, and feddf's "
                                                         "round is not one phase that uploads one"),
     (["compression.kind=qsgd", "algorithm.name=fednova"], "compression.kind: compresses a model update, and "
