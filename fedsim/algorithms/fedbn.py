@@ -18,7 +18,7 @@ from fedsim.method import Env, personal, register_algorithm
 
 @dataclass
 class FedBNParams:
-    pass
+    """No knobs of its own: the BatchNorm layers are the personal ones (FedPer's personal_layers does not apply)."""
 
 
 @register_algorithm

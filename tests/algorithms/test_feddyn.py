@@ -19,13 +19,13 @@ from fedsim.method import Phase, RoundInfo, SummedUpdate
 from fedsim.method.contract import get_algorithm
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
-from fedsim.runtime.callbacks import Callback, RoundRows
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
 from tests.algorithms.linear_model import register_linear
+from tests.runtime.test_resume_methods import StopAfter
 from tests.runtime.test_worker_count import comparable
 
 MODEL = register_linear("linear_feddyn")
@@ -157,13 +157,6 @@ def test_the_server_step_corrects_parameters_and_averages_buffers(make_config) -
 SMALL = ["algorithm.name=feddyn", "model.name=mlp", "data.num_clients=6", "participation.clients_per_round=4",
          "train.steps=3"]
 
-
-class StopAfter(Callback):
-    def __init__(self, round: int) -> None:
-        self.round = round
-
-    def on_round_end(self, round: int, rows: RoundRows) -> bool:
-        return round == self.round
 
 
 def test_one_and_two_workers_and_a_resumed_run_give_the_same_numbers(make_config) -> None:

@@ -18,12 +18,12 @@ from fedsim.method.contract import RoundInfo
 from fedsim.models import Classifier, register_model
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
-from fedsim.runtime.callbacks import Callback, RoundRows
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import run
 from fedsim.runtime.server import Server
 from fedsim.runtime.setup import Partition, Ragged
 from fedsim.runtime.worker import ClientWorker
+from tests.runtime.test_resume_methods import StopAfter
 from tests.runtime.test_worker_count import comparable
 
 
@@ -284,13 +284,6 @@ def test_personal_columns_use_own_shards_and_score_never_trained_clients_with_th
 SMALL = ["model.name=mlp", "data.num_clients=6", "participation.clients_per_round=3", "train.steps=2",
          "data.client_test=balanced"]
 
-
-class StopAfter(Callback):
-    def __init__(self, round: int) -> None:
-        self.round = round
-
-    def on_round_end(self, round: int, rows: RoundRows) -> bool:
-        return round == self.round
 
 
 def test_one_and_two_workers_and_a_resumed_run_give_the_same_numbers(make_config) -> None:
