@@ -209,15 +209,16 @@ class AsyncRun:
         self.seconds = self._seconds(self.models[self.version].common_bytes)
         ev = self.events
         if state.next_round == 0 and not ev.flying and ev.dispatched == 0:
-            self.dispatch(self.concurrency)
+            ev.owed = self.concurrency  # the first C dispatches, as many as are online at 0 (the rest wait)
         span = _Span(ev.now)
         while True:
             nxt = ev.flying[0] if ev.flying else None
             if ev.owed and (nxt is None or nxt.arrival > ev.now):
-                ready = self.online_free(ev.now)
+                on = self.online_at(ev.now)
+                ready = len(self.free) if on is None else int((on & ~self.busy).sum())
                 if ready:
                     count = min(ev.owed, ready)
-                    self.dispatch(count)
+                    self.dispatch(count, on)
                     ev.owed -= count
                     continue
                 wake = self.next_free_online(ev.now)  # nobody free is online: the dispatch waits for one
@@ -238,13 +239,10 @@ class AsyncRun:
     def _broadcast(self) -> BroadcastReply:
         return self.backend.server.broadcast(self.phase, RoundInfo(self.version, self.phase.name, [], [], {}))
 
-    def online_free(self, t: float) -> int:
-        """How many clients not in flight are online at t (all of them without an availability over time)."""
+    def online_at(self, t: float) -> np.ndarray | None:
+        """Who is online at t, every client (O(N)); None without an availability over time."""
         w = self.profiles.windows
-        if w is None:
-            return len(self.free)
-        free = np.flatnonzero(~self.busy)  # O(N), as the online lookup over them
-        return int(online(w, free, t).sum()) if len(free) else 0
+        return None if w is None else online(w, np.arange(self.cfg.data.num_clients), t)
 
     def next_free_online(self, t: float) -> float:
         """The first time after t that a client not in flight comes online (a DataError when none ever does and no
@@ -258,17 +256,16 @@ class AsyncRun:
                             "dispatched; give the trace a period or more intervals")
         return wake
 
-    def dispatch(self, count: int) -> None:
+    def dispatch(self, count: int, on: np.ndarray | None) -> None:
         """Dispatch `count` clients at `now`, one draw each among the available clients not in flight (all those not
         in flight when none is available), from the current version. With an availability over time only clients
-        online now are drawn (the caller counted at least `count`), and one whose interval ends before it would
+        online now (`on`) are drawn (the caller counted at least `count`), and one whose interval ends before it would
         arrive is marked offline: it is never trained, and its update is lost."""
         ev, cfg = self.events, self.cfg
         n = cfg.data.num_clients
         avail = self.profiles.availability
         some_away = self.some_away
         w = self.profiles.windows
-        on = online(w, np.arange(n), ev.now) if w is not None else None
         for _ in range(count):
             if some_away or on is not None:
                 g = streams.numpy_generator(cfg.seed, DISPATCH_STREAM, ev.dispatched)

@@ -155,6 +155,20 @@ def test_dispatch_draws_online_clients_waits_for_one_and_an_update_whose_client_
     assert set(before5["client"]) == {0, 1, 2} and (clients[clients["client"] == 1]["dispatch_time"] == 0).all()
 
 
+def test_fewer_clients_online_at_the_start_than_in_flight_dispatch_the_rest_when_one_is(tmp_path,
+                                                                                       make_config) -> None:
+    """4 in flight asked, 3 online at 0: those 3 start at 0 (the start once drew from no one and raised); the fourth
+    dispatch waits for a client outside the flight to be online, and client 3, online from 5, starts no earlier."""
+    avail = tmp_path / "online.csv"
+    avail.write_text("client,start,end\n0,0,1000\n1,0,1000\n2,0,1000\n3,5,1000\n")
+    cfg = make_config(*ASYNC, "algorithm.name=fedasync", "data.num_clients=4", "participation.concurrency=4",
+                      f"participation.availability={avail}", f"stragglers.trace={trace(tmp_path, [1.0] * 4)}",
+                      "eval.every=100", rounds=10)
+    clients = load(run(cfg, LocalBackend()))["clients"]
+    assert sorted(clients[clients["dispatch_time"] == 0]["client"]) == [0, 1, 2]
+    assert (clients[clients["client"] == 3]["dispatch_time"] >= 5).all() and (clients["status"] == "ok").all()
+
+
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 1000])
 def test_the_free_clients_kth_is_a_sorted_lists_through_takes_and_puts(n) -> None:
     """FreeClients (a Fenwick tree, O(log N) a dispatch) against the sorted list it replaces, whose k-th client the
