@@ -30,6 +30,11 @@ class Dataset:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     extras: dict = field(default_factory=dict)  # e.g. an embedding table for text datasets
+    # natural splits (LEAF, TFF, Hugging Face): each sample's client (writer, speaker, user) as a code 0..K-1, and
+    # the published id of each code; None for pooled datasets, which a partitioner splits
+    train_ids: np.ndarray | None = None
+    test_ids: np.ndarray | None = None
+    client_names: tuple[str, ...] = ()
 
     @property
     def input_shape(self) -> tuple[int, ...]:

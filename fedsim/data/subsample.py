@@ -62,4 +62,6 @@ def load_subsample(root: Path, download: bool, *, of: str | None = None, fractio
             m, s = (float(mean),) * c, (float(std),) * c
         xs = [normalise_(np.ascontiguousarray(x, dtype=np.float32), m, s) for x in xs]
     return Dataset(name=f"{base.name}-{fraction:g}", x_train=xs[0], y_train=base.y_train[keep], x_test=xs[1],
-                   y_test=base.y_test, num_classes=base.num_classes, mean=m, std=s, extras=dict(base.extras))
+                   y_test=base.y_test, num_classes=base.num_classes, mean=m, std=s, extras=dict(base.extras),
+                   train_ids=None if base.train_ids is None else base.train_ids[keep], test_ids=base.test_ids,
+                   client_names=base.client_names)
