@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,12 @@ class Dataset:
     train_ids: np.ndarray | None = None
     test_ids: np.ndarray | None = None
     client_names: tuple[str, ...] = ()
+
+    @classmethod
+    def of_arrays(cls, name: str, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Dataset:
+        """The dataset a worker or the server actor rebuilds from the run's shared arrays and the driver's metadata."""
+        return cls(name, arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], meta["num_classes"],
+                   tuple(meta["mean"]), tuple(meta["std"]), dict(meta.get("extras", {})))
 
     @property
     def input_shape(self) -> tuple[int, ...]:

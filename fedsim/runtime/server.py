@@ -63,8 +63,7 @@ class Server:
 
         self.device = torch.device(device) if device else pick_device()
         set_cuda_math(self.device, cfg.runtime.tf32)
-        data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
-                       extras=meta.get("extras", {}), **arrays)
+        data = Dataset.of_arrays(cfg.data.name, arrays, meta)
         self.env = build_env(cfg, data, part, self.device)
         self.env.extras.setdefault("server_data", data)
         self.env.extras.setdefault("partition", part)

@@ -112,8 +112,7 @@ class ClientWorker:
         set_cuda_math(self.device, cfg.runtime.tf32)
         from fedsim.data import Dataset
 
-        data = Dataset(name=cfg.data.name, num_classes=meta["num_classes"], mean=meta["mean"], std=meta["std"],
-                       extras=meta.get("extras", {}), **arrays)
+        data = Dataset.of_arrays(cfg.data.name, arrays, meta)
         self.part = part
         self.env = build_env(cfg, data, part, self.device)
         self.env.extras.setdefault("eval_data", data)  # the test subset of evaluation-only mechanism columns
