@@ -204,7 +204,10 @@ def test_hf_femnist_from_hub_parquet_shards_with_a_per_client_holdout(tmp_path: 
     # each kept row is the image and label of its row in the files, rows in file order
     rows = np.concatenate([np.flatnonzero(np.asarray(writers) == c) for c in ("f1", "f2", "f3")])
     raw = images.astype(np.float32) / 255
-    train_rows = np.sort(rows[np.isin(rows, _rows_of(ds.x_train, raw, ds))])
+    found = _rows_of(ds.x_train, raw, ds)
+    np.testing.assert_allclose(ds.x_train[:, 0] * ds.std[0] + ds.mean[0], raw[found], atol=1e-5)  # PNG round trip
+    train_rows = np.sort(rows[np.isin(rows, found)])
+    np.testing.assert_array_equal(found, train_rows)  # kept in file order
     np.testing.assert_array_equal(ds.y_train, np.asarray(labels)[train_rows])
     np.testing.assert_array_equal(ds.train_ids, [{"f1": 0, "f2": 1, "f3": 2}[writers[r]] for r in train_rows])
     again = load_dataset("hf", tmp_path, path=str(data.parent), preset="flwrlabs/femnist")
