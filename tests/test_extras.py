@@ -93,6 +93,8 @@ def test_extras_declare_the_optional_dependencies():
     extras = _extras()
     assert extras["faiss"] == ["faiss-cpu>=1.8"] and extras["medmnist"] == ["medmnist>=3.0"]
     assert set(extras["faiss"] + extras["medmnist"]) <= set(extras["all"])
+    assert extras["tff"] == ["h5py>=3.8"] and {"h5py>=3.8"} <= set(extras["all"]) & set(extras["dev"])
+    assert "h5py" not in required
     # faiss-gpu and faiss-cpu install the same `faiss` module: [gpu] must not bring faiss-cpu, nor [all] faiss-gpu
     assert not any("faiss-cpu" in r for r in extras["gpu"]) and not any("gpu" in r for r in extras["all"])
     makefile = (Path(ROOT) / "Makefile").read_text()

@@ -59,8 +59,9 @@ class PartitionConfig:
 @dataclass
 class DataConfig:
     name: str = knob("digits", doc="dataset: digits (embedded), synthetic, cifar10, cifar100, pathmnist and the "
-                     "other MedMNIST 2D sets, mnist, fashionmnist, emnist, svhn, npz, text_tsv and text_npz "
-                     "(token ids), subsample (a seeded fraction of another)")
+                     "other MedMNIST 2D sets, mnist, fashionmnist, emnist, svhn, tff_emnist and tff_cifar100 (TFF's "
+                     "HDF5 files), hf (a local Hugging Face copy), npz, text_tsv and text_npz (token ids), subsample "
+                     "(a seeded fraction of another)")
     root: str = knob("~/.fedsim/data", doc="folder holding downloaded datasets")
     download: bool = knob(False, doc="let torchvision/medmnist download missing files (needs internet)")
     options: dict[str, Any] = knob({}, doc="loader options, e.g. {path: my.npz} for npz, {size: 32}")

@@ -32,7 +32,8 @@ class Dataset:
     std: tuple[float, ...] = ()
     extras: dict = field(default_factory=dict)  # e.g. an embedding table for text datasets
     # natural splits (LEAF, TFF, Hugging Face): each sample's client (writer, speaker, user) as a code 0..K-1, and
-    # the published id of each code; None for pooled datasets, which a partitioner splits
+    # the published id of each code; None for pooled datasets, which a partitioner splits. A test sample whose client
+    # has no training samples (TFF CIFAR-100's test clients, built from other images) has test id -1: central only
     train_ids: np.ndarray | None = None
     test_ids: np.ndarray | None = None
     client_names: tuple[str, ...] = ()
