@@ -345,3 +345,13 @@ def test_one_round_of_each_with_its_model(tmp_path: Path, name: str, model: str,
                             f"results.root={tmp_path / 'results'}"], backend="local")
     rounds = load(run)["rounds"]
     assert len(rounds) >= 1 and np.isfinite(rounds["loss"].to_numpy(dtype=float)[-1])
+
+
+@pytest.mark.parametrize("name", ["femnist", "shakespeare", "sent140"])
+def test_the_baseline_configs_load(name: str) -> None:
+    from fedsim.configure import load_config
+    from tests.conftest import ROOT
+
+    cfg = load_config(Path(ROOT) / "configs" / "leaf" / f"{name}.yaml")
+    assert cfg.data.name == f"leaf_{name}" and cfg.data.options["split"] == "sample"
+    assert cfg.train.batch_size == 10 and cfg.train.momentum == 0.0
