@@ -185,9 +185,10 @@ def test_sampling_removal_and_split_equal_leafs_scripts(tmp_path: Path, iid: boo
                         by_user=by_user, tf=0.6, seed1=7, seed2=11)
     assert [ours(u) for u in got] == [theirs(u) for u in want]
     assert sum(len(u[2]) for u in ours(got[0])) > 0 and len(got[1]) > 0
-    if not iid:  # the non-iid sample keeps ⌊0.7·n⌋ samples of each file: 14 of 20 and 12 of 17, before removal
-        sampled = [len(x) for _, x, _ in (*ours(got[0]), *ours(got[1]))]
-        assert sum(sampled) <= 14 + 12
+    # both samplings keep ⌊0.7·n⌋ samples of each file: 14 of 20 and 11 of 17 (a user split loses none of them)
+    whole = Steps(**{**steps.__dict__, "min_samples": None, "split": "user"})
+    kept = preprocess("leaf_sent140", tmp_path / "data" / "all_data", _sent140, whole, time_ordered=False)
+    assert sum(len(y) for side in kept for _, _, y in side) == 14 + 11
     # the orders: both steps reversed give LEAF's result for that listing
     steps = Steps(**{**steps.__dict__, "sample_order": ["all_data_10.json", "all_data_1.json"],
                      "split_order": ["all_data_1.json", "all_data_10.json"]})
