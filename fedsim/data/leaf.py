@@ -7,8 +7,9 @@ with LEAF's own `random.Random` use, so the users and samples equal what the scr
 
 Each file is {"users": [...], "num_samples": [...], "user_data": {user: {"x": [...], "y": [...]}}}. A user's id
 gets one client code 0..K-1, the same in train and test and across files (a user in several files is merged):
-codes follow the users' first appearance in the training files, then test-only users (LEAF's user split puts
-every user on one side). `client_names[code]` is the published id.
+codes number the sorted training user ids (fedsim.data.natural, as for TFF and Flower's natural-id partitioner), and
+a test user with no training samples (LEAF's user split puts every user on one side) gets -1: central test only.
+`client_names[code]` is the published id.
 
   - leaf_femnist: x 784 floats in [0, 1] → 1×28×28 float32, normalised with the training set's own mean/std;
     y in 0..61 (digits, upper case, lower case).
@@ -57,17 +58,16 @@ from fedsim.data.leaf_sampling import (
     split_by_sample,
     split_by_user,
 )
+from fedsim.data.letters import NUM_LETTERS, letter_ids
+from fedsim.data.natural import natural_codes
 from fedsim.data.registry import Dataset, register_dataset
 from fedsim.errors import ConfigError, DataError
 
-LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"  # LEAF's table
 WORDS = re.compile(r"[\w']+|[.,!?;]")  # LEAF's split_line
 SENT140_LEN = 25
 SENT140_VOCAB = 10_000
 FEMNIST_PIXELS = 784
 SAMPLE_SEED, SPLIT_SEED = 1549786595, 1549786796  # LEAF's paper_experiments/femnist.sh
-_LUT = np.full(128, -1, dtype=np.int64)
-_LUT[[ord(c) for c in LETTERS]] = np.arange(len(LETTERS))
 LIMITS: dict[str, dict[str, float]] = {"sf": {"gt": 0, "le": 1}, "iu": {"gt": 0, "le": 1}, "min_samples": {"ge": 0},
           "train_fraction": {"gt": 0, "lt": 1}, "sample_seed": {"ge": 0, "le": MAX_SEED},
           "split_seed": {"ge": 0, "le": MAX_SEED}, "vocab_size": {"ge": 1, "le": 100_000_000},
@@ -134,20 +134,8 @@ def _femnist(x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     return xa, _labels(y, 62, where)
 
 
-def _letters(strings: list, length: int, where: str, what: str) -> np.ndarray:
-    """len(strings)×length ids in LEAF's table of strings that each have `length` characters."""
-    if not all(isinstance(s, str) and len(s) == length for s in strings):
-        raise DataError(f"{where}: {what} must be strings of {length} characters")
-    codes = np.frombuffer("".join(strings).encode("utf-32-le"), dtype=np.uint32)
-    ids = np.where(codes < 128, _LUT[np.minimum(codes, 127)], -1)
-    if (ids < 0).any():
-        bad = chr(int(codes[np.argmax(ids < 0)]))
-        raise DataError(f"{where}: character {bad!r} in {what} is not in LEAF's 80-symbol table")
-    return ids.reshape(len(strings), length)
-
-
 def _shakespeare(x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
-    return _letters(x, 80, where, "x"), _letters(y, 1, where, "y").reshape(-1)
+    return letter_ids(x, f"{where}: x", 80), letter_ids(y, f"{where}: y", 1).reshape(-1)
 
 
 def _sent140(x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -285,14 +273,13 @@ def read_split(name: str, data: Path, convert: Convert, test_window: int) -> tup
     return out[0], out[1]
 
 
-def _arrays(users: Users, codes: dict[str, int], empty: np.ndarray) -> Arrays:
-    """Users' samples concatenated, with each sample's client code."""
+def _arrays(users: Users, empty: np.ndarray) -> Arrays:
+    """Users' samples concatenated, with each sample's user id."""
     if not users:
-        return empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=str)
     x = np.concatenate([x for _, x, _ in users])
     y = np.concatenate([y for _, _, y in users])
-    ids = np.concatenate([np.full(len(yy), codes[u], dtype=np.int64) for u, _, yy in users])
-    return x, y, ids
+    return x, y, np.concatenate([np.full(len(yy), u) for u, _, yy in users])
 
 
 def leaf_users(name: str, root: Path, convert: Convert, steps: Steps, time_ordered: bool = False,
@@ -303,11 +290,10 @@ def leaf_users(name: str, root: Path, convert: Convert, steps: Steps, time_order
         train, test = read_split(name, data, convert, 79 if time_ordered else 0)
     else:
         train, test = preprocess(name, data / "all_data", convert, steps, time_ordered)
-    codes: dict[str, int] = {}
-    for user, _, _ in (*train, *test):
-        codes.setdefault(user, len(codes))
     blank = empty if empty is not None else np.zeros(0)
-    return _arrays(train, codes, blank), _arrays(test, codes, blank), tuple(codes)
+    (x_tr, y_tr, users_tr), (x_te, y_te, users_te) = _arrays(train, blank), _arrays(test, blank)
+    id_tr, id_te, names = natural_codes(users_tr, users_te)
+    return (x_tr, y_tr, id_tr), (x_te, y_te, id_te), names
 
 
 # ---------------------------------------------------------------- the datasets
@@ -344,7 +330,7 @@ def load_leaf_shakespeare(root: Path, download: bool, *, sampling: Literal["niid
     (x_tr, y_tr, id_tr), (x_te, y_te, id_te), names = leaf_users(
         "leaf_shakespeare", root, _shakespeare, steps, time_ordered=True,
         empty=np.zeros((0, 80), dtype=np.int64))
-    return Dataset("leaf_shakespeare", x_tr, y_tr, x_te, y_te, len(LETTERS), train_ids=id_tr, test_ids=id_te,
+    return Dataset("leaf_shakespeare", x_tr, y_tr, x_te, y_te, NUM_LETTERS, train_ids=id_tr, test_ids=id_te,
                    client_names=names)
 
 
