@@ -92,8 +92,8 @@ def skewed_sizes(kind: str, n: int, k: int) -> np.ndarray:
     sizes[-1] += n - sizes.sum()
     if not np.isfinite(units.sum()) or sizes.min() < 1:
         small = int(np.argmin(sizes)) if np.isfinite(units.sum()) else 0
-        raise ConfigError(f"data.partition.kind: {kind} sizes give client {small} "
-                          f"{max(int(sizes[small]), 0)} of the {n} training samples (each needs >= 1) with "
+        raise ConfigError(f"data.partition.kind: {kind} sizes leave client {small} with "
+                          f"{max(int(sizes[small]), 0)} of the {n} training samples (each needs >= 1) at "
                           f"{k} clients; use fewer clients or another kind")
     return sizes
 
