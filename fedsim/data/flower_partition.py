@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedsim.data.partition import _as_labels
 from fedsim.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def flower_partition(labels: np.ndarray, num_clients: int, kind: str, seed: int,
     """Flower's partitioner `kind` (iid, dirichlet, shards, inner_dirichlet, pathological, linear, square,
     exponential) after FederatedDataset's pre-shuffle, both with `seed`; one sorted int64 index array per client."""
     opts = opts or FlowerOptions()
+    labels = _as_labels(labels)
     n, k = len(labels), num_clients
     if k > n:
         raise ConfigError(f"data.num_clients: {k} clients but only {n} training samples")
