@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FLOWER_VENV = REPO / ".venv-flower"
-FLOWER_PINS = ["flwr[simulation]==1.41.*", "psutil"]
+FLOWER_PINS = ["flwr[simulation]==1.41.*", "flwr-datasets==0.6.*", "psutil"]  # flwr-datasets: the partitioners
 PFL_VENV = REPO / ".venv-pfl"
 PFL_PINS = ["pfl[pytorch]==0.6.0", "psutil"]
 OPACUS_VENV = REPO / ".venv-opacus"

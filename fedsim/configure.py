@@ -104,11 +104,13 @@ def validate(cfg: RunConfig) -> None:
     check_folder_name("name", cfg.name, max_len=200)  # the run folder is <name>-<timestamp>
     if cfg.results.run_id is not None:
         check_folder_name("results.run_id", cfg.results.run_id, max_len=255)
+    from fedsim.data.flower_partition import check_partition
     from fedsim.data.generated import check_generated  # imports torch: after the checks that need no registry
     from fedsim.data.registry import check_options
     from fedsim.models.registry import check_model_options
 
     check_generated(cfg)  # first: with generated shards the options are the synthetic set's
+    check_partition(cfg)
     if cfg.data.partition.kind == "generated":
         from fedsim.method.contract import get_algorithm
 

@@ -720,6 +720,98 @@ def test_server_optimisers_step_as_flowers_own_strategies(tmp_path, strategy):
                                        err_msg=f"{strategy} round {t} layer {i}")
 
 
+# fedsim's data.partition options of each compared split (13 natural ids: 4 groups of 4 with a smaller last one,
+# 3 bigger ones, or 3 with the rest dropped); every case at Flower's default seed 42 and at seed 3
+PARTITION_CASES = [
+    {"kind": "iid", "num_clients": 7},
+    {"kind": "linear", "num_clients": 5}, {"kind": "square", "num_clients": 5},
+    {"kind": "exponential", "num_clients": 4},
+    {"kind": "dirichlet", "num_clients": 8, "alpha": 1.0, "min_samples": 25},  # 6 draws at both seeds
+    {"kind": "dirichlet", "num_clients": 6, "alpha": 0.3, "min_samples": 5, "self_balancing": True},
+    {"kind": "inner_dirichlet", "num_clients": 4, "alpha": 0.5, "sizes": [50, 100, 70, 80]},
+    {"kind": "inner_dirichlet", "num_clients": 5, "alpha": 2.0, "size_skew": "square"},
+    {"kind": "pathological", "num_clients": 8, "classes_per_client": 2},
+    {"kind": "pathological", "num_clients": 8, "classes_per_client": 3, "class_assignment": "deterministic"},
+    {"kind": "pathological", "num_clients": 8, "classes_per_client": 2, "class_assignment": "first-deterministic"},
+    {"kind": "shards", "num_clients": 5, "shards_per_client": 3},
+    {"kind": "shards", "num_clients": 5, "shards_per_client": 3, "keep_incomplete": True},
+    {"kind": "shards", "num_clients": 6, "shards_per_client": None, "shard_size": 23},
+    {"kind": "shards", "num_clients": 6, "shards_per_client": None, "shard_size": 23, "keep_incomplete": True},
+    {"kind": "shards", "num_clients": 4, "shards_per_client": 2, "shard_size": 20},
+    {"kind": "natural_id", "num_clients": 13},
+    {"kind": "grouped_natural_id", "num_clients": 4, "group_size": 4},
+    {"kind": "grouped_natural_id", "num_clients": 3, "group_size": 4, "group_mode": "allow-bigger"},
+    {"kind": "grouped_natural_id", "num_clients": 3, "group_size": 4, "group_mode": "drop-reminder"},
+    {"kind": "grouped_natural_id", "num_clients": 1, "group_size": 13, "group_mode": "strict"},
+]
+
+
+@pytest.mark.skipif(not (_flower_venv_installed() and any(
+        (Path(__file__).resolve().parents[1] / ".venv-flower").glob("lib/python*/site-packages/flwr_datasets"))),
+    reason="needs flwr-datasets in the bench's Flower venv (.venv-flower, made by `make bench`)")
+def test_partitions_equal_flower_datasets_own(tmp_path):
+    """The oracle of the bench tier: flwr-datasets' own partitioners behind FederatedDataset(shuffle=True, seed), in
+    Flower's venv: with data.partition.flower every client's index list is Flower's partition's, for every kind.
+    It also settles two points read from the code but not run before: HF's `unique` keeps the unshuffled table's
+    first-appearance order (grouped natural ids), and HF's sort is stable (shards); the alternatives differ."""
+    from bench.runner import FLOWER_VENV, REPO, run_program
+    from fedsim.configure import load_config
+    from fedsim.data import Dataset
+    from fedsim.data.flower_partition import natural_groups, natural_members, skewed_sizes
+    from fedsim.runtime.setup import make_partition
+
+    g = np.random.default_rng(7)
+    labels, ids = g.integers(0, 6, 300), g.integers(0, 13, 300)
+    x = np.zeros((300, 1, 2, 2), np.float32)
+    data = Dataset("t", x, labels, x[:6], labels[:6], num_classes=6, train_ids=ids, test_ids=ids[:6])
+    ours, cases = [], []
+    for seed in (42, 3):
+        for case in PARTITION_CASES:
+            options = {k: v for k, v in case.items() if k != "num_clients"}
+            cfg = load_config(None, ["runtime.backend=local", "data.val_fraction=0", "data.partition.flower=true",
+                                     f"data.num_clients={case['num_clients']}",
+                                     *([] if seed == 42 else [f"data.partition.seed={seed}"]),
+                                     *[f"data.partition.{k}={'null' if v is None else v}" for k, v in options.items()]])
+            part, p = make_partition(cfg, data), cfg.data.partition
+            ours.append([part.train[i] for i in range(cfg.data.num_clients)])
+            sizes = list(p.sizes) or skewed_sizes(p.size_skew, 300, cfg.data.num_clients).tolist()
+            cases.append({"kind": p.kind, "seed": seed, "num_clients": cfg.data.num_clients, "alpha": p.alpha,
+                          "min_samples": p.min_samples, "self_balancing": p.self_balancing, "sizes": sizes,
+                          "classes_per_client": p.classes_per_client, "class_assignment": p.class_assignment,
+                          "shards_per_client": p.shards_per_client, "shard_size": p.shard_size,
+                          "keep_incomplete": p.keep_incomplete, "group_size": p.group_size,
+                          "group_mode": p.group_mode})
+    np.savez(tmp_path / "data.npz", label=labels, id=ids)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    res = run_program([str(FLOWER_VENV / "bin" / "python"), "-m", "bench.flower_partition",
+                       str(tmp_path / "data.npz"), str(tmp_path / "cases.json"), str(tmp_path / "out.json")],
+                      tmp_path / "flower.log", timeout=300, cwd=REPO, env={"HF_HOME": str(tmp_path / "hf")})
+    assert res.get("cases") == len(cases), (tmp_path / "flower.log").read_text()[-2000:]
+    theirs = json.loads((tmp_path / "out.json").read_text())
+    for case, mine, flower in zip(cases, ours, theirs):
+        assert [m.tolist() for m in mine] == [sorted(f) for f in flower], case
+    flower_sets = [[sorted(f) for f in t] for t in theirs]
+    # the alternatives: ids in order of first appearance after the shuffle; label ties broken the other way
+    grouped = [(i, c) for i, c in enumerate(cases) if c["kind"] == "grouped_natural_id" and c["group_mode"] !=
+               "strict"]
+    moved = 0
+    for i, c in grouped:
+        perm = np.random.default_rng(c["seed"]).permutation(300)
+        after = natural_groups(ids[perm], c["kind"], c["group_size"], c["group_mode"])
+        moved += [m.tolist() for m in natural_members(ids, after)] != flower_sets[i]
+    assert moved == len(grouped)
+    shard_cases = [(i, c) for i, c in enumerate(cases) if c["kind"] == "shards" and c["shard_size"] is None]
+    for i, c in shard_cases:
+        perm = np.random.default_rng(c["seed"]).permutation(300)
+        other_ties = perm[np.lexsort((-np.arange(300), labels[perm]))]
+        k, per = c["num_clients"], c["shards_per_client"]
+        size = 300 // (k * per)
+        usable = -(-300 // size) if c["keep_incomplete"] else 300 // size
+        dealt = np.random.default_rng(c["seed"]).permutation(usable)[:k * per].reshape(k, per)
+        alt = [sorted(np.concatenate([other_ties[s * size:(s + 1) * size] for s in row]).tolist()) for row in dealt]
+        assert alt != flower_sets[i]
+
+
 @pytest.mark.skipif(not (Path(__file__).resolve().parents[1] / ".venv-opacus" / ".installed").is_file(),
                     reason="needs the bench's Opacus venv (.venv-opacus, made by `make bench`)")
 @pytest.mark.parametrize("arch, options", [("cnn", {}), ("resnet8", {"norm": "group"})])

@@ -41,14 +41,50 @@ RESUME_SAFE = ("name", "rounds", "eval", "results", "runtime", "tracking", "data
 
 @dataclass
 class PartitionConfig:
-    kind: Literal["iid", "dirichlet", "shards", "generated"] = knob(
-        "dirichlet", doc="how train samples are split over clients; generated: each client's shard is drawn when it "
-        "trains (data.name: synthetic; fedsim.data.generated)")
-    alpha: float = knob(0.5, gt=0, doc="Dirichlet concentration over labels (Hsu et al. 2019); smaller is more skewed; "
-                        "generated: each client's class mix is Dirichlet(alpha)")
+    kind: Literal["iid", "dirichlet", "shards", "inner_dirichlet", "pathological", "linear", "square",
+                  "exponential", "natural_id", "grouped_natural_id", "generated"] = knob(
+        "dirichlet", doc="how train samples are split over clients (docs/data/partitioners.md): iid, dirichlet, "
+        "shards (fedsim's, scaling to 100k+ clients; Flower's with flower: true); inner_dirichlet, pathological, "
+        "linear, square, exponential, natural_id, grouped_natural_id (flwr-datasets' partitioners, with "
+        "FederatedDataset's pre-shuffle, in either mode); generated: each client's shard is drawn when it trains "
+        "(data.name: synthetic; fedsim.data.generated)")
+    flower: bool = knob(False, doc="reproduce flwr-datasets 0.6 exactly: FederatedDataset(shuffle=True, seed)'s "
+                        "pre-shuffle, then Flower's partitioner of this kind with the same seed, so each client holds "
+                        "the samples of Flower's partition of its id; switches iid, dirichlet and shards to Flower's "
+                        "algorithms and seed's default to 42")
+    seed: int | None = knob(None, ge=0, le=MAX_SEED, doc="seed of the partition (and of Flower's pre-shuffle); "
+                            "null: 42 with flower: true (Flower's default), else the run seed's stream "
+                            "data/partition")
+    alpha: float = knob(0.5, gt=0, doc="Dirichlet concentration (Hsu et al. 2019); smaller is more skewed: over "
+                        "clients per class (dirichlet), over classes per client (inner_dirichlet); generated: each "
+                        "client's class mix is Dirichlet(alpha)")
     min_samples: int = knob(10, ge=1, le=MAX_SAMPLES,
-                            doc="every client gets at least this many train samples (dirichlet)")
-    shards_per_client: int = knob(2, ge=1, le=MAX_SAMPLES, doc="label-sorted shards per client (shards)")
+                            doc="every client gets at least this many train samples (dirichlet; Flower's "
+                            "min_partition_size with flower: true)")
+    self_balancing: bool = knob(False, doc="dirichlet with flower: true: a client already above n/num_clients "
+                                "samples gets no share of the later classes (Flower's self_balancing)")
+    sizes: list[int] = knob([], ge=0, le=MAX_SAMPLES, doc="inner_dirichlet: each client's train samples, one per "
+                            "client, summing to the training set; empty: from size_skew")
+    size_skew: Literal["equal", "linear", "square", "exponential"] = knob(
+        "equal", doc="inner_dirichlet without sizes: client sizes as the iid (equal), linear, square or exponential "
+        "kind would give them")
+    classes_per_client: int = knob(2, ge=1, le=MAX_SAMPLES, doc="pathological: classes each client holds "
+                                   "(Flower's num_classes_per_partition)")
+    class_assignment: Literal["random", "deterministic", "first-deterministic"] = knob(
+        "random", doc="pathological: a client's classes drawn at random, consecutive from its id (id mod C, ...), "
+        "or its id mod C then random ones")
+    shards_per_client: int | None = knob(2, ge=1, le=MAX_SAMPLES,
+                                         doc="label-sorted shards per client (shards); null with flower: true: "
+                                         "the count follows from shard_size")
+    shard_size: int | None = knob(None, ge=1, le=MAX_SAMPLES, doc="shards with flower: true: samples per shard; "
+                                  "null: the training set over num_clients × shards_per_client")
+    keep_incomplete: bool = knob(False, doc="shards with flower: true: the last, smaller shard may be dealt too "
+                                 "(Flower's keep_incomplete_shard)")
+    group_size: int = knob(2, ge=1, le=MAX_CLIENTS, doc="grouped_natural_id: natural ids (writers, users) per "
+                           "client")
+    group_mode: Literal["allow-smaller", "allow-bigger", "drop-reminder", "strict"] = knob(
+        "allow-smaller", doc="grouped_natural_id: the ids left over make a smaller last group, join the groups "
+        "(array_split), are dropped, or are an error (Flower's mode names)")
     samples_per_client: int = knob(50, ge=1, le=MAX_SAMPLES,
                                    doc="generated: samples in a client's shard, validation split included (the "
                                    "median when samples_sigma > 0)")
@@ -68,8 +104,10 @@ class DataConfig:
     num_clients: int = knob(20, ge=1, le=MAX_CLIENTS, doc="registered clients")
     partition: PartitionConfig = knob(factory=PartitionConfig)
     val_fraction: float = knob(0.1, ge=0, lt=1, doc="per-client validation split of its train shard")
-    client_test: Literal["none", "balanced", "proportional"] = knob(
-        "none", doc="give each client a personal test shard (for personalised methods)")
+    client_test: Literal["none", "balanced", "proportional", "natural"] = knob(
+        "none", doc="give each client a personal test shard (for personalised methods): balanced over classes, "
+        "proportional to its train labels, or natural: the test samples of its own natural ids (natural_id and "
+        "grouped_natural_id)")
 
 
 @dataclass

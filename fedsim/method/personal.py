@@ -41,7 +41,7 @@ def require_client_test(env: Env, method: str, hint: str = "") -> None:
     """Personal models are scored on personal test shards; refuse to run without them."""
     if env.config.data.client_test == "none":
         raise ConfigError(f"data.client_test: {method} scores each personal model on its own test shard; "
-                          f"set it to 'balanced'{hint} or 'proportional'")
+                          f"set it to 'balanced'{hint}, 'proportional' or 'natural'")
 
 
 def head_prefixes(model: torch.nn.Module) -> list[str]:
@@ -121,7 +121,8 @@ def test_shard(ctx: ClientContext) -> tuple[torch.Tensor, torch.Tensor]:
     """The client's own test inputs and labels; a ConfigError when the run gives clients none."""
     d = ctx.data
     if d.x_test is None or d.y_test is None:
-        raise ConfigError("data.client_test: this method needs personal test shards ('balanced' or 'proportional')")
+        raise ConfigError("data.client_test: this method needs personal test shards ('balanced', 'proportional' or "
+                          "'natural')")
     return d.x_test, d.y_test
 
 

@@ -10,6 +10,15 @@ import torch
 from fedsim import rng
 from fedsim.config.schema import RunConfig
 from fedsim.data import Dataset, client_test_shards, load_dataset, partition, split_validation
+from fedsim.data.flower_partition import (
+    FLOWER_SEED,
+    NATURAL_KINDS,
+    NEW_KINDS,
+    flower_partition,
+    natural_groups,
+    natural_members,
+    options_of,
+)
 from fedsim.data.generated import GeneratedShards, make_shards, test_set
 from fedsim.errors import ConfigError
 from fedsim.method.client_archs import ClientArchs
@@ -65,15 +74,45 @@ def make_partition(cfg: RunConfig, data: Dataset) -> AnyPartition:
         sizes = rng.numpy_generator(cfg.seed, "data/shard_sizes") if p.samples_sigma > 0 else None
         return make_shards(cfg.data.options, cfg.data.num_clients, p.samples_per_client, p.samples_sigma, p.alpha,
                            cfg.data.val_fraction, cfg.data.client_test, cfg.seed, sizes)
-    parts = partition(data.y_train, cfg.data.num_clients, p.kind, rng.seed(cfg.seed, "data/partition"), alpha=p.alpha,
-                      min_samples=p.min_samples, shards_per_client=p.shards_per_client)
+    parts, test_parts = _split(cfg, data)
     train, val = split_validation(parts, cfg.data.val_fraction, rng.seed(cfg.seed, "data/validation"))
     test = None
-    if cfg.data.client_test != "none":
+    if test_parts is not None:
+        test = Ragged.from_list(test_parts)
+    elif cfg.data.client_test != "none":
         seed = rng.seed(cfg.seed, "data/client_test")
         test = Ragged.from_list(client_test_shards(data.y_test, cfg.data.num_clients, cfg.data.client_test, seed,
                                                    train_parts=train, train_labels=data.y_train))
     return Partition(Ragged.from_list(train), Ragged.from_list(val), test)
+
+
+def _split(cfg: RunConfig, data: Dataset) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Each client's train indices, and with data.client_test: natural its own test indices: fedsim's scalable
+    iid/dirichlet/shards, or flwr-datasets' partitioners (fedsim.data.flower_partition)."""
+    p, k = cfg.data.partition, cfg.data.num_clients
+    if p.kind in NATURAL_KINDS:
+        if data.train_ids is None:
+            raise ConfigError(f"data.partition.kind: {p.kind} needs each sample's natural client, which dataset "
+                              f"{cfg.data.name!r} does not have")
+        groups = natural_groups(data.train_ids, p.kind, p.group_size, p.group_mode)
+        if len(groups) != k:
+            raise ConfigError(f"data.num_clients: {p.kind} makes {len(groups)} clients of dataset "
+                              f"{cfg.data.name!r}, but data.num_clients is {k}")
+        if cfg.data.client_test != "natural":
+            return natural_members(data.train_ids, groups), None
+        if data.test_ids is None:
+            raise ConfigError(f"data.client_test: natural needs each test sample's natural client, which dataset "
+                              f"{cfg.data.name!r} does not have")
+        return natural_members(data.train_ids, groups), natural_members(data.test_ids, groups)
+    if p.seed is not None:
+        seed = p.seed
+    else:
+        seed = FLOWER_SEED if p.flower else rng.seed(cfg.seed, "data/partition")
+    if p.flower or p.kind in NEW_KINDS:
+        return flower_partition(data.y_train, k, p.kind, seed, options_of(p)), None
+    assert p.shards_per_client is not None  # fedsim.data.flower_partition.check_partition
+    return partition(data.y_train, k, p.kind, seed, alpha=p.alpha, min_samples=p.min_samples,
+                     shards_per_client=p.shards_per_client), None
 
 
 def client_archs(cfg: RunConfig) -> ClientArchs:
