@@ -148,6 +148,9 @@ def test_natural_id_is_one_client_per_id_in_sorted_order() -> None:
     with pytest.raises(ConfigError, match="group_mode strict needs it to divide the 5 natural ids"):
         natural_groups(TRAIN_IDS, "grouped_natural_id", 2, "strict")
     assert len(natural_groups(TRAIN_IDS, "grouped_natural_id", 9, "allow-smaller")) == 1
+    # a test sample of a client with no training samples (id -1) belongs to no client, not to the last id's
+    same(natural_members(np.array([-1, 4, 0, -1]), natural_groups(TRAIN_IDS, "natural_id")),
+         [[2], [], [], [], [1]])
 
 
 def test_the_default_partitions_are_fedsims_own_at_the_run_seeds_stream(make_config) -> None:
