@@ -97,7 +97,7 @@ def _split(cfg: RunConfig, data: Dataset) -> tuple[list[np.ndarray], list[np.nda
         groups = natural_groups(data.train_ids, p.kind, p.group_size, p.group_mode)
         if len(groups) != k:
             raise ConfigError(f"data.num_clients: {p.kind} makes {len(groups)} clients of dataset "
-                              f"{cfg.data.name!r}, but data.num_clients is {k}")
+                              f"{cfg.data.name!r}, but data.num_clients is {k}: set data.num_clients={len(groups)}")
         if cfg.data.client_test != "natural":
             return natural_members(data.train_ids, groups), None
         if data.test_ids is None:

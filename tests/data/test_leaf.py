@@ -339,14 +339,23 @@ def test_one_round_of_each_with_its_model(tmp_path: Path, name: str, model: str,
         write(tmp_path / "data" / "test", "a.json", {"a": ([tweet("good")], [1])})
         options = "{vocab_size: 20}"
     data_options = options if name == "leaf_sent140" else "{}"  # the model's vocabulary is the data's
-    run = fedsim.run(None, ["rounds=1", "name=leaf", f"data.name={name}", f"data.root={tmp_path}",
-                            "data.num_clients=2", "data.partition.kind=iid", "data.val_fraction=0",
-                            f"data.options={data_options}",
-                            f"model.name={model}", f"model.options={options}", "participation.clients_per_round=2",
+    # FEMNIST: each writer one client, scored on its own test samples by a personal method
+    split = ["data.num_clients=3", "data.partition.kind=natural_id", "data.client_test=natural",
+             "algorithm.name=fedper", "participation.clients_per_round=3"] if name == "leaf_femnist" else \
+        ["data.num_clients=2", "data.partition.kind=iid", "participation.clients_per_round=2"]
+    run = fedsim.run(None, ["rounds=1", "name=leaf", f"data.name={name}", f"data.root={tmp_path}", *split,
+                            "data.val_fraction=0", f"data.options={data_options}",
+                            f"model.name={model}", f"model.options={options}",
                             "train.epochs=1", "train.batch_size=4", "train.lr=0.01", "runtime.backend=local",
                             f"results.root={tmp_path / 'results'}"], backend="local")
-    rounds = load(run)["rounds"]
-    assert len(rounds) >= 1 and np.isfinite(rounds["loss"].to_numpy(dtype=float)[-1])
+    res = load(run)
+    rounds = res["rounds"]
+    if name == "leaf_femnist":  # w1, w2, w3: 4, 2, 2 training and 2, 1, 1 test samples (femnist_folder)
+        clients = res["clients"].set_index("client").sort_index()
+        assert clients["samples"].tolist() == [4, 2, 2] and clients["test_samples"].tolist() == [2, 1, 1]
+        assert rounds["personal_accuracy_mean"].notna().all() and (rounds["personal_trained"] == 3).all()
+    else:
+        assert len(rounds) >= 1 and np.isfinite(rounds["loss"].to_numpy(dtype=float)[-1])
 
 
 @pytest.mark.parametrize("name", ["femnist", "shakespeare", "sent140"])
