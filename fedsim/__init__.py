@@ -10,7 +10,7 @@ from fedsim.config.schema import RunConfig
 from fedsim.errors import ConfigError, DataError, FedsimError  # noqa: E402
 
 # imported on first use: they need pandas (or the registries), which client workers never import
-_LAZY = {"collect": "results", "load": "results", "partition_report": "results", "run": "api",
+_LAZY = {"collect": "results", "load": "results", "partition_report": "results.partition_report", "run": "api",
          "load_config": "configure"}
 
 
