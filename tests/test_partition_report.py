@@ -90,6 +90,13 @@ def test_the_report_equals_a_hand_computation(tmp_path, monkeypatch, classes, de
     assert (s["classes_per_client_min"], s["classes_per_client_max"]) == (min(kinds), max(kinds))
 
 
+def test_labels_that_are_not_one_class_per_sample_leave_the_counts(tmp_path):
+    sequences = np.arange(3 * len(Y_TRAIN)).reshape(-1, 3)  # e.g. a label per token
+    report = partition_report(run_folder(tmp_path, hand_made(), sequences, Y_TEST))
+    assert report.labels is None and report.stats["labels"].startswith("counts only: the dataset's labels")
+    assert report.clients["train"].tolist() == [len(p) for p in TRAIN] and report.stats["tv_mean"] is None
+
+
 def test_it_is_written_once_and_a_resume_neither_recomputes_nor_rewrites_it(make_config, monkeypatch):
     from fedsim.runtime.loop import run
     from tests.runtime.test_resume_methods import StopAfter
@@ -243,3 +250,15 @@ def test_a_folder_without_a_report_is_one_line(tmp_path, capsys, make, flags, fr
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("fedsim: error: ") and fragment in err, err
     assert not (folder / "partition.png").exists()
+
+
+def test_a_run_kept_in_a_store_has_its_report_and_its_plot_lands_here(make_config, tmp_path, monkeypatch):
+    import uuid
+
+    monkeypatch.chdir(tmp_path)
+    root = f"memory://partition-{uuid.uuid4().hex}"
+    run_dir = fedsim.run(make_config("model.name=mlp", "train.steps=1", f"results.root={root}", rounds=1))
+    report = partition_report(str(run_dir))
+    assert report.stats["clients"] == 10 and report.labels is not None
+    assert partition_plot.plot_partition(str(run_dir)) == Path(f"{run_dir.name}-partition.png")
+    assert (tmp_path / f"{run_dir.name}-partition.png").is_file()

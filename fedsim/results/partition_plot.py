@@ -37,7 +37,8 @@ def heterogeneity_line(stats: dict[str, Any]) -> str:
                      f"p90 {stats['tv_p90']:.2f})")
         parts.append(f"{stats['classes_per_client_mean']:.1f} of {stats['classes']} classes per client")
     else:
-        parts.append("label histograms not recorded (generated shards)")
+        why = str(stats.get("labels", "")).partition(": ")[2]
+        parts.append("label histograms not recorded" + (f" ({why})" if why else ""))
     if stats.get("size_cv") is not None:
         parts.append(f"size CV {stats['size_cv']:.2f}, Gini {stats['size_gini']:.2f}")
     return " · ".join(parts)

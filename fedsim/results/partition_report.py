@@ -37,14 +37,15 @@ STATS_KEY = b"fedsim.partition"
 """partition.parquet's metadata key holding the stats, as JSON."""
 SPLITS = ("train", "val", "test")
 GENERATED_NOTE = "counts only: generated shards draw each client's labels as it trains"
+OTHER_LABELS_NOTE = "counts only: the dataset's labels are not one class id per sample"
 _DENSE_BINS = 1 << 22  # a split is counted with one bincount up to this many (client, class) bins, else sorted
 
 
 @dataclass(frozen=True)
 class PartitionReport:
     """A run's split: `clients` (one row per client id: `client`, `train`, `val`, `test` sample counts), `labels`
-    (the nonzero label counts as `client`, `split`, `label`, `count`; None for generated shards) and `stats` (the
-    heterogeneity numbers: see docs/results.md)."""
+    (the nonzero label counts as `client`, `split`, `label`, `count`; None for generated shards, whose labels are
+    drawn as clients train) and `stats` (the heterogeneity numbers: see docs/results.md)."""
 
     clients: pd.DataFrame
     labels: pd.DataFrame | None
@@ -53,7 +54,7 @@ class PartitionReport:
     def histogram(self, split: str = "train") -> np.ndarray:
         """The clients × classes matrix of `split`'s label counts (dense: for a few thousand clients, not 100k)."""
         if self.labels is None:
-            raise CheckpointError("partition report: no label histograms (generated shards record counts only)")
+            raise CheckpointError(f"partition report: no label histograms ({self.stats.get('labels')})")
         if split not in SPLITS:
             raise FedsimError(f"split: one of {', '.join(SPLITS)}, got {split!r}"[:200])
         rows = self.labels[self.labels["split"] == split]
@@ -78,20 +79,33 @@ def compute(part: AnyPartition, y_train: np.ndarray, y_test: np.ndarray, num_cla
 
     if isinstance(part, GeneratedShards):
         sizes = np.stack([part.train_sizes, part.val_sizes, _generated_test_sizes(part)], axis=1).astype(np.int64)
-        return _Counts(sizes, None, _stats(sizes, None, part.num_classes))
+        return _Counts(sizes, None, _stats(sizes, None, part.num_classes, GENERATED_NOTE))
     k = len(part.train)
     lists = [(part.train, y_train), (part.val, y_train)] + ([(part.test, y_test)] if part.test is not None else [])
     sizes = np.zeros((k, len(SPLITS)), dtype=np.int64)
     for s, (ragged, _) in enumerate(lists):
         sizes[:, s] = ragged.lengths()
-    found = [_nonzero(ragged.flat, np.asarray(y).reshape(-1).astype(np.int64, copy=False), sizes[:, s], num_classes)
-             for s, (ragged, y) in enumerate(lists)]
+    ys = [_class_ids(y) for _, y in lists]
+    known = [y for y in ys if y is not None]
+    if len(known) < len(ys):
+        return _Counts(sizes, None, _stats(sizes, None, int(num_classes), OTHER_LABELS_NOTE))
+    found = [_nonzero(ragged.flat, y, sizes[:, s], num_classes) for s, ((ragged, _), y) in enumerate(zip(lists, known))]
     classes = max([int(num_classes)] + [c for *_, c in found])
     client = np.concatenate([f[0] for f in found])
     split = np.concatenate([np.full(len(f[0]), s, dtype=np.int64) for s, f in enumerate(found)])
     label = np.concatenate([f[1] for f in found])
     counts = np.concatenate([f[2] for f in found])
     return _Counts(sizes, (client, split, label, counts), _stats(sizes, found[0][:3], classes))
+
+
+def _class_ids(y: np.ndarray) -> np.ndarray | None:
+    """`y` as one int64 class id per sample, or None when it is not (sequences of labels, negative ids)."""
+    y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer) or (len(y) and y.min() < 0):
+        return None
+    return y.astype(np.int64, copy=False)
 
 
 def _nonzero(flat: np.ndarray, y: np.ndarray, sizes: np.ndarray,
@@ -123,7 +137,8 @@ def _generated_test_sizes(shards: Any) -> np.ndarray:
     return np.maximum(np.rint(shards.n_test * shards.train_sizes.astype(np.int64) / total), 1).astype(np.int64)
 
 
-def _stats(sizes: np.ndarray, train_rows: tuple[np.ndarray, ...] | None, classes: int) -> dict[str, Any]:
+def _stats(sizes: np.ndarray, train_rows: tuple[np.ndarray, ...] | None, classes: int,
+           why_not: str = "") -> dict[str, Any]:
     """The split's numbers: totals, the spread of training sizes (CV, Gini), and, from the training label
     histograms (`train_rows`: client, label, count), each client's total-variation distance to the pooled training
     labels and its number of classes."""
@@ -136,7 +151,7 @@ def _stats(sizes: np.ndarray, train_rows: tuple[np.ndarray, ...] | None, classes
         "empty_clients": int((train == 0).sum()),
         "size_mean": mean, "size_min": int(train.min()) if k else 0, "size_max": int(train.max()) if k else 0,
         "size_cv": float(train.std() / mean) if mean > 0 else None, "size_gini": _gini(train),
-        "labels": "recorded" if train_rows is not None else GENERATED_NOTE,
+        "labels": "recorded" if train_rows is not None else why_not,
         "tv_mean": None, "tv_p10": None, "tv_median": None, "tv_p90": None,
         "classes_per_client_mean": None, "classes_per_client_min": None, "classes_per_client_max": None,
     }
