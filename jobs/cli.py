@@ -187,7 +187,8 @@ def _plot_partition(args: argparse.Namespace) -> int:
     given = [flag for flag, value in (("--x", args.x), ("--metric", args.metrics), ("--label", args.label))
              if value is not None]
     if given:
-        raise FedsimError(f"--partition draws the run's split; {', '.join(given)} belong to a plot of metrics")
+        raise FedsimError(f"--partition draws the run's split; {', '.join(given)} "
+                          f"{'belongs' if len(given) == 1 else 'belong'} to a plot of metrics")
     print(plot_partition(args.runs[0], out=args.out, title=args.title))
     return 0
 

@@ -239,7 +239,7 @@ def test_many_classes_get_a_colorbar_and_generated_shards_the_sizes_alone(tmp_pa
     (lambda p: (p / "config.yaml").write_text("name: t\n") and p, [], "no partition report (partition.parquet;"),
     (lambda p: (p / "config.yaml").write_text("name: t\n") and (p / PARTITION_FILE).write_bytes(b"junk") and p, [],
      "partition.parquet: unreadable table"),
-    (lambda p: p, ["--metric", "loss"], "--partition draws the run's split; --metric belong to a plot of metrics"),
+    (lambda p: p, ["--metric", "loss"], "--partition draws the run's split; --metric belongs to a plot of metrics"),
     (lambda p: p, ["extra"], "--partition: name one run folder, got 2"),
 ])
 def test_a_folder_without_a_report_is_one_line(tmp_path, capsys, make, flags, fragment):
