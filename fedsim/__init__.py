@@ -10,7 +10,8 @@ from fedsim.config.schema import RunConfig
 from fedsim.errors import ConfigError, DataError, FedsimError  # noqa: E402
 
 # imported on first use: they need pandas (or the registries), which client workers never import
-_LAZY = {"collect": "results", "load": "results", "run": "api", "load_config": "configure"}
+_LAZY = {"collect": "results", "load": "results", "partition_report": "results.partition_report", "run": "api",
+         "load_config": "configure"}
 
 
 def __getattr__(name: str):
@@ -21,5 +22,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fedsim' has no attribute {name!r}")
 
 
-__all__ = ["RunConfig", "load_config", "run", "load", "collect", "FedsimError", "ConfigError", "DataError",
-           "__version__"]
+__all__ = ["RunConfig", "load_config", "run", "load", "collect", "partition_report", "FedsimError", "ConfigError",
+           "DataError", "__version__"]

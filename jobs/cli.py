@@ -165,13 +165,31 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from fedsim.results.plots import DuplicateRuns, plot_runs
     from fedsim.results.tables import SkippedRuns
 
+    if args.partition:
+        return _plot_partition(args)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = plot_runs(args.runs, x=args.x, metrics=args.metrics, out=args.out, label=args.label, title=args.title)
+        out = plot_runs(args.runs, x=args.x or "round", metrics=args.metrics or ["accuracy"], out=args.out,
+                        label=args.label, title=args.title)
     for w in caught:  # the runs left out (unreadable; another's duplicate), a line each; not numpy's remarks
         if issubclass(w.category, (SkippedRuns, DuplicateRuns)):
             print(f"fedsim: {w.message}", file=sys.stderr)
     print(out)
+    return 0
+
+
+def _plot_partition(args: argparse.Namespace) -> int:
+    """`fedsim plot --partition RUN`: the run's split (fedsim.results.partition_plot), to RUN/partition.png."""
+    from fedsim.results.partition_plot import plot_partition
+
+    if len(args.runs) != 1:
+        raise FedsimError(f"--partition: name one run folder, got {len(args.runs)}")
+    given = [flag for flag, value in (("--x", args.x), ("--metric", args.metrics), ("--label", args.label))
+             if value is not None]
+    if given:
+        raise FedsimError(f"--partition draws the run's split; {', '.join(given)} "
+                          f"{'belongs' if len(given) == 1 else 'belong'} to a plot of metrics")
+    print(plot_partition(args.runs[0], out=args.out, title=args.title))
     return 0
 
 
@@ -244,13 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(fn=cmd_show)
     pl = sub.add_parser("plot", help="metrics of one or many runs as PNG, a curve per setting, mean ± std over seeds")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="run folders, folders of runs, or glob patterns")
-    pl.add_argument("--x", default="round", help="x axis: round, virtual_time, or the bytes sent so far, bytes_up or "
+    pl.add_argument("--x", help="x axis: round, virtual_time, or the bytes sent so far, bytes_up or "
                                                  "bytes_down (default: round)")
-    pl.add_argument("--metric", "--y", dest="metrics", nargs="+", default=["accuracy"], metavar="METRIC",
+    pl.add_argument("--metric", "--y", dest="metrics", nargs="+", metavar="METRIC",
                     help="columns of rounds.parquet, a panel each (default: accuracy)")
     pl.add_argument("--label", nargs="+", metavar="KEY",
                     help="config keys whose values label the curves (default: the keys that differ, algorithm.name "
                          "first)")
+    pl.add_argument("--partition", action="store_true",
+                    help="draw the split of one RUN instead: client sizes and label proportions, with its "
+                         "heterogeneity (default out: RUN/partition.png)")
     pl.add_argument("--title", help="the figure's title (default: the run's name, or how many runs)")
     pl.add_argument("--out", help="PNG path (default: RUN/<metrics>.png, or <metrics>.png in the runs' common "
                                   "folder)")

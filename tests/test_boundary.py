@@ -30,8 +30,9 @@ def test_fedsim_never_imports_ray():
 
 
 def test_public_api():
-    assert sorted(fedsim.__all__) == sorted(["RunConfig", "load_config", "run", "load", "collect", "FedsimError",
-                                             "ConfigError", "DataError", "__version__"])
+    assert sorted(fedsim.__all__) == sorted(["RunConfig", "load_config", "run", "load", "collect",
+                                             "partition_report", "FedsimError", "ConfigError", "DataError",
+                                             "__version__"])
     for name in fedsim.__all__:
         assert hasattr(fedsim, name)
 

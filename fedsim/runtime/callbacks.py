@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fedsim.errors import CallbackError, FedsimError
@@ -39,6 +39,7 @@ class RunInfo:
     run_dir: Location  # a local folder, or a folder in a store (fedsim.persist.storage)
     backend: dict[str, Any]  # as in meta.json: backend class, num_workers, startup_s, placement, server
     first_round: int = 0  # > 0 when a resumed run continues
+    partition: dict[str, Any] = field(default_factory=dict)  # the split's numbers (fedsim.results.partition_report)
 
     @property
     def checkpoint(self) -> Location:
@@ -127,14 +128,14 @@ class Callbacks:
 
 
 class MetaWriter(Callback):
-    """meta.json: versions, git sha, hardware, and the backend's description (workers, placement, start-up; the loop
-    rewrites it when workers are replaced); at the end, how the run ended (`status`), so readers tell a finished run
-    from a running or killed one."""
+    """meta.json: versions, git sha, hardware, the backend's description (workers, placement, start-up; the loop
+    rewrites it when workers are replaced) and the partition's numbers (`partition`); at the end, how the run ended
+    (`status`), so readers tell a finished run from a running or killed one."""
 
     def on_setup_end(self, run: RunInfo) -> None:
         from fedsim.results.tables import write_meta
 
-        write_meta(run.run_dir, run.backend)
+        write_meta(run.run_dir, {**run.backend, **({"partition": run.partition} if run.partition else {})})
 
     def on_run_end(self, run: RunInfo, status: RunStatus) -> None:
         from fedsim.results.tables import update_meta

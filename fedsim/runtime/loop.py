@@ -136,6 +136,10 @@ class Simulation:
         check_models(cfg, data.input_shape, data.num_classes, isinstance(self.backend, LocalBackend))
         self.part = self.inputs.partition(cfg, data)
         self.num_samples = self.part.num_samples()
+        from fedsim.results.partition_report import write_once
+
+        # partition.parquet, once: a resumed run reads back the numbers of the one it started with
+        self.partition_stats = write_once(self.run_dir, self.part, data.y_train, data.y_test, data.num_classes)
         self.archs = client_archs(cfg)
         from fedsim.transforms.robustness import check_classes, malicious_clients
 
@@ -493,7 +497,7 @@ def run(cfg: RunConfig | None = None, backend: Backend | None = None, resume: st
         hooks = Callbacks([*default_callbacks(backend), *tracking_callbacks(cfg), *callbacks])
         sim.setup()
         state = sim.restore(*tables, saved_round) if tables is not None else RunState()
-        info = RunInfo(cfg, run_dir, sim.describe(), state.next_round)
+        info = RunInfo(cfg, run_dir, sim.describe(), state.next_round, sim.partition_stats)
         hooks.setup_end(info)
         status = sim.run(state, hooks)
     except KeyboardInterrupt:

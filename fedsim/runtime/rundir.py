@@ -129,12 +129,14 @@ class NewRunDir:
 
     def remove(self) -> None:
         """Delete what this run wrote; a folder that existed before (empty, or the user's) is kept itself."""
+        from fedsim.results.partition_report import LABELS_FILE, PARTITION_FILE
+
         self.release()
         if not self._existed:
             self._remove_created(self.path)
             return
         for name in ("config.yaml", "meta.json", "checkpoints", "spill", "tensorboard", "tracking.json", "wandb",
-                     "plugins", RUN_FILE):
+                     "plugins", PARTITION_FILE, LABELS_FILE, RUN_FILE):
             target = self.path / name
             if target.is_dir():
                 remove_tree(target)
