@@ -73,13 +73,37 @@ def _check(options: dict) -> None:
                           f"(or a preset: {sorted(PRESETS)})")
 
 
-def _resolve(root: Path, path: str) -> Path:
+def _given(root: Path, path: str) -> Path:
+    """`path` as given, or under data.root when only there."""
     where = Path(path).expanduser()
     if not where.is_absolute() and not where.exists() and (root / where).exists():
         where = root / where
+    return where
+
+
+def _resolve(root: Path, path: str) -> Path:
+    where = _given(root, path)
     if not where.exists():
         raise DataError(f"hf: {where} not found (data.options.path)")
     return where
+
+
+def _fetch(where: Path, preset: str | None) -> None:
+    """data.download: a preset's repository from the Hub into `where` (huggingface_hub), or one line saying how."""
+    how = (f"`huggingface-cli download {preset or 'REPO'} --repo-type dataset --local-dir {where}`")
+    if preset is None:
+        raise DataError(f"hf: data.download fetches only a data.options.preset's repository; put your copy at {where} "
+                        f"(e.g. {how})")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise DataError(f"hf: data.download needs huggingface_hub (pip install huggingface_hub) to fetch {preset} "
+                        f"into {where}; or fetch it with {how}") from None
+    try:
+        snapshot_download(repo_id=preset, repo_type="dataset", local_dir=str(where))
+    except Exception as err:  # no network, no such repository, a full disk: the user's next step is the same
+        raise DataError(f"hf: download of {preset} failed ({_one_line(err)}); fetch it into {where} with {how}") \
+            from None
 
 
 def _json(file: Path) -> Any:
@@ -346,6 +370,8 @@ def load_hf(root: Path, download: bool, *, path: str | None = None,
     given = {"x_column": x_column, "label_column": label_column, "id_column": id_column, "temporal": temporal}
     chosen.update({k: v for k, v in given.items() if v is not None})
     x, label, ident = chosen["x_column"], chosen.get("label_column", "label"), chosen.get("id_column")
+    if download and not _given(root, str(path)).exists():
+        _fetch(_given(root, str(path)), preset)
     where = _resolve(root, str(path))
     files = _layout(where, (train_split, test_split))
     if train_split not in files:

@@ -283,9 +283,14 @@ def _arrays(users: Users, empty: np.ndarray) -> Arrays:
 
 
 def leaf_users(name: str, root: Path, convert: Convert, steps: Steps, time_ordered: bool = False,
-               empty: np.ndarray | None = None) -> tuple[Arrays, Arrays, tuple[str, ...]]:
+               empty: np.ndarray | None = None, download: bool = False) -> tuple[Arrays, Arrays, tuple[str, ...]]:
     """((x, y, ids) of train, the same of test, client names): read or preprocessed, users merged by id."""
     data = Path(root) / "data"
+    if download and not data.is_dir():
+        leaf = name.removeprefix("leaf_")
+        raise DataError(f"{name}: data.download: LEAF's data is built by LEAF's own scripts, not fetched by fedsim: "
+                        f"git clone https://github.com/TalwalkarLab/leaf, run data/{leaf}/preprocess.sh there "
+                        f"(docs/data/leaf.md), and set data.root to its data/{leaf} folder (not found: {root})")
     if steps.split is None:
         train, test = read_split(name, data, convert, 79 if time_ordered else 0)
     else:
@@ -312,7 +317,8 @@ def load_leaf_femnist(root: Path, download: bool, *, sampling: Literal["niid", "
     """LEAF's FEMNIST: 1×28×28 handwritten characters of 62 classes, one client per writer (see the module)."""
     steps = _steps(locals())
     (x_tr, y_tr, id_tr), (x_te, y_te, id_te), names = leaf_users(
-        "leaf_femnist", root, _femnist, steps, empty=np.zeros((0, FEMNIST_PIXELS), dtype=np.float32))
+        "leaf_femnist", root, _femnist, steps, empty=np.zeros((0, FEMNIST_PIXELS), dtype=np.float32),
+        download=download)
     x_tr, x_te = (x.reshape(-1, 1, 28, 28).astype(np.float32, copy=False) for x in (x_tr, x_te))
     mean, std = channel_stats(x_tr)
     return Dataset("leaf_femnist", normalise_(x_tr, mean, std), y_tr, normalise_(x_te, mean, std), y_te, 62,
@@ -329,7 +335,7 @@ def load_leaf_shakespeare(root: Path, download: bool, *, sampling: Literal["niid
     steps = _steps(locals())
     (x_tr, y_tr, id_tr), (x_te, y_te, id_te), names = leaf_users(
         "leaf_shakespeare", root, _shakespeare, steps, time_ordered=True,
-        empty=np.zeros((0, 80), dtype=np.int64))
+        empty=np.zeros((0, 80), dtype=np.int64), download=download)
     return Dataset("leaf_shakespeare", x_tr, y_tr, x_te, y_te, NUM_LETTERS, train_ids=id_tr, test_ids=id_te,
                    client_names=names)
 
@@ -378,7 +384,7 @@ def load_leaf_sent140(root: Path, download: bool, *, embedding: str | None = Non
     Give the model the same `embedding`/`max_vocab` (frozen table) or `vocab_size` (trainable table)."""
     steps = _steps(locals())
     (t_tr, y_tr, id_tr), (t_te, y_te, id_te), names = leaf_users(
-        "leaf_sent140", root, _sent140, steps, empty=np.zeros(0, dtype=object))
+        "leaf_sent140", root, _sent140, steps, empty=np.zeros(0, dtype=object), download=download)
     if lowercase:
         t_tr, t_te = (np.array([t.lower() for t in ts], dtype=object) for ts in (t_tr, t_te))
     if embedding is not None:

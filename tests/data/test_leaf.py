@@ -279,6 +279,8 @@ BAD = [
     ("leaf_femnist", ["data.options={min_samples: 4, split: sample}"], _everyone_removed),
     ("leaf_femnist", [], _empty_user),
     ("leaf_shakespeare", [], _unknown_char),
+    ("leaf_femnist", ["data.download=true"],
+     lambda root: "data.download: LEAF's data is built by LEAF's own scripts, not fetched by fedsim: git clone"),
     ("leaf_femnist", ["data.options={sampling: niid}"],
      lambda root: "data.options.sampling: LEAF's preprocessing runs from data/all_data only with"),
     ("leaf_femnist", ["data.options={split: sample, sample_order: [x.json]}"],

@@ -374,6 +374,10 @@ def test_bad_files_are_one_line_naming_the_file_or_key(tmp_path: Path, capsys) -
         ("hf image not decodable", hf_bad_png, hf, "column 'image': row 0 is not a readable image",
          "train-00000-of-00001.parquet"),
         ("hf without a path", lambda root: root.mkdir(), ["data.name=hf"], "data.options.path: dataset 'hf' needs", ""),
+        # no copy yet: fetched from the Hub where huggingface_hub and a network are, else one line saying how
+        ("hf download here", lambda root: None, [*hf, "data.download=true"],
+         r"(data\.download needs huggingface_hub|download of flwrlabs/femnist failed).*huggingface-cli download "
+         r"flwrlabs/femnist --repo-type dataset --local-dir", ""),
     ]
     config = tmp_path / "run.yaml"
     config.write_text(f"rounds: 1\nresults: {{root: {tmp_path / 'results'}}}\nruntime: {{backend: local}}\n")
