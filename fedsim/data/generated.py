@@ -126,12 +126,27 @@ class GeneratedShards:
         self._remember(cid, out)
         return out
 
+    def test_sizes(self) -> np.ndarray:
+        """Each client's personal test shard size: n_test/clients (at least one per class) when balanced, else in
+        proportion to its training size (at least one); none without personal test shards."""
+        k = len(self)
+        if self.client_test == "none":
+            return np.zeros(k, dtype=np.int64)
+        if self.client_test == "balanced":
+            return np.full(k, max(self.n_test // k, self.num_classes), dtype=np.int64)
+        total = max(int(self.train_sizes.sum(dtype=np.int64)), 1)
+        return np.maximum(np.rint(self.n_test * self.train_sizes.astype(np.int64) / total), 1).astype(np.int64)
+
+    def split_sizes(self) -> np.ndarray:
+        """clients × (train, val, test) sample counts: all a generated split knows before its shards are drawn."""
+        return np.stack([self.train_sizes, self.val_sizes, self.test_sizes()], axis=1).astype(np.int64)
+
     def _test(self, cid: int, mix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A personal test shard (stream "data/shard_test"): balanced over the classes, or following the mix."""
         if self.client_test == "none":
             return np.empty((0, *self.protos.shape[1:]), np.float32), np.empty(0, np.int64)
         stream = self._stream("data/shard_test", cid)
-        if self.client_test == "balanced":
+        if self.client_test == "balanced":  # the sizes of test_sizes(), one client's
             size = max(self.n_test // len(self), self.num_classes)
             y = (np.arange(size) - cid) % self.num_classes
         else:

@@ -75,11 +75,9 @@ class _Counts:
 def compute(part: AnyPartition, y_train: np.ndarray, y_test: np.ndarray, num_classes: int) -> _Counts:
     """The report of `part` (index lists into `y_train` / `y_test`, or generated shards), vectorised: per split, one
     count of client·classes + label over every index it holds; the label rows are sorted by split, client, label."""
-    from fedsim.data.generated import GeneratedShards
-
-    if isinstance(part, GeneratedShards):
-        sizes = np.stack([part.train_sizes, part.val_sizes, _generated_test_sizes(part)], axis=1).astype(np.int64)
-        return _Counts(sizes, None, _stats(sizes, None, part.num_classes, GENERATED_NOTE))
+    if hasattr(part, "split_sizes"):  # generated shards (fedsim.data.generated): sizes only, until drawn
+        sizes = part.split_sizes()
+        return _Counts(sizes, None, _stats(sizes, None, int(num_classes), GENERATED_NOTE))
     k = len(part.train)
     lists = [(part.train, y_train), (part.val, y_train)] + ([(part.test, y_test)] if part.test is not None else [])
     sizes = np.zeros((k, len(SPLITS)), dtype=np.int64)
@@ -124,17 +122,6 @@ def _nonzero(flat: np.ndarray, y: np.ndarray, sizes: np.ndarray,
         keys, count = np.unique(key, return_counts=True)
     client, label = np.divmod(keys, classes)
     return client, label, count, classes
-
-
-def _generated_test_sizes(shards: Any) -> np.ndarray:
-    """Each generated client's personal test shard size, as GeneratedShards._test sizes it."""
-    k = len(shards)
-    if shards.client_test == "none":
-        return np.zeros(k, dtype=np.int64)
-    if shards.client_test == "balanced":
-        return np.full(k, max(shards.n_test // k, shards.num_classes), dtype=np.int64)
-    total = max(int(shards.train_sizes.sum(dtype=np.int64)), 1)
-    return np.maximum(np.rint(shards.n_test * shards.train_sizes.astype(np.int64) / total), 1).astype(np.int64)
 
 
 def _stats(sizes: np.ndarray, train_rows: tuple[np.ndarray, ...] | None, classes: int,
