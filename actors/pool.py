@@ -159,6 +159,9 @@ class RemoteServer:
     def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply:
         return self._call("broadcast", phase, info)
 
+    def synced(self, clients: list[int]) -> None:
+        self._call("synced", clients)
+
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
         return self._call("step", phase, replies, info)
 

@@ -120,7 +120,8 @@ def validate(cfg: RunConfig) -> None:
                               "which generated shards (data.partition.kind: generated) do not hold; change it or use "
                               "a fixed dataset")
     if cfg.privacy.level != "none" or cfg.privacy.secure_aggregation != "none" or cfg.attack.kind != "none" or \
-            cfg.aggregator.name != "mean" or cfg.compression.kind != "none" or cfg.compression.error_feedback:
+            cfg.aggregator.name != "mean" or cfg.compression.kind != "none" or cfg.compression.error_feedback or \
+            cfg.compression.download != "none":
         from fedsim.transforms import check_chain
 
         check_chain(cfg, uploads_model_update(cfg))

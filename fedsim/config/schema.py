@@ -403,6 +403,10 @@ class CompressionConfig:
         "none", doc="how each client encodes its model update for upload (docs/compression.md): a cast (fp16, bf16), "
         "per-tensor int8, QSGD, top-k or random-k sparsification, scaled sign, or a randomised Hadamard rotation "
         "then quantisation; the server aggregates what it decodes, and bytes_up counts what was encoded")
+    download: Literal["none", "fp16", "bf16", "int8", "qsgd", "topk", "randk", "sign", "rotation"] = knob(
+        "none", doc="how the server encodes the model it broadcasts (docs/compression.md): the change since the "
+        "replica clients hold, in one of kind's schemes (levels and fraction shared; not qsgd or randk), the "
+        "replica stepping by what was decoded; bytes_down counts what each client needs to catch up")
     error_feedback: bool = knob(False, doc="each client adds what compression dropped last time (its residual, kept "
                                 "between rounds and in checkpoints) to the next update it compresses")
     levels: int = knob(16, ge=1, le=2**16, doc="qsgd, rotation: quantisation levels s per coordinate (rotation: s "

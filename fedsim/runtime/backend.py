@@ -29,6 +29,20 @@ class BroadcastReply:
     common_bytes: int
     per_client_bytes: dict[int, int]
     seconds: float
+    # compression.download: the common part's size before encoding, and each client's extra bytes to catch up
+    dense_common_bytes: int | None = None
+    catch_up_bytes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the download was compressed (its clients then hold the server's new replica)."""
+        return self.dense_common_bytes is not None
+
+    def dense_bytes(self, client: int) -> int:
+        """What the client's download would weigh uncompressed."""
+        if self.dense_common_bytes is None:
+            return self.common_bytes + self.per_client_bytes.get(client, 0)
+        return self.dense_common_bytes + self.per_client_bytes.get(client, 0) - self.catch_up_bytes.get(client, 0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class ServerAPI(Protocol):
     def ping(self) -> dict[str, Any]: ...
     def phases(self, round: int) -> list[Phase]: ...
     def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply: ...
+    def synced(self, clients: list[int]) -> None: ...
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply: ...
     def evaluate(self) -> EvalReply: ...
     def finished(self, round: int) -> bool: ...

@@ -266,11 +266,12 @@ class Simulation:
         n_of = {c: int(self.num_samples[c]) for c in ids}
         sent = backend.server.broadcast(phases[0], RoundInfo(r, phases[0].name, ids, ids, n_of))
         server_s = sent.seconds
-        # predicted durations decide lateness before anything is computed (uploads assumed the download's size,
-        # compressed as the config says)
+        # predicted durations decide lateness before anything is computed (uploads assumed the uncompressed
+        # download's size, compressed as the config says)
         down = np.array([sent.common_bytes + sent.per_client_bytes.get(c, 0) for c in ids], dtype=float)
+        up = predicted_upload(cfg, np.array([sent.dense_bytes(c) for c in ids], dtype=float))
         trips = 1 + (EXTRA_ROUND_TRIPS if cfg.privacy.secure_aggregation != "none" else 0)  # SecAgg's messages
-        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, predicted_upload(cfg, down), trips)
+        dur = durations(cfg, profiles, sampled, self.num_samples[sampled], down, up, trips)
         until = online_until(profiles.windows, sampled, start) if profiles.windows is not None else None
         sch = schedule(cfg, sampled, dur, None if until is None else until < start + dur)  # offline before the end
         kept, late = [int(c) for c in sch.participants], [int(c) for c in sch.late]
@@ -347,6 +348,8 @@ class Simulation:
         skip = self.cfg.stragglers.skip_late
         # late clients downloaded too, and so did those that went offline
         rec.bytes_down += sum(common_b + per_b.get(c, 0) for c in [*arrived, *late, *offline])
+        if sent.compressed:  # they hold the server's replica now (compression.download)
+            self.backend.server.synced(sorted([*arrived, *late, *offline]))
         clients = arrived + ([] if skip else late)
         steps = self.cfg.train.steps
         cost = {c: steps or max(rec.num_samples.get(c, 0), 1) for c in clients} if self.balance else None

@@ -7,6 +7,7 @@ calls it directly.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
 from fedsim.runtime.worker import ModelPool, WorkerReply, pick_device
 from fedsim.transforms import build_chain
+from fedsim.transforms.download import Downloads, compresses, split_state
 from fedsim.transforms.updates import update_of
 
 if TYPE_CHECKING:
@@ -80,6 +82,9 @@ class Server:
         robustness = self.chain.robustness
         self.triggered = robustness.triggered_test(self.x_test, self.y_test) \
             if robustness is not None and cfg.attack.kind == "backdoor" else None
+        # compressed downloads (fedsim.transforms.download): the replica the clients train from
+        self.downloads = Downloads(cfg, self.env.archs, cfg.data.num_clients) \
+            if cfg.compression.download != "none" else None
         self.sent: dict[str, Any] = {}  # each chain phase's broadcast, what its clients' updates are relative to
         self.cohorts: dict[str, list[int]] = {}  # each chain phase's broadcast's clients
 
@@ -96,6 +101,16 @@ class Server:
         t0 = time.perf_counter()
         bc = self.algorithm.broadcast(phase, self.state, info)
         per = {cid: state_nbytes(m) for cid, m in (bc.per_client or {}).items()}
+        common_bytes, dense = state_nbytes(bc.common), None
+        catch_up: dict[int, int] = {}
+        if self.downloads is not None and compresses(phase):  # the replica goes out, as its encoded change
+            dense = common_bytes
+            common, models_bytes, catch_up = self.downloads.send(bc.common, info.round, phase.name,
+                                                                 info.participants)
+            common_bytes = dense - state_nbytes(self.downloads.replica) + models_bytes  # the rest goes dense
+            bc = replace(bc, common=common)
+            for cid, extra in catch_up.items():
+                per[cid] = per.get(cid, 0) + extra
         if self.chain.applies(phase):
             self.sent[phase.name] = bc.common
             self.cohorts[phase.name] = list(info.participants)  # a secure sum's key setup: who the broadcast reaches
@@ -105,7 +120,12 @@ class Server:
                 d = sum(v.numel() for r in refs.values() for v in r.values() if v.is_floating_point())
                 for cid, extra in self.chain.secure.extra_down(info.participants, d).items():
                     per[cid] = per.get(cid, 0) + extra
-        return BroadcastReply(bc, state_nbytes(bc.common), per, time.perf_counter() - t0)
+        return BroadcastReply(bc, common_bytes, per, time.perf_counter() - t0, dense, catch_up)
+
+    def synced(self, clients: list[int]) -> None:
+        """The clients that downloaded the last compressed broadcast (they now hold the replica)."""
+        if self.downloads is not None:
+            self.downloads.synced_now(clients)
 
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
         """Aggregate the arrived results of a phase into the state; its metrics and seconds."""
@@ -180,9 +200,13 @@ class Server:
 
     def chain_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of the update chain beyond its columns (centred clipping's centre)."""
-        return self.chain.state()
+        state = self.chain.state()
+        return state if self.downloads is None else {**state, **self.downloads.state()}
 
     def resume_chain(self, columns: dict[str, float], state: dict[str, torch.Tensor] | None = None) -> None:
         """The update chain's state after the last saved round, from that round's row (the adaptive clip) and the
         checkpoint's chain state."""
-        self.chain.resume(columns, state)
+        chain, down = split_state(state or {})
+        if self.downloads is not None:
+            self.downloads.load(down)
+        self.chain.resume(columns, chain)

@@ -16,6 +16,9 @@ on them).
                                  -> the method's server step
     accountant                -> epsilon after the round, or each client's (fedsim.transforms.accounting, .sample_dp)
 
+Downloads of such a phase may be compressed too: the server sends the encoded change of its model since the
+replica the clients hold, and they train from the replica (fedsim.transforms.download).
+
 Every stage draws from named random streams (fedsim.rng), so the numbers do not depend on how many workers there
 are. docs/privacy.md says what each key does.
 """

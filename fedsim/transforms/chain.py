@@ -13,6 +13,7 @@ from fedsim.errors import ConfigError
 from fedsim.method.aggregate import WEIGHT_KEY
 from fedsim.method.contract import ClientData, ClientResult, Phase, SummedUpdate
 from fedsim.transforms.compression import Compression, check_compression
+from fedsim.transforms.download import check_download, compresses
 from fedsim.transforms.privacy import CLIPPED_KEY, ClientLevelDP, check_privacy
 from fedsim.transforms.robustness import Robustness, build_robustness, check_robustness
 from fedsim.transforms.sample_dp import STEPS_KEY, SampleLevelDP, check_model
@@ -175,10 +176,12 @@ class UpdateChain:
 def check_round(cfg: RunConfig, phases: list[Phase]) -> None:
     """Under DP a round is one phase that sums a model update: another phase's uploads would reach the server
     unclipped and unnoised, and a second release would be one the accountant does not count (a ConfigError).
-    Compression needs some phase that sums a model update: it compresses nothing else."""
-    if cfg.compression.kind != "none" and not any(p.reduce == "sum" and p.model_update for p in phases):
-        raise ConfigError(f"compression.kind: compresses a model update, and {cfg.algorithm.name}'s round uploads "
-                          f"none (its phases {[p.name for p in phases]} do not sum one with model_update=True)")
+    Compression needs some phase that sums a model update: it compresses nothing else (a download, the model such
+    an update is relative to)."""
+    for key, what in (("kind", "a model update"), ("download", "the model a model update is relative to")):
+        if getattr(cfg.compression, key) != "none" and not any(compresses(p) for p in phases):
+            raise ConfigError(f"compression.{key}: compresses {what}, and {cfg.algorithm.name}'s round uploads "
+                              f"none (its phases {[p.name for p in phases]} do not sum one with model_update=True)")
     if cfg.privacy.level == "none":
         return
     if len(phases) != 1 or phases[0].reduce != "sum" or not phases[0].model_update:
@@ -223,6 +226,7 @@ def check_chain(cfg: RunConfig, uploads_model_update: bool | None) -> None:
     check_robustness(cfg, uploads_model_update)
     check_secure(cfg, uploads_model_update)
     check_compression(cfg, uploads_model_update)
+    check_download(cfg, uploads_model_update)
 
 
 __all__ = ["CLIPPED_KEY", "UpdateChain", "build_chain", "check_availability", "check_chain", "check_round"]

@@ -252,6 +252,14 @@ BAD = "name: bad\nrounds: 1\ndata: {name: digits, num_clients: 4}\nparticipation
      "compression.kind: secure aggregation masks a dense quantised vector"),
     (["compression.kind=int8", "privacy.level=local", "privacy.noise_multiplier=1"],
      "compression.kind: under privacy.level local each client adds dense noise"),
+    (["compression.download=zip"], "compression.download: must be one of ['none', 'fp16'"),
+    (["compression.download=randk"], "compression.download: randk is unbiased by scaling up what it keeps"),
+    (["compression.download=qsgd", "compression.kind=sign"], "compression.download: qsgd is unbiased"),
+    (["compression.download=sign", "algorithm.name=feddf"], "compression.download: compresses the model a model "
+                                                            "update is relative to, and feddf's round is not"),
+    (["compression.download=topk", "participation.mode=async", "algorithm.name=fedbuff",
+      "algorithm.buffer_size=2"],
+     "compression.download: async mode sends each client the model of its own arrival"),
 ])
 def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, overrides, message):
     from jobs.cli import main
@@ -292,3 +300,8 @@ def test_a_round_without_a_model_update_is_refused_when_it_runs():
     with pytest.raises(ConfigError, match="compression.kind: compresses a model update, and fedavg's round uploads "
                                           "none \\(its phases \\['logits'\\]"):
         check_round(cfg, [Phase("logits", "sum")])
+    down = load_config(None, ["compression.download=fp16"])
+    check_round(down, [Phase("train", "sum", model_update=True)])
+    with pytest.raises(ConfigError, match="compression.download: compresses the model a model update is relative "
+                                          "to, and fedavg's round uploads none \\(its phases \\['logits'\\]"):
+        check_round(down, [Phase("logits", "sum")])
