@@ -217,10 +217,11 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _listening(gcs, head)  # `ray start` returns at once: on a loaded machine the GCS listens seconds later
-        joined = subprocess.run([sys.executable, "-m", "jobs.cli", "run",
-                                 *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
-                                            f"runtime.ray_address=127.0.0.1:{gcs}", "runtime.startup_timeout_s=300")],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        # the driver forked after the imports (tests/forked.py): no plugin imported, its working folder tmp_path
+        joined = run_module("jobs.cli", ["run", *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
+                                                          f"runtime.ray_address=127.0.0.1:{gcs}",
+                                                          "runtime.startup_timeout_s=300")],
+                            cwd=tmp_path, env=env, timeout=600)
         assert joined.returncode == 0, (joined.stdout + joined.stderr)[-3000:]
         entrypoint = " ".join([sys.executable, "-m", "jobs.run", "examples/my_method.yaml", "--quiet",
                                *(a for o in [*FAST, f"results.root={tmp_path}", "results.run_id=submitted",
