@@ -286,17 +286,21 @@ def test_a_plugin_method_sweeps_over_seeds_as_tune_trials(isolated, ray_local, t
     from jobs.sweep import run_sweep
 
     sweep = tmp_path / "plugin.sweep.yaml"
+    # one arm, which sets the plugin's own key, over two seeds: two trials side by side (arms as such are
+    # tests/test_sweep.py's; a second arm here doubled the trials and proved nothing of plugins)
     sweep.write_text(yaml.safe_dump({"title": "my_fedavgm", "base": str(EXAMPLE), "seeds": [0, 1], "budgets": [2],
                                      "overrides": [*FAST, "runtime.backend=local", "runtime.num_workers=1"],
-                                     "arms": [{"name": "beta 0.9"}, {"name": "beta 0.5",
-                                                                     "overrides": ["algorithm.beta=0.5"]}]}))
+                                     "arms": [{"name": "beta 0.5", "overrides": ["algorithm.beta=0.5"]}]}))
     run_sweep(sweep, out_dir=str(tmp_path / "out"), parallel=2)
     import pandas as pd
 
     runs = pd.read_parquet(tmp_path / "out" / "runs.parquet")
-    assert len(runs) == 4 and (runs["status"] == "finished").all(), runs.to_string()
+    assert len(runs) == 2 and (runs["status"] == "finished").all(), runs.to_string()
+    assert sorted(runs["seed"]) == [0, 1]
     for run_dir in runs["run"]:
-        assert (load(run_dir)["rounds"]["train/velocity_norm"] > 0).all()
+        res = load(run_dir)
+        assert (res["rounds"]["train/velocity_norm"] > 0).all()  # the plugin's server step ran in the trial
+        assert res["config"]["algorithm"]["beta"] == 0.5 and res["config"]["algorithm"]["name"] == "my_fedavgm"
 
 
 def test_a_resolved_path_missing_here_loads_rays_copy_of_the_module(isolated, tmp_path, monkeypatch):
