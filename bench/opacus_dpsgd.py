@@ -2,10 +2,11 @@
 on fedsim's own model, in Opacus's venv.
 
     .venv-opacus/bin/python -m bench.opacus_dpsgd time MODEL STEPS REPEAT SEED
-    .venv-opacus/bin/python -m bench.opacus_dpsgd grad CASE.pt
+    .venv-opacus/bin/python -m bench.opacus_dpsgd grad CASE.pt [CASE.pt ...]
 
 `time` prints RESULT_JSON with the seconds per step of each repeat; `grad` loads a model, a batch and a clip from
-CASE.pt and saves, beside it, the clipped averaged gradient of Opacus's optimizer without noise (CASE.opacus.pt).
+each CASE.pt and saves, beside it, the clipped averaged gradient of Opacus's optimizer without noise (CASE.opacus.pt);
+several cases share one start of the venv's torch and Opacus.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def clipped_gradient(case: str) -> None:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "grad":
-        clipped_gradient(argv[1])
+        for case in argv[1:]:
+            clipped_gradient(case)
         print("RESULT_JSON " + json.dumps({"ok": True}))
         return
     name, steps, repeat, seed = argv[1], int(argv[2]), int(argv[3]), int(argv[4])

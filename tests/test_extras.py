@@ -3,6 +3,7 @@ install, and the extras of setup.cfg resolve against the package index (the GPU 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -101,7 +102,9 @@ def test_extras_declare_the_optional_dependencies():
     assert '-e ".[all,dev,docs]"' in makefile
 
 
+@functools.cache
 def _registry_reachable() -> bool:
+    """Asked once per test process: both extras' resolutions need the same answer (a `pip index` call each, before)."""
     probe = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "faiss-gpu"], capture_output=True,
                            text=True, timeout=120)
     return probe.returncode == 0

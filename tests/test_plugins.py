@@ -24,6 +24,7 @@ from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
 from jobs.cli import main
 from tests.conftest import ROOT, free_port
+from tests.forked import run_module
 from tests.runtime.test_loop import deterministic
 
 EXAMPLE = Path(ROOT) / "examples" / "my_method.yaml"
@@ -31,10 +32,10 @@ FAST = ["rounds=2", "data.num_clients=8", "participation.clients_per_round=4"]
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`fedsim ...` in a fresh process whose working directory is `cwd`, with nothing but fedsim on the path."""
+    """`fedsim ...` in a process whose working directory is `cwd`, with nothing but fedsim on the path: forked after
+    the imports (tests/forked.py), where no plugin is imported or registered, as in a fresh process."""
     env = {**os.environ, "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return run_module("jobs.cli", args, cwd=cwd, env=env, timeout=600)
 
 
 def _run_args(results: Path, *overrides: str) -> list[str]:
@@ -52,28 +53,19 @@ def test_example_plugin_runs_on_the_local_backend(isolated, tmp_path, capsys):
     assert saved["plugins"] == [str(EXAMPLE.with_suffix(".py"))] and saved["algorithm"]["name"] == "my_fedavgm"
 
 
-PROBE = """
-import sys
-from pathlib import Path
-from fedsim.persist.checkpoint import load_run_checkpoint
-try:
-    load_run_checkpoint(Path(sys.argv[1]))
-except Exception as exc:
-    print(type(exc).__name__, exc)
-print("imported" if "my_method" in sys.modules else "")
-"""
-
-
-def test_resume_rebuilds_plugin_state_through_its_registration(tmp_path):
+def test_resume_rebuilds_plugin_state_through_its_registration(isolated, tmp_path):
     run_dir = tmp_path / "res" / "resumed"
     first = _cli("run", *_run_args(tmp_path / "res", "results.run_id=resumed", "runtime.backend=local"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     checkpoint = run_dir / "checkpoints" / "last.pt"
-    # Loading the checkpoint where the plugin is not registered imports nothing: the class is refused by name.
-    probe = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint)], cwd=tmp_path, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": ROOT}, text=True, timeout=300)
-    assert "CheckpointError" in probe.stdout and "my_method:MomentumState" in probe.stdout, probe.stdout + probe.stderr
-    assert "plugins" in probe.stdout and "imported" not in probe.stdout
+    # Loading the checkpoint where the plugin is not registered (this process, its registries as `isolated` keeps
+    # them: the run was another process's) imports nothing: the class is refused by name.
+    from fedsim.errors import CheckpointError
+
+    assert "my_method" not in sys.modules
+    with pytest.raises(CheckpointError, match="my_method:MomentumState") as refused:
+        load_run_checkpoint(checkpoint)
+    assert "plugins" in str(refused.value) and "my_method" not in sys.modules
     config = run_dir / "config.yaml"
     config.write_text(config.read_text().replace("rounds: 2", "rounds: 3"))
     resumed = _cli("run", "--resume", str(run_dir), "--quiet", cwd=tmp_path)
@@ -225,10 +217,11 @@ def test_example_plugin_on_ray_with_two_workers_matches_local(isolated, tmp_path
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _listening(gcs, head)  # `ray start` returns at once: on a loaded machine the GCS listens seconds later
-        joined = subprocess.run([sys.executable, "-m", "jobs.cli", "run",
-                                 *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
-                                            f"runtime.ray_address=127.0.0.1:{gcs}", "runtime.startup_timeout_s=300")],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        # the driver forked after the imports (tests/forked.py): no plugin imported, its working folder tmp_path
+        joined = run_module("jobs.cli", ["run", *_run_args(tmp_path, "results.run_id=ray", "runtime.backend=ray",
+                                                          f"runtime.ray_address=127.0.0.1:{gcs}",
+                                                          "runtime.startup_timeout_s=300")],
+                            cwd=tmp_path, env=env, timeout=600)
         assert joined.returncode == 0, (joined.stdout + joined.stderr)[-3000:]
         entrypoint = " ".join([sys.executable, "-m", "jobs.run", "examples/my_method.yaml", "--quiet",
                                *(a for o in [*FAST, f"results.root={tmp_path}", "results.run_id=submitted",
@@ -293,17 +286,21 @@ def test_a_plugin_method_sweeps_over_seeds_as_tune_trials(isolated, ray_local, t
     from jobs.sweep import run_sweep
 
     sweep = tmp_path / "plugin.sweep.yaml"
+    # one arm, which sets the plugin's own key, over two seeds: two trials side by side (arms as such are
+    # tests/test_sweep.py's; a second arm here doubled the trials and proved nothing of plugins)
     sweep.write_text(yaml.safe_dump({"title": "my_fedavgm", "base": str(EXAMPLE), "seeds": [0, 1], "budgets": [2],
                                      "overrides": [*FAST, "runtime.backend=local", "runtime.num_workers=1"],
-                                     "arms": [{"name": "beta 0.9"}, {"name": "beta 0.5",
-                                                                     "overrides": ["algorithm.beta=0.5"]}]}))
+                                     "arms": [{"name": "beta 0.5", "overrides": ["algorithm.beta=0.5"]}]}))
     run_sweep(sweep, out_dir=str(tmp_path / "out"), parallel=2)
     import pandas as pd
 
     runs = pd.read_parquet(tmp_path / "out" / "runs.parquet")
-    assert len(runs) == 4 and (runs["status"] == "finished").all(), runs.to_string()
+    assert len(runs) == 2 and (runs["status"] == "finished").all(), runs.to_string()
+    assert sorted(runs["seed"]) == [0, 1]
     for run_dir in runs["run"]:
-        assert (load(run_dir)["rounds"]["train/velocity_norm"] > 0).all()
+        res = load(run_dir)
+        assert (res["rounds"]["train/velocity_norm"] > 0).all()  # the plugin's server step ran in the trial
+        assert res["config"]["algorithm"]["beta"] == 0.5 and res["config"]["algorithm"]["name"] == "my_fedavgm"
 
 
 def test_a_resolved_path_missing_here_loads_rays_copy_of_the_module(isolated, tmp_path, monkeypatch):

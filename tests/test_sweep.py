@@ -25,6 +25,7 @@ from jobs.cached_runs import run_key
 from jobs.sweep import load_sweep, plan
 from jobs.sweep_tune import trial_bundles
 from tests.conftest import ROOT, small_config
+from tests.forked import run_module
 from tests.runtime.test_loop import deterministic
 
 BASE = {"name": "t", "rounds": 2, "model": {"name": "cnn"}, "participation": {"clients_per_round": 4},
@@ -437,9 +438,11 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     (moved / "my_plugin.py").write_text(PLUGIN)
     marker = tmp_path / "pwned"
     store.pipe(f"{out}/tune/tuner.pkl", pickle.dumps(_Touch(marker)))  # crafted: a resume never loads it
-    resumed = sweep(moved, "resumed.log", "--resume")
-    assert resumed.wait(300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
-    log = (tmp_path / "resumed.log").read_text()
+    # the resumed driver: forked after the imports (tests/forked.py), with the job's environment and working folder
+    resumed = run_module("jobs.cli", ["sweep", "sweep.yaml", "--output-dir", out, "--parallel", "1", "--resume"],
+                         cwd=moved, env=env, timeout=300)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-3000:]
     assert f"reusing {out}/runs/{finished}" in log and f"resuming {out}/runs/{killed} (killed)" in log
     with store.open(f"{out}/runs.parquet") as f:
         table = pd.read_parquet(f)

@@ -7,8 +7,6 @@ import dataclasses
 import os
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -320,9 +318,9 @@ def test_a_crafted_checkpoint_on_resume_is_one_stderr_line_that_names_what_was_r
     else:
         checkpoint.write_bytes(pickle.dumps({"round": 1}, protocol=4))
     reseal(run_dir)
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "--resume", str(run_dir), "--quiet"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
+    # forked after the imports (tests/forked.py): the refusal happens while loading the file, not while importing
+    proc = run_module("jobs.cli", ["run", "--resume", str(run_dir), "--quiet"], timeout=300,
+                      env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"})
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith(f"fedsim: error: {checkpoint}: unreadable checkpoint: torch's weights-only reader "
                                   "refused it (")
