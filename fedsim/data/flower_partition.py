@@ -91,7 +91,7 @@ def skewed_sizes(kind: str, n: int, k: int) -> np.ndarray:
     units = SIZE_FUNCTIONS[kind](np.linspace(start=1, stop=k, num=k))
     with np.errstate(invalid="ignore", over="ignore"):
         sizes = np.array(units / units.sum() * n, dtype=np.int64)
-    sizes[-1] += n - sizes.sum()
+        sizes[-1] += n - sizes.sum()
     if not np.isfinite(units.sum()) or sizes.min() < 1:
         small = int(np.argmin(sizes)) if np.isfinite(units.sum()) else 0
         raise ConfigError(f"data.partition.kind: {kind} sizes leave client {small} with "
@@ -184,7 +184,8 @@ def _inner_dirichlet(labels: np.ndarray, sizes: np.ndarray, rng: np.random.Gener
                                   f"client {cid} no class to draw ({exc}); raise alpha") from None
             if class_sizes[c] == 0:
                 priors[:, c] = 0
-                priors = priors / priors.sum(axis=1, keepdims=True)
+                with np.errstate(invalid="ignore", divide="ignore"):  # a row left all zero: refused above next draw
+                    priors = priors / priors.sum(axis=1, keepdims=True)
                 probs = priors[cid]
                 continue
             class_sizes[c] -= 1

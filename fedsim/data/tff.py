@@ -54,6 +54,8 @@ def _client_arrays(h5py: Any, file: Path, name: str, image: str, label: str) -> 
         if not isinstance(examples, h5py.Group):
             raise _bad(where, "has no 'examples' group (TFF's layout is examples/<client_id>/<feature>)")
         clients = sorted(examples.keys())
+        if not clients:
+            raise _bad(where, "its 'examples' group holds no client")
         nodes = []
         for client in clients:
             group = examples[client]

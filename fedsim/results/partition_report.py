@@ -200,6 +200,7 @@ def write_once(run_dir: Location, part: AnyPartition, y_train: np.ndarray, y_tes
     A run folder from before reports gets one on its first resume (the split is the config's, so it is the same).
     The labels are written first: partition.parquet, last, is the mark of a whole report."""
     from fedsim.persist.io import atomic_write
+    from fedsim.results.tables import _write_parquet
 
     path = run_dir / PARTITION_FILE
     if path.exists():
@@ -214,12 +215,6 @@ def write_once(run_dir: Location, part: AnyPartition, y_train: np.ndarray, y_tes
         atomic_write(run_dir / LABELS_FILE, lambda tmp: _write_parquet(labels, tmp))
     atomic_write(path, lambda tmp: _write_parquet(clients, tmp))
     return counts.stats
-
-
-def _write_parquet(table: Any, path: str) -> None:
-    import pyarrow.parquet as pq
-
-    pq.write_table(table, path)
 
 
 def read_stats(path: Location) -> dict[str, Any]:

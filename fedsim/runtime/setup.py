@@ -103,7 +103,11 @@ def _split(cfg: RunConfig, data: Dataset) -> tuple[list[np.ndarray], list[np.nda
         if data.test_ids is None:
             raise ConfigError(f"data.client_test: natural needs each test sample's natural client, which dataset "
                               f"{cfg.data.name!r} does not have")
-        return natural_members(data.train_ids, groups), natural_members(data.test_ids, groups)
+        tests = natural_members(data.test_ids, groups)
+        if not any(len(t) for t in tests):  # TFF CIFAR-100's test clients, LEAF's user split
+            raise ConfigError(f"data.client_test: natural, but no test sample of dataset {cfg.data.name!r} belongs "
+                              "to a training client (its test clients are others); use balanced or proportional")
+        return natural_members(data.train_ids, groups), tests
     if p.seed is not None:
         seed = p.seed
     else:

@@ -163,9 +163,27 @@ def test_tff_datasets_train_one_round(tmp_path: Path) -> None:
     write_h5(tmp_path / "fed_emnist_digitsonly_test.h5", emnist_clients({f"w{i}": 2 for i in range(4)}))
     write_h5(tmp_path / "fed_cifar100_train.h5", cifar_clients({str(i): 8 for i in range(4)}))
     write_h5(tmp_path / "fed_cifar100_test.h5", cifar_clients({str(i): 2 for i in range(2)}))
-    for name in ("tff_emnist", "tff_cifar100"):
-        run_dir = run_one_round(tmp_path / name, f"data.name={name}", f"data.root={tmp_path}")
-        assert (Path(run_dir) / "meta.json").is_file()
+    # each writer (client) one fedsim client; EMNIST's writers are scored on their own test samples
+    for name, extra in (("tff_emnist", ["data.client_test=natural", "algorithm.name=fedper"]), ("tff_cifar100", [])):
+        run_dir = run_one_round(tmp_path / name, f"data.name={name}", f"data.root={tmp_path}", "data.num_clients=4",
+                                "data.partition.kind=natural_id", "data.val_fraction=0", *extra)
+        res = fedsim.load(run_dir)
+        clients = res["clients"].set_index("client")
+        assert list(res["rounds"]["round"]) == [0] and (clients["samples"] == 8).all() and len(clients) == 2
+        if name == "tff_emnist":
+            assert (clients["test_samples"] == 2).all() and res["rounds"]["personal_accuracy_mean"].notna().all()
+
+
+def test_hf_integer_client_ids_sort_as_numbers_as_flowers_natural_id_partitioner(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    table = femnist_table(RNG.integers(0, 256, (4, 28, 28), dtype=np.uint8), [1, 2, 3, 4], ["a"] * 4)
+    table = table.append_column("wid", pa.array([10, 2, 1, 2], pa.int64()))
+    pq.write_table(table, tmp_path / "data" / "train-00000-of-00001.parquet")
+    ds = load_dataset("hf", tmp_path, path=str(tmp_path), preset="flwrlabs/femnist", id_column="wid",
+                      test_fraction=0.5)
+    assert ds.client_names == ("1", "2", "10")  # 10 after 2, not between 1 and 2 as strings would sort
+    np.testing.assert_array_equal(np.sort(np.concatenate([ds.train_ids, ds.test_ids[ds.test_ids >= 0]])),
+                                  [0, 1, 1, 2])
 
 
 def test_a_missing_h5py_names_the_extra(monkeypatch) -> None:
@@ -300,6 +318,12 @@ def test_bad_files_are_one_line_naming_the_file_or_key(tmp_path: Path, capsys) -
             f.create_group("clients")
         write_h5(root / "fed_emnist_digitsonly_test.h5", emnist_clients({"a": 1}))
 
+    def no_clients(root: Path) -> None:
+        root.mkdir(parents=True)
+        write_h5(root / "fed_emnist_digitsonly_train.h5", emnist_clients({"a": 1}))
+        with h5py.File(root / "fed_emnist_digitsonly_test.h5", "w") as f:
+            f.create_group("examples")
+
     def no_label(root: Path) -> None:
         clients = emnist_clients({"a": 2})
         del clients["a"]["label"]
@@ -355,6 +379,12 @@ def test_bad_files_are_one_line_naming_the_file_or_key(tmp_path: Path, capsys) -
     train_h5 = "fed_emnist_digitsonly_train.h5"
     cases = [  # (name, writer, overrides, what the one line must contain, the file it names)
         ("no examples group", no_examples, emnist, "has no 'examples' group", train_h5),
+        ("no client", no_clients, emnist, "its 'examples' group holds no client", "fed_emnist_digitsonly_test.h5"),
+        ("no personal test sample", lambda root: h5("fed_cifar100", cifar_clients({"0": 2}), root=root) or
+         write_h5(root / "fed_cifar100_test.h5", cifar_clients({"7": 1})),
+         ["data.name=tff_cifar100", "data.partition.kind=natural_id", "data.num_clients=1",
+          "participation.clients_per_round=1", "data.client_test=natural"],
+         "data.client_test: natural, but no test sample of dataset 'tff_cifar100' belongs to a training client", ""),
         ("missing feature", no_label, emnist, "examples/a has no 'label' dataset", train_h5),
         ("label out of range", big_label, emnist, r"examples/b/label: labels outside 0\.\.9", train_h5),
         ("pixel shape", bad_shape, emnist, r"examples/a/pixels: expected N×28×28 float pixels, got float32 of "
