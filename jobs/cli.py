@@ -170,7 +170,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = plot_runs(args.runs, x=args.x or "round", metrics=args.metrics or ["accuracy"], out=args.out,
-                        label=args.label, title=args.title)
+                        label=args.label, title=args.title, logx=args.logx)
     for w in caught:  # the runs left out (unreadable; another's duplicate), a line each; not numpy's remarks
         if issubclass(w.category, (SkippedRuns, DuplicateRuns)):
             print(f"fedsim: {w.message}", file=sys.stderr)
@@ -273,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draw the split of one RUN instead: client sizes and label proportions, with its "
                          "heterogeneity (default out: RUN/partition.png)")
     pl.add_argument("--title", help="the figure's title (default: the run's name, or how many runs)")
+    pl.add_argument("--logx", action="store_true", help="a logarithmic x axis (e.g. --x bytes_up across "
+                                                        "compression schemes)")
     pl.add_argument("--out", help="PNG path (default: RUN/<metrics>.png, or <metrics>.png in the runs' common "
                                   "folder)")
     pl.set_defaults(fn=cmd_plot)

@@ -95,18 +95,31 @@ def test_the_legend_lies_beside_the_panels_never_over_them(methods, tmp_path, dr
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     assert main(["plot", str(methods), "--label", "algorithm.name", "plugins", "algorithm.server_lr",
-                 "--metric", "accuracy", "loss", "--out", str(tmp_path / "p.png")]) == 0
+                 "--metric", "accuracy", "loss", "--logx", "--out", str(tmp_path / "p.png")]) == 0
     (fig,) = drawn
     FigureCanvasAgg(fig).draw()
     legend = fig.legends[0].get_window_extent()
     whole = fig.bbox
     assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1 and whole.y0 <= legend.y0 and legend.y1 <= whole.y1
-    assert len(fig.axes) == 2
+    assert len(fig.axes) == 2 and all(ax.get_xscale() == "log" for ax in fig.axes)
     for ax in fig.axes:  # the panel with its tick labels and axis labels
         panel = ax.get_tightbbox()
         assert panel.x1 < legend.x0, (panel, legend)
     assert legend_labels(fig)[0] == "fedadam, plugins=fedadam, server_lr=0.01 (3 seeds)"
     assert "fedavg, plugins=none, server_lr=None (3 seeds)" in legend_labels(fig)
+
+
+def test_a_long_title_over_one_panel_clears_the_legend(methods, tmp_path, drawn):
+    """The title is centred over the panels: centred over the whole figure, it ran under the legend's corner."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    assert main(["plot", str(methods), "--label", "algorithm.name", "plugins", "algorithm.server_lr", "--title",
+                 "Accuracy of FedAdam, FedAvg and FedNova on non-IID digits", "--out", str(tmp_path / "t.png")]) == 0
+    (fig,) = drawn
+    FigureCanvasAgg(fig).draw()
+    title, legend = fig._suptitle.get_window_extent(), fig.legends[0].get_window_extent()
+    assert title.x1 < legend.x0 or title.y0 > legend.y1, (title, legend)
+    assert fig.bbox.x0 <= title.x0
 
 
 def test_a_sweep_is_labelled_by_its_key_in_numeric_order(tmp_path, drawn):

@@ -47,6 +47,10 @@ def _known_keys() -> set[str]:
     return keys
 
 
+COMPANIONS = [["algorithm.name=fedasync"], ["data.name=synthetic"], ["data.options={path: data, preset: flwrlabs/femnist}"],
+              ["data.partition.kind=natural_id"]]
+
+
 def _loads(key: str, value: str) -> bool:
     """Whether `key=value` loads, for some algorithm (or model) when the key is an algorithm's (a model's)."""
     from fedsim.models.registry import model_names
@@ -55,8 +59,8 @@ def _loads(key: str, value: str) -> bool:
         contexts = [[f"algorithm.name={name}"] for name in algorithm_names()]
     elif key.startswith("model.options"):
         contexts = [[f"model.name={name}"] for name in model_names()]
-    else:
-        contexts = [[]]
+    else:  # the values that only load beside another key the docs name with them
+        contexts = [[], *COMPANIONS]
     for context in contexts:
         try:
             load_config(None, context + [f"{key}={value}"])

@@ -299,11 +299,13 @@ def default_out(runs: Sequence[Any], x: str, metrics: Sequence[str]) -> Any:
 
 
 def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", metrics: str | Sequence[str] = "accuracy",
-              out: str | Path | None = None, label: Sequence[str] | None = None, title: str | None = None) -> Path:
+              out: str | Path | None = None, label: Sequence[str] | None = None, title: str | None = None,
+              logx: bool = False) -> Path:
     """Draw each of `metrics` against `x` (round, virtual_time, bytes_up or bytes_down) for the runs `paths` names
     (folders, folders of runs, globs; unfinished runs too, as far as they got): a panel per metric, a curve per
     setting and model with a ± std band over seeds, labelled by the config keys `label` names (default: those
-    that differ); returns the PNG's path.
+    that differ), on a logarithmic x axis with `logx` (bytes of compressed and float32 runs side by side); returns
+    the PNG's path.
 
     Folders without a readable table are skipped with a SkippedRuns warning (fedsim.collect), runs with another's
     config and seed with a DuplicateRuns one; none left is a one-line error."""
@@ -346,7 +348,7 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", metric
     target = Path(out) if out else default_out(runs, x, metrics)  # a folder, or a run's (a Path or a store's path)
     if title is None:
         title = runs[0].name if len(runs) == 1 else f"{df['run'].nunique()} runs"
-    fig = figure(panels, x, title, groups)
+    fig = figure(panels, x, title, groups, logx)
     try:
         atomic_write(target, lambda tmp: fig.savefig(tmp, dpi=150, bbox_inches="tight", format="png"))
     except OSError as exc:  # a folder that refuses new files (read-only, /proc, full): nothing was written
@@ -380,7 +382,7 @@ def check_out(out: Path) -> None:
 
 
 def figure(panels: Mapping[str, pd.DataFrame], x: str = "round", title: str | None = None,
-           groups: Settings | None = None) -> Figure:
+           groups: Settings | None = None, logx: bool = False) -> Figure:
     """The figure of `curves(...)`'s rows, a panel per metric (up to three in a row): a line per setting (its
     color) and model (its dash), its ± std band where it averages seeds, and one legend to the right of the
     panels, the figure widened to hold it; a sweep's settings take colors along a colormap."""
@@ -418,13 +420,13 @@ def figure(panels: Mapping[str, pd.DataFrame], x: str = "round", title: str | No
                 axis.set_major_locator(MaxNLocator(integer=True))
             if name.startswith("bytes_"):  # 2 MB, not 0.2 and a 1e7 at the end of the axis
                 axis.set_major_formatter(EngFormatter(unit="B"))
+        if logx:
+            ax.set_xscale("log")
         ax.set_xlabel(X_AXES.get(x, x))
         ax.set_ylabel(metric if metric != "round" else X_AXES["round"])
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:
         fig.delaxes(ax)
-    if title:
-        fig.suptitle(title)
     handles = [Line2D([], [], color=color[s], label=s + (f" ({seeds[s]} seeds)" if seeds[s] > 1 else ""))
                for s in order if s in seeds]
     if len(models) > 1:
@@ -435,6 +437,17 @@ def figure(panels: Mapping[str, pd.DataFrame], x: str = "round", title: str | No
         fig.draw_without_rendering()
         width = legend.get_window_extent().width / fig.dpi
         fig.set_size_inches(PANEL_INCHES[0] * cols + width + 0.2, PANEL_INCHES[1] * rows)
+    if title:  # centred over the panels, not the figure, and wrapped to their width: the legend keeps its corner
+        import textwrap
+
+        fig.draw_without_rendering()
+        boxes = [ax.get_position() for ax in axes[:len(panels)]]
+        x0, x1 = min(b.x0 for b in boxes), max(b.x1 for b in boxes)
+        text = fig.suptitle(title, x=(x0 + x1) / 2)
+        fig.draw_without_rendering()
+        span, width = (x1 - x0) * fig.bbox.width, text.get_window_extent().width
+        if width > span:
+            text.set_text("\n".join(textwrap.wrap(title, max(10, int(len(title) * span / width)))))
     return fig
 
 
