@@ -64,13 +64,23 @@ def connect(c) -> None:
         ray.init(address=c.address, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
 
 
+_SHAPES: dict[str, tuple[int, int]] = {}  # node id -> (CPUs, GPUs) it was added with
+
+
 def worker_nodes(c, count: int, cpus: int = 2, gpus: int = 2) -> list:
-    """Exactly `count` fresh worker nodes (the ones of an earlier test removed)."""
+    """Exactly `count` worker nodes of `cpus` CPUs and `gpus` logical GPUs: live ones of that shape an earlier test
+    left are kept (a node costs a raylet and its workers to start), the others removed, the rest added."""
+    kept = []
     for node in list(c.worker_nodes):
-        c.remove_node(node)
-    nodes = [c.add_node(num_cpus=cpus, num_gpus=gpus) for _ in range(count)]
+        if len(kept) < count and _SHAPES.get(node.node_id) == (cpus, gpus):
+            kept.append(node)
+        else:
+            c.remove_node(node)
+    for _ in range(count - len(kept)):
+        kept.append(c.add_node(num_cpus=cpus, num_gpus=gpus))
+        _SHAPES[kept[-1].node_id] = (cpus, gpus)
     c.wait_for_nodes()
-    return nodes
+    return kept
 
 
 def node_of(c, node_id: str):
@@ -178,7 +188,7 @@ def timed_shutdown(backend: RayBackend) -> list[float]:
 
 
 def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, make_config, caplog, tmp_path):
-    nodes = worker_nodes(cluster, 3, gpus=0)
+    nodes = worker_nodes(cluster, 3)  # the placement test's nodes: logical GPUs unused (client_gpus 0)
     base = ["runtime.backend=ray", "runtime.client_cpus=1", "runtime.placement=spread",
             "train.keep_optimizer_state=true"]
     cfg = make_config(*base, "runtime.num_workers=4", "participation.clients_per_round=10", rounds=4)
@@ -272,7 +282,7 @@ def test_a_worker_node_lost_mid_round_costs_only_its_clients_updates(cluster, ma
 def test_the_server_node_lost_stops_with_a_resume_line_and_resume_finishes(cluster, make_config):
     from actors.node_loss import NodeLostError
 
-    worker_nodes(cluster, 2, gpus=0)
+    worker_nodes(cluster, 2)
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
                       "runtime.num_workers=2", "participation.clients_per_round=4", "results.run_id=served",
                       rounds=3)
@@ -292,7 +302,7 @@ def test_the_server_node_lost_stops_with_a_resume_line_and_resume_finishes(clust
     assert "\n" not in str(err.value)
     run_dir = Path(cfg.results.root) / "served"
     assert list(load(run_dir)["rounds"]["round"]) == [0]
-    cluster.add_node(num_cpus=2, num_gpus=0)  # room again for the server and the workers
+    _SHAPES[cluster.add_node(num_cpus=2, num_gpus=2).node_id] = (2, 2)  # room again for the server and workers
     cluster.wait_for_nodes()
     res = load(run(resume=run_dir, backend=RayBackend()))
     assert list(res["rounds"]["round"]) == [0, 1, 2] and res["rounds"]["accuracy"].notna().all()
@@ -310,7 +320,7 @@ def test_more_workers_than_the_cluster_holds_wait_for_a_node(cluster, make_confi
         return real_request(bundles=bundles)
 
     monkeypatch.setattr(sdk, "request_resources", request_resources)
-    worker_nodes(cluster, 1, gpus=0)  # 2 CPUs: 2 workers of 1 CPU
+    worker_nodes(cluster, 1)  # 2 CPUs: 2 workers of 1 CPU
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.num_workers=4",
                       "runtime.autoscale_timeout_s=1", "participation.clients_per_round=4", rounds=1)
     t0 = time.monotonic()
