@@ -143,14 +143,9 @@ def plot_partition(path: str | Path | StorePath, out: str | Path | None = None, 
     run without a report, is a one-line error."""
     from fedsim.persist.io import atomic_write
     from fedsim.results.partition_report import partition_report, report_folder
-    from fedsim.results.plots import check_out
+    from fedsim.results.plots import check_out, check_title_out
 
-    if title is not None and not isinstance(title, str):
-        raise FedsimError(f"title: expected text, got {type(title).__name__}")
-    if out is not None:
-        if not isinstance(out, (str, Path)):
-            raise FedsimError(f"out: expected the path of a .png file, got {type(out).__name__} {str(out)[:60]!r}")
-        check_out(Path(out))
+    check_title_out(title, out)
     run = report_folder(path)
     report = partition_report(run)
     if out is not None:

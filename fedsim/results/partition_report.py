@@ -241,14 +241,9 @@ def _stats_of(path: Location, metadata: dict[bytes, bytes]) -> dict[str, Any]:
 def report_folder(path: str | Path | StorePath) -> Location:
     """The run folder `path` names (as fedsim.load takes it: a path, a bare run id under ./results, a URI), which
     must hold a partition report."""
-    from fedsim.persist.storage import location
+    from fedsim.results.tables import a_folder
 
-    p = location(path, "run folder")
-    if isinstance(p, Path) and not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
-        p = Path("results") / p
-    if not p.is_dir():
-        why = "a file, not a folder" if p.exists() else "no such folder"
-        raise CheckpointError(f"{p}: not a fedsim run folder ({why})")
+    p = a_folder(path)
     if not (p / PARTITION_FILE).is_file():
         if not any((p / name).exists() for name in ("run.json", "config.yaml", "rounds.parquet")):
             raise CheckpointError(f"{p}: not a fedsim run folder (no run.json, config.yaml or rounds.parquet)")

@@ -320,12 +320,7 @@ def plot_runs(paths: str | Path | Iterable[str | Path], x: str = "round", metric
         raise FedsimError("--metric: name at least one column")
     if len(set(metrics)) < len(metrics):
         raise FedsimError(f"--metric {' '.join(metrics)}: a metric named twice")
-    if title is not None and not isinstance(title, str):
-        raise FedsimError(f"title: expected text, got {type(title).__name__}")
-    if out is not None:
-        if not isinstance(out, (str, Path)):
-            raise FedsimError(f"out: expected the path of a .png file, got {type(out).__name__} {str(out)[:60]!r}")
-        check_out(Path(out))
+    check_title_out(title, out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         df = collect(items, incomplete=True)
@@ -364,6 +359,16 @@ def _strings(values: Any, flag: str) -> list[str]:
     if not all(isinstance(v, str) and v for v in values):
         raise FedsimError(f"{flag}: expected names, got {values!r}"[:200])
     return values
+
+
+def check_title_out(title: Any, out: Any) -> None:
+    """A plot's title (text) and PNG path (a writable .png) as given from Python or the CLI; a one-line error else."""
+    if title is not None and not isinstance(title, str):
+        raise FedsimError(f"title: expected text, got {type(title).__name__}")
+    if out is not None:
+        if not isinstance(out, (str, Path)):
+            raise FedsimError(f"out: expected the path of a .png file, got {type(out).__name__} {str(out)[:60]!r}")
+        check_out(Path(out))
 
 
 def check_out(out: Path) -> None:

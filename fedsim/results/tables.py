@@ -289,14 +289,20 @@ def _read_text(path: Location, parse) -> dict:
     return data
 
 
-def run_folder(path: str | Path | StorePath) -> Location:
-    """The run folder `path` names (also as a bare run id under ./results, or as a URI); it must hold rounds.parquet."""
+def a_folder(path: str | Path | StorePath) -> Location:
+    """The folder `path` names (also as a bare run id under ./results, or as a URI), which must exist."""
     p = location(path, "run folder")
     if isinstance(p, Path) and not p.exists() and not p.is_absolute() and (Path("results") / p).exists():
         p = Path("results") / p
     if not p.is_dir():
         why = "a file, not a folder" if p.exists() else "no such folder"
         raise CheckpointError(f"{p}: not a fedsim run folder ({why})")
+    return p
+
+
+def run_folder(path: str | Path | StorePath) -> Location:
+    """The run folder `path` names (also as a bare run id under ./results, or as a URI); it must hold rounds.parquet."""
+    p = a_folder(path)
     if not (p / "rounds.parquet").exists():
         raise CheckpointError(f"{p}: not a fedsim run folder (no {p / 'rounds.parquet'})")
     return p
