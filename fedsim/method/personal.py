@@ -8,12 +8,15 @@ FedAvg fine-tuned): the full model per architecture (its shared entries averaged
 left at their initial values, so it is what a client that has never trained starts from) and every client's
 latest personal score; `PersonalMethod` is their server side.
 
-The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the score its
-personal model got on its own shard at the end of the last round it trained (only sampled clients run, so one
-that sat rounds out is not re-scored); a client that has never trained reports the server model's accuracy on
-its shard and is counted in `personal_never_trained` (every client is, where the personal model is the server's:
-`personal_is_global`). The mean is over clients, not samples; `personal_accuracy_p10` is the mean of the worst
-tenth (at least one client).
+The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the latest score of its
+personal model on its own shard. Where that model moves while the client sits rounds out (`rescores`: the split
+methods, whose personal model is the server's current shared entries with the client's own), every client that has
+trained is re-scored before each evaluation by an evaluation-only phase (`measurement`, run on the workers that hold
+the clients' states; no bytes, no virtual time); elsewhere (Ditto, APFL: the personal model changes only when its
+client trains) the score is the one the client got at the end of the last round it trained, which is exact. A
+client that has never trained reports the server model's accuracy on its shard and is counted in
+`personal_never_trained` (every client is, where the personal model is the server's: `personal_is_global`). The
+mean is over clients, not samples; `personal_accuracy_p10` is the mean of the worst tenth (at least one client).
 """
 
 from __future__ import annotations
