@@ -10,7 +10,8 @@ latest personal score; `PersonalMethod` is their server side.
 
 The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the latest score of its
 personal model on its own shard. Where that model moves while the client sits rounds out (`rescores`: the split
-methods, whose personal model is the server's current shared entries with the client's own), every client that has
+methods, whose personal model is the server's current shared entries with the client's own, and Per-FedAvg, a
+one-step fine-tune of the current global model), every client that has
 trained is re-scored before each evaluation by an evaluation-only phase (`measurement`, run on the workers that hold
 the clients' states; no bytes, no virtual time); elsewhere (Ditto, APFL: the personal model changes only when its
 client trains) the score is the one the client got at the end of the last round it trained, which is exact. A
@@ -290,8 +291,8 @@ class PersonalMethod(Algorithm):
     def rescores(self) -> bool:
         """Whether a client's personal model moves when it does not train, so every client that has trained is
         re-scored at each evaluation (`rescore`): the split methods, whose personal model is the server's current
-        shared entries with the client's own. Ditto and APFL keep exact scores (their personal model changes only
-        when the client trains) and skip the pass."""
+        shared entries with the client's own (Per-FedAvg overrides it). Ditto and APFL keep exact scores (their
+        personal model changes only when the client trains) and skip the pass."""
         return any(self.personal.values())
 
     def rescore(self, ctx: ClientContext, shared: Mapping[str, torch.Tensor], state: dict[str, Any] | None

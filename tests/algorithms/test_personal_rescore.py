@@ -9,7 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+import torch.nn.functional as F
 
+from fedsim import rng
 from fedsim.method.personal import PersonalMethod
 from fedsim.persist.checkpoint import load_run_checkpoint
 from fedsim.results.tables import load
@@ -75,6 +78,39 @@ def test_a_client_that_sat_rounds_out_is_scored_with_the_current_body_and_its_ow
     accs = [want[c][0] for c in range(4)]  # never-trained clients: the server model (initial head) on their shard
     assert last["personal_accuracy_mean"] == pytest.approx(np.mean(accs))
     assert last["personal_accuracy_p10"] == pytest.approx(min(accs))
+
+
+def test_perfedavg_rescores_with_the_current_global_models_one_step_fine_tune(tmp_path) -> None:
+    """Per-FedAvg's personal model is one α-step from the global model: a client that trained in round 0 and sat out
+    rounds 1 and 2 is scored at round 2 with round 2's global model, stepped on the first batch of its stream
+    "perfedavg/personal" at round 2 (a plain-torch step here)."""
+    opts = [o for o in FEDPER if not o.startswith("algorithm.name")] + ["algorithm.name=perfedavg",
+                                                                         "algorithm.alpha=0.5"]
+    cfg = small_config(tmp_path, *opts, "results.run_id=pfa")
+    folder = run(cfg, LocalBackend(num_workers=2))
+    clients = load(folder)["clients"]
+    first = int(clients.query("round == 0")["client"].iloc[0])
+    assert first not in clients.query("round > 0")["client"].tolist()
+    ck = load_run_checkpoint(folder / "checkpoints" / "last.pt")
+    glob = ck["server_state"].models["mlp"]
+    data = load_data(cfg)
+    part = make_partition(cfg, data)
+    x, y = torch.from_numpy(data.x_train[part.train[first]]), torch.from_numpy(data.y_train[part.train[first]])
+    batch = torch.randperm(len(y), generator=rng.torch_generator(cfg.seed, "perfedavg/personal", 2, first, 0))
+    batch = batch[:cfg.train.batch_size]
+    w = {k: v.clone().requires_grad_(True) for k, v in glob.items()}
+    h = x[batch].flatten(1)
+    for name in [k[:-len(".weight")] for k in w if k.endswith(".weight") and not k.startswith("fc.")]:
+        h = torch.relu(h @ w[f"{name}.weight"].T + w[f"{name}.bias"])
+    loss = F.cross_entropy(h @ w["fc.weight"].T + w["fc.bias"], y[batch])
+    grads = dict(zip(w, torch.autograd.grad(loss, list(w.values()))))
+    tuned = {k: (w[k] - 0.5 * grads[k]).detach() for k in w}
+    idx = part.test[first]
+    want = (*hand_scores(tuned, data.x_test[idx], data.y_test[idx]), len(idx))
+    got = ck["server_state"].scores[first]
+    assert got == pytest.approx(want, rel=1e-4)
+    stale = clients.query("round == 0").iloc[0]
+    assert got[1] != pytest.approx(stale["personal_loss"])
 
 
 def test_the_pass_changes_no_training_number_bytes_or_virtual_time(base, tmp_path, monkeypatch) -> None:
