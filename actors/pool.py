@@ -30,7 +30,15 @@ from actors.server_actor import ServerActor
 from actors.wire import for_the_wire
 from fedsim.errors import ConfigError, FedsimError, OutOfMemory, ResourceError
 from fedsim.method.contract import Broadcast, Phase, RoundInfo
-from fedsim.runtime.backend import BroadcastReply, EvalReply, Restarted, ServerAPI, StepReply, WorkerFailure
+from fedsim.runtime.backend import (
+    BroadcastReply,
+    EvalReply,
+    Measurement,
+    Restarted,
+    ServerAPI,
+    StepReply,
+    WorkerFailure,
+)
 from fedsim.runtime.rundir import spill_folder
 from fedsim.runtime.server import Server
 from fedsim.runtime.worker import WorkerReply
@@ -164,6 +172,12 @@ class RemoteServer:
 
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply:
         return self._call("step", phase, replies, info)
+
+    def measure(self, round: int) -> Measurement | None:
+        return self._call("measure", round)
+
+    def measured(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> float:
+        return self._call("measured", phase, replies, info)
 
     def evaluate(self) -> EvalReply:
         return self._call("evaluate")

@@ -5,7 +5,8 @@
 
 A model without BatchNorm is refused (FedBN would be FedAvg). A client's BatchNorm layers start from the run's
 initial model. The server model (shared entries with initial BatchNorm) is what a never-trained client is scored
-with; the personal model is the one a client ends its round with.
+with; the personal model, scored at each evaluation, is the server's current shared entries with the client's own
+BatchNorm layers.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 
 `personal_layers` names the personal entries by parameter-name prefix (default: the classifier head, the module
 owning the model's last parameter, `fc` for the built-in models). A client's head starts from the run's initial
-model, as every client's would in the paper's code. The personal model scored on the client's own test shard is
-the one it ends its round with.
+model, as every client's would in the paper's code. The personal model scored on the client's own test shard, at
+each evaluation, is the server's current body with the client's own head (the kit's re-scoring pass), whether or not
+the client trained that round.
 """
 
 from __future__ import annotations

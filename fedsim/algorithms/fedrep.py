@@ -8,7 +8,7 @@
 `personal_layers` names the head by parameter-name prefix (default: the model's classifier head). The paper's code
 trains the head for 10 epochs and the body for 1 (`head_epochs` 10 with `train.epochs` 1); each part gets a fresh
 optimizer with the run's train settings, and one batch stream serves both. The personal model scored on the
-client's own shard is the one it ends its round with.
+client's own shard, at each evaluation, is the server's current body with the client's own head.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 
 FedPer's split the other way round: `global_layers` names the shared entries by parameter-name prefix (default:
 the model's classifier head) and every other entry stays at its client. [Differs] The paper first trains a global
-model with FedAvg and then starts the local bodies from it; here they start from the run's initial model.
+model with FedAvg and then starts the local bodies from it; here they start from the run's initial model. At each
+evaluation a client's personal model is its own body with the server's current head.
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ FedAvg of a model meant to be fine-tuned, MAML-style.
     personal model of client k: one step θ − α·∇f(θ; D) from the broadcast global model on one batch of D_k
 
 Both steps are plain SGD (no momentum or weight decay: Plato's pitfall of one optimizer carrying momentum across
-both steps does not arise). Defaults α 0.01, β 0.001 as Plato's. The personal model is fine-tuned from the model
-the client received and scored on its own shard; a never-trained client reports the global model's accuracy.
+both steps does not arise). Defaults α 0.01, β 0.001 as Plato's. At each evaluation every client that has trained is
+re-scored (the kit's re-scoring pass) with the current global model's one-step fine-tune on a batch of its data
+drawn at that round; a never-trained client reports the global model's accuracy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,14 +61,31 @@ class PerFedAvg(PersonalMethod):
     Params = PerFedAvgParams
     global_model = True
 
+    def fine_tuned(self, ctx: ClientContext, glob: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """The client's personal model: one α-step from `glob` on the first batch of its stream
+        "perfedavg/personal" (at the round)."""
+        x, y = ctx.data.x, ctx.data.y
+        tuned = personal.loaded(ctx, "perfedavg/personal", glob)
+        tuned.train()
+        first = next(batch_indices(len(y), ctx.env.config.train.batch_size, ctx.stream("perfedavg/personal"), 1,
+                                   None, x.device))
+        sgd_step(tuned, x.index_select(0, first), y.index_select(0, first), self.params.alpha)
+        return tuned
+
+    def rescores(self) -> bool:
+        return True  # the personal model is fine-tuned from the current global model, which moves every round
+
+    def rescore(self, ctx: ClientContext, shared: Mapping[str, torch.Tensor], state: dict[str, Any] | None
+                ) -> torch.nn.Module:
+        """The current global model's one-step fine-tune on the client's data (its batch drawn at the evaluated
+        round)."""
+        return self.fine_tuned(ctx, shared)
+
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                     ctx: ClientContext) -> ClientResult:
         glob, train, p = msg.common[ctx.arch], ctx.env.config.train, self.params
         x, y = ctx.data.x, ctx.data.y
-        tuned = personal.loaded(ctx, "perfedavg/personal", glob)
-        tuned.train()
-        first = next(batch_indices(len(y), train.batch_size, ctx.stream("perfedavg/personal"), 1, None, x.device))
-        sgd_step(tuned, x.index_select(0, first), y.index_select(0, first), p.alpha)
+        tuned = self.fine_tuned(ctx, glob)
         theta = ctx.models.get(ctx.arch)
         theta.load_state_dict(glob)
         trial = personal.loaded(ctx, "perfedavg/trial", glob)

@@ -48,6 +48,9 @@ class Phase:
 
     `model_update=True` (with `reduce="sum"`) says the payload is a model or a model update, relative to what
     `Algorithm.upload_reference` gives: the update chain (fedsim.transforms: DP clipping and noise) then applies to it.
+
+    `measure=True` marks the evaluation-only phase of `Algorithm.measurement`: its handlers are called as named (never
+    through overridden hooks), its clients' states are left as they are, and it costs no bytes and no virtual time.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Phase:
     server: str | None = None  # (state, updates, info) -> (state, metrics)
     local_training: bool = False  # the client step is `Algorithm.local_training(...)`, batchable
     model_update: bool = False  # a "sum" payload that is a model (update): the update chain may clip and noise it
+    measure: bool = False  # an evaluation-only phase (Algorithm.measurement), not communication
 
 
 @dataclass
@@ -316,6 +320,14 @@ class Algorithm:
         self, state: Any, x_test: torch.Tensor, y_test: torch.Tensor, device: torch.device
     ) -> list[dict[str, Any]]:
         return []
+
+    def measurement(self, state: Any) -> tuple[Phase, list[int]] | None:
+        """An evaluation-only phase (`measure=True`, naming its three handlers) that the runtime runs before each
+        evaluation, on the workers that own the given clients (sorted ids), or None (the default: none). The clients'
+        results go to the phase's server handler, which folds their metrics into the state that `evaluate` reads;
+        their states are left as they are. A measurement, not communication: no bytes, no virtual time, no
+        clients.parquet rows (a personal method re-scores its clients' personal models with it)."""
+        return None
 
     def finished(self, state: Any, round: int) -> bool:
         """Whether the run should stop after `round` (one-shot methods stop after round 0)."""

@@ -8,12 +8,16 @@ FedAvg fine-tuned): the full model per architecture (its shared entries averaged
 left at their initial values, so it is what a client that has never trained starts from) and every client's
 latest personal score; `PersonalMethod` is their server side.
 
-The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the score its
-personal model got on its own shard at the end of the last round it trained (only sampled clients run, so one
-that sat rounds out is not re-scored); a client that has never trained reports the server model's accuracy on
-its shard and is counted in `personal_never_trained` (every client is, where the personal model is the server's:
-`personal_is_global`). The mean is over clients, not samples; `personal_accuracy_p10` is the mean of the worst
-tenth (at least one client).
+The personal columns of rounds.parquet (`personal_columns`): each client counts once, with the latest score of its
+personal model on its own shard. Where that model moves while the client sits rounds out (`rescores`: the split
+methods, whose personal model is the server's current shared entries with the client's own, and Per-FedAvg, a
+one-step fine-tune of the current global model), every client that has
+trained is re-scored before each evaluation by an evaluation-only phase (`measurement`, run on the workers that hold
+the clients' states; no bytes, no virtual time); elsewhere (Ditto, APFL: the personal model changes only when its
+client trains) the score is the one the client got at the end of the last round it trained, which is exact. A
+client that has never trained reports the server model's accuracy on its shard and is counted in
+`personal_never_trained` (every client is, where the personal model is the server's: `personal_is_global`). The
+mean is over clients, not samples; `personal_accuracy_p10` is the mean of the worst tenth (at least one client).
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ import torch
 from fedsim import rng
 from fedsim.errors import ConfigError
 from fedsim.method.aggregate import weighted_average
-from fedsim.method.contract import Algorithm, Broadcast, ClientContext, ClientResult, Env, Phase, RoundInfo
+from fedsim.method.contract import (
+    Algorithm,
+    Broadcast,
+    ClientContext,
+    ClientResult,
+    Env,
+    Message,
+    Phase,
+    RoundInfo,
+)
 from fedsim.method.toolkit import State, evaluate_models, evaluation_model, init_global_models, new_model, seeded_model
 from fedsim.persist.checkpoint import register_state
 from fedsim.training.train import evaluate_classifier, predict_logits, train_classifier
@@ -273,6 +286,45 @@ class PersonalMethod(Algorithm):
     def broadcast(self, phase: Phase, state: PersonalServer, info: RoundInfo) -> Broadcast:
         return Broadcast(common={a: {k: v for k, v in m.items() if k not in self.personal.get(a, ())}
                                  for a, m in state.models.items()})
+
+    # ------------------------------------------------------------- re-scoring
+    def rescores(self) -> bool:
+        """Whether a client's personal model moves when it does not train, so every client that has trained is
+        re-scored at each evaluation (`rescore`): the split methods, whose personal model is the server's current
+        shared entries with the client's own (Per-FedAvg overrides it). Ditto and APFL keep exact scores (their
+        personal model changes only when the client trains) and skip the pass."""
+        return any(self.personal.values())
+
+    def rescore(self, ctx: ClientContext, shared: Mapping[str, torch.Tensor], state: dict[str, Any] | None
+                ) -> torch.nn.Module | None:
+        """The client's personal model at an evaluation, from the server model's shared entries (`shared`, of the
+        client's architecture) and the client's state; None keeps its last score. Default, for the split methods:
+        the shared entries with the client's own personal ones (initial ones if its state was lost)."""
+        if not self.personal.get(ctx.arch):
+            return None
+        return loaded(ctx, "personal/rescore", start_state(ctx, shared, (state or {}).get("personal")))
+
+    def measurement(self, state: PersonalServer) -> tuple[Phase, list[int]] | None:
+        """Re-score, before each evaluation, every client that has trained (its score is in the state), where the
+        method `rescores`."""
+        if not self.rescores():
+            return None
+        return Phase("rescore", "each", broadcast="rescore_broadcast", client="rescore_client",
+                     server="rescore_server", measure=True), sorted(state.scores)
+
+    def rescore_broadcast(self, state: PersonalServer, info: RoundInfo) -> Broadcast:
+        """The server model's shared entries, as a round's broadcast holds them."""
+        return self.broadcast(Phase("rescore"), state, info)
+
+    def rescore_client(self, state: dict[str, Any] | None, msg: Message, ctx: ClientContext) -> ClientResult:
+        """The score of the client's personal model now (`rescore`) on its own test shard; nothing goes up."""
+        model = self.rescore(ctx, msg.common[ctx.arch], state)
+        return ClientResult(metrics=score(model, ctx) if model is not None else {})
+
+    def rescore_server(self, state: PersonalServer, updates: dict[int, ClientResult], info: RoundInfo
+                       ) -> tuple[PersonalServer, dict[str, Any]]:
+        """The scores with the re-scored clients' new ones."""
+        return PersonalServer(models=state.models, scores=state.recorded(updates), extra=state.extra), {}
 
     def server_step(self, phase: Phase, state: PersonalServer, updates: dict[int, ClientResult],
                     info: RoundInfo) -> tuple[PersonalServer, dict[str, Any]]:

@@ -64,6 +64,17 @@ class EvalReply:
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """A method's evaluation-only phase (Algorithm.measurement), as the server hands it to the loop: the phase, its
+    broadcast, who it reaches (`info.participants`) and the server's seconds."""
+
+    phase: Phase
+    broadcast: Broadcast
+    info: RoundInfo
+    seconds: float
+
+
+@dataclass(frozen=True)
 class WorkerFailure:
     """Why a whole worker returned nothing for a phase (it raised, died or hung): each of its clients failed."""
 
@@ -82,13 +93,16 @@ class Restarted:
 
 
 class ServerAPI(Protocol):
-    """The server as the loop calls it, in order: phases, then per phase broadcast and step; evaluate, finished."""
+    """The server as the loop calls it, in order: phases, then per phase broadcast and step; at
+    an evaluation, measure and measured (a method's evaluation-only phase, when it has one), then evaluate; finished."""
 
     def ping(self) -> dict[str, Any]: ...
     def phases(self, round: int) -> list[Phase]: ...
     def broadcast(self, phase: Phase, info: RoundInfo) -> BroadcastReply: ...
     def synced(self, clients: list[int]) -> None: ...
     def step(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> StepReply: ...
+    def measure(self, round: int) -> Measurement | None: ...
+    def measured(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> float: ...
     def evaluate(self) -> EvalReply: ...
     def finished(self, round: int) -> bool: ...
     def get_state(self) -> Any: ...

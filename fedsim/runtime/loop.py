@@ -334,10 +334,33 @@ class Simulation:
         if not trained.evaluate:
             return [{**trained.base, "model": ""}]
         t0 = time.perf_counter()
+        measured_s = self.measure(trained.round)
         evaluated = self.backend.server.evaluate()
-        base = {**trained.base, "wall_eval_s": evaluated.seconds}
+        base = {**trained.base, "wall_eval_s": evaluated.seconds + measured_s}
         base["wall_round_s"] += time.perf_counter() - t0  # a server actor's round trip included
         return [{**base, **row} for row in (evaluated.rows or [{"model": ""}])]
+
+    def measure(self, r: int) -> float:
+        """The method's evaluation-only phase before round r's evaluation (Algorithm.measurement), when it has one:
+        run on the workers that own its clients, its results folded into the server's state; its wall seconds. A
+        measurement, not communication: no bytes, no virtual time, no clients.parquet rows. A client whose step fails
+        keeps what the state held (a warning counts them); a dead worker is replaced as in a round."""
+        t0 = time.perf_counter()
+        m = self.backend.server.measure(r)
+        if m is None:
+            return time.perf_counter() - t0
+        clients = m.info.participants
+        assignments = assign(clients, self.backend.num_workers)
+        replies, failed = self.backend.run_phase(r, 0, m.phase, m.broadcast, assignments, [],
+                                                 self.cfg.runtime.round_timeout_s)
+        if failed:
+            self.replace_workers(sorted(failed))
+        answered = {o.client_id for reply in replies.values() for o in reply.outcomes if o.status == "ok"}
+        if len(answered) < len(clients):
+            log.warning("round %d: %s failed for %d of %d clients; they keep their last values", r, m.phase.name,
+                        len(clients) - len(answered), len(clients))
+        self.backend.server.measured(m.phase, [replies[w] for w in sorted(replies)], m.info)
+        return time.perf_counter() - t0
 
     def run_phase(self, rec: _RoundRecord, pi: int, phase: Phase, sent: BroadcastReply, arrived: list[int],
                   late: list[int], offline: Sequence[int] = ()) -> dict[int, WorkerReply]:

@@ -27,7 +27,7 @@ from fedsim.method.contract import (
     get_algorithm,
 )
 from fedsim.method.sums import WeightedSum
-from fedsim.runtime.backend import BroadcastReply, EvalReply, StepReply
+from fedsim.runtime.backend import BroadcastReply, EvalReply, Measurement, StepReply
 from fedsim.runtime.precision import set_cuda_math
 from fedsim.runtime.setup import AnyPartition, as_tensor, build_env
 from fedsim.runtime.store import state_nbytes
@@ -138,12 +138,7 @@ class Server:
                     total.merge(r.summed)
             updates: Updates = SummedUpdate(total.totals(), total.weight, total.count)
         else:
-            got: dict[int, ClientResult] = {}
-            for r in replies:
-                for o in r.outcomes:
-                    if o.status == "ok" and o.result is not None:
-                        got[o.client_id] = o.result
-            updates = dict(sorted(got.items()))
+            updates = arrived_results(replies)
         columns: dict[str, Any] = {}
         per: dict[int, dict[str, Any]] = {}
         if self.chain.applies(phase):
@@ -178,6 +173,25 @@ class Server:
         res = self.algorithm.client_step(phase, None, Message(common=common), ctx)
         return update_of(res.payload, arch, references[arch])
 
+    def measure(self, round: int) -> Measurement | None:
+        """The method's evaluation-only phase before this evaluation (Algorithm.measurement) with its broadcast, or
+        None when it has none or it reaches no client."""
+        t0 = time.perf_counter()
+        got = self.algorithm.measurement(self.state)
+        if got is None or not got[1]:
+            return None
+        phase, clients = got
+        n = self.env.num_samples
+        info = RoundInfo(round, phase.name, list(clients), list(clients), {c: int(n[c]) for c in clients})
+        bc = self.algorithm.handler(phase, "broadcast")(self.state, info)
+        return Measurement(phase, bc, info, time.perf_counter() - t0)
+
+    def measured(self, phase: Phase, replies: list[WorkerReply], info: RoundInfo) -> float:
+        """Fold the measurement's results (its clients that answered) into the state; the seconds taken."""
+        t0 = time.perf_counter()
+        self.state, _ = self.algorithm.handler(phase, "server")(self.state, arrived_results(replies), info)
+        return time.perf_counter() - t0
+
     def evaluate(self) -> EvalReply:
         """Rows of test metrics, one per global model; and seconds taken."""
         t0 = time.perf_counter()
@@ -210,3 +224,9 @@ class Server:
         if self.downloads is not None:
             self.downloads.load(down)
         self.chain.resume(columns, chain)
+
+
+def arrived_results(replies: list[WorkerReply]) -> dict[int, ClientResult]:
+    """The results of the clients whose outcome is ok, by client id in order."""
+    got = {o.client_id: o.result for r in replies for o in r.outcomes if o.status == "ok" and o.result is not None}
+    return dict(sorted(got.items()))

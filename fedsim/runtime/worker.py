@@ -160,12 +160,16 @@ class ClientWorker:
         transform = self._chain_for(phase, common, round, chain or {})
         batched_before = self.batcher.trained
         self.kept_state = []
-        if self.batcher.on:  # clients trained together, settled chunk by chunk
+        if self.batcher.on and not phase.measure:  # clients trained together, settled chunk by chunk
             for cid, (res, exc, seconds) in self.batcher.run(self.algorithm, phase, ids, self.env.client_archs, (
                     lambda c: self.algorithm.local_training(phase, self.store.get(c), _merge(common, per_client, c),
                                                             context(c)))):
                 outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc,
                                              time.perf_counter() - seconds, summed, round, phase.name, transform)
+        # an evaluation-only phase calls the handler it names (a method's own client_step would train) and keeps no
+        # state: the clients' states are read, never changed
+        step = self.algorithm.handler(phase, "client") if phase.measure else \
+            (lambda state, msg, ctx: self.algorithm.client_step(phase, state, msg, ctx))
         for cid in ids:
             if cid in outcomes:
                 continue
@@ -173,8 +177,9 @@ class ClientWorker:
             try:
                 # torch's global stream (dropout masks) seeded per client, as the batched path seeds each client's
                 with rng.global_streams(rng.seed(self.seed, DROPOUT_STREAM, round, cid, phase_index), self.device):
-                    res, exc = self.algorithm.client_step(phase, self.store.get(cid),
-                                                          _merge(common, per_client, cid), context(cid)), None
+                    res, exc = step(self.store.get(cid), _merge(common, per_client, cid), context(cid)), None
+                if phase.measure and res is not None:
+                    res.state = None
             except Exception as err:  # one client's failure must not sink the round
                 res, exc = None, err
             outcomes[cid] = self._settle(cid, "late" if cid in late_set else "ok", res, exc, t0, summed, round,
