@@ -333,10 +333,10 @@ def test_quick_reproduce_end_to_end_then_resume_then_paste(tmp_path) -> None:
     comparison, our own grid with mechanism cells): the others run the same code (their rows and sweeps are checked
     by loading the manifest)."""
     root = tmp_path / "quick"
-    proc = run_cli("--quick", "--root", str(root), "--only", "fedgdkd,dosfl,robustness", timeout=600)
+    proc = run_cli("--quick", "--root", str(root), "--only", "fedgdkd,dosfl,personal", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = rp.load_manifest(REPO / "configs" / "reproduce.yaml")
-    ran = [t for t in m.tables if t.id in ("fedgdkd", "dosfl", "robustness")]
+    ran = [t for t in m.tables if t.id in ("fedgdkd", "dosfl", "personal")]
     for t in ran:
         md = (root / f"{t.id}.md").read_text()
         table = [line for line in md.splitlines() if line.startswith("|")]
@@ -354,7 +354,7 @@ def test_quick_reproduce_end_to_end_then_resume_then_paste(tmp_path) -> None:
             assert sum(r[-1] == "reference" for r in rows) >= 1 and any(r[-1].split()[0] in ("yes", "no")
                                                                         for r in rows)
         for key in ("Data: digits", "Budget:", "Seeds: 0;", "CPUs, torch threads", "Date:", "Wall time:",
-                    f"Command: `python -m jobs.reproduce --quick --root {root} --only fedgdkd,dosfl,robustness`"):
+                    f"Command: `python -m jobs.reproduce --quick --root {root} --only fedgdkd,dosfl,personal`"):
             assert key in md, key
         raw = pd.read_parquet(root / f"{t.id}.parquet")
         assert len(raw) == len(rows) and set(raw["seed"]) == {0}
