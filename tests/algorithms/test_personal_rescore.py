@@ -113,6 +113,35 @@ def test_perfedavg_rescores_with_the_current_global_models_one_step_fine_tune(tm
     assert got[1] != pytest.approx(stale["personal_loss"])
 
 
+def test_fedavg_fine_tuned_rescores_with_a_fine_tune_of_the_current_global_model(tmp_path) -> None:
+    """The reference's personal model is the global model fine-tuned for an epoch: a client that sat rounds 1 and 2
+    out is scored at round 2 with round 2's global model fine-tuned on its data (stream "fedavg_ft/finetune" at
+    round 2), not with the fine-tune of round 0's it made when it trained."""
+    from fedsim.method.personal import replace_epochs
+    from fedsim.models import build_model
+    from fedsim.training.train import train_classifier
+
+    opts = [o for o in FEDPER if not o.startswith("algorithm.name")] + ["algorithm.name=fedavg_ft"]
+    cfg = small_config(tmp_path, *opts, "results.run_id=ft")
+    folder = run(cfg, LocalBackend())
+    clients = load(folder)["clients"]
+    first = int(clients.query("round == 0")["client"].iloc[0])
+    assert first not in clients.query("round > 0")["client"].tolist()
+    ck = load_run_checkpoint(folder / "checkpoints" / "last.pt")
+    data = load_data(cfg)
+    part = make_partition(cfg, data)
+    model = build_model("mlp", 1, data.num_classes, data.image_size, **cfg.model.options)
+    model.load_state_dict(ck["server_state"].models["mlp"])
+    x, y = torch.from_numpy(data.x_train[part.train[first]]), torch.from_numpy(data.y_train[part.train[first]])
+    train_classifier(model, x, y, replace_epochs(cfg.train, 1), rng.torch_generator(cfg.seed, "fedavg_ft/finetune",
+                                                                                     2, first, 0))
+    idx = part.test[first]
+    want = (*hand_scores(model.state_dict(), data.x_test[idx], data.y_test[idx]), len(idx))
+    assert ck["server_state"].scores[first] == pytest.approx(want, rel=1e-5)
+    stale = clients.query("round == 0").iloc[0]
+    assert ck["server_state"].scores[first][1] != pytest.approx(stale["personal_loss"])
+
+
 def test_the_pass_changes_no_training_number_bytes_or_virtual_time(base, tmp_path, monkeypatch) -> None:
     cfg, folder = base
     monkeypatch.setattr(PersonalMethod, "measurement", lambda self, state: None)  # today's stale scores
