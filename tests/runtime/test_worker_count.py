@@ -26,6 +26,9 @@ OTHERS = {
               "algorithm.distill.batch_size=16", "algorithm.distill.epochs=1"],
     "dosfl": ["algorithm.name=dosfl", "model.name=lenet", "algorithm.distill_steps=2", "algorithm.distill_batch=3",
               "algorithm.distill_epochs=2", "algorithm.epochs=3", "algorithm.batch_size=64"],
+    # personal heads kept by their clients and re-scored at each evaluation; compressed up and down, residuals kept
+    "fedrep": ["algorithm.name=fedrep", *PERSONAL, "algorithm.head_epochs=1"],
+    "compressed": ["compression={kind: topk, fraction: 0.1, error_feedback: true, download: fp16}"],
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
