@@ -27,7 +27,7 @@ import torch
 from fedsim import rng
 from fedsim.errors import CheckpointError, ConfigError
 from fedsim.method.contract import Phase
-from fedsim.runtime.store import state_nbytes
+from fedsim.models.params import state_nbytes
 from fedsim.transforms.compression import codec_of, encoded_bytes
 
 if TYPE_CHECKING:
