@@ -689,7 +689,7 @@ def test_sigterm_while_ray_starts_is_one_line_and_exit_143(tmp_path):
     """SIGTERM once the driver has connected to its new Ray and before the first round: Ray's native handler took
     it (a six-line stack dump, then an abort) and Ray said on its start that it turned on token authentication."""
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=50,
-                       runtime={"backend": "ray", "num_workers": 2, "client_cpus": 0.5, "threads": 1})
+                       runtime={"backend": "ray", "num_workers": 1, "client_cpus": 0.5, "threads": 1})
     env = {k: v for k, v in ENV.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=s"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
