@@ -47,8 +47,8 @@ def _known_keys() -> set[str]:
     return keys
 
 
-COMPANIONS = [["algorithm.name=fedasync"], ["data.name=synthetic"], ["data.options={path: data, preset: flwrlabs/femnist}"],
-              ["data.partition.kind=natural_id"]]
+COMPANIONS = [["algorithm.name=fedasync"], ["data.name=synthetic"],
+              ["data.options={path: data, preset: flwrlabs/femnist}"], ["data.partition.kind=natural_id"]]
 
 
 def _loads(key: str, value: str) -> bool:
