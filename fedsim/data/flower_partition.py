@@ -292,10 +292,9 @@ def natural_groups(ids: np.ndarray, kind: str, group_size: int = 1, mode: str = 
 def natural_members(ids: np.ndarray, groups: list[np.ndarray]) -> list[np.ndarray]:
     """Each client's sorted sample indices: the samples whose id is in its group (others, and id -1, a test sample
     whose client has no training samples, belong to no client)."""
-    top = max(int(ids.max(initial=-1)), max((int(g.max(initial=-1)) for g in groups), default=-1)) + 1
-    owner = np.full(top, -1, dtype=np.int64)
-    for g, group in enumerate(groups):
-        owner[group] = g
+    members = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+    owner = np.full(max(int(ids.max(initial=-1)), int(members.max(initial=-1))) + 1, -1, dtype=np.int64)
+    owner[members] = np.repeat(np.arange(len(groups)), [len(g) for g in groups])  # one assignment, 100k clients too
     own = np.where(ids >= 0, owner[np.maximum(ids, 0)], -1)
     keep = np.flatnonzero(own >= 0)
     order = np.argsort(own[keep], kind="stable")
