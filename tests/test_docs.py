@@ -156,8 +156,9 @@ PYTHON = [b for b in RUN if b.lang == "python"]
 
 
 @pytest.mark.parametrize("block", PYTHON, ids=str)
-def test_every_python_block_runs(block, tmp_path, monkeypatch) -> None:
-    """Each block as a user runs it from a clone: in a folder with the repository's configs beside it."""
+def test_every_python_block_runs(block, isolated, tmp_path, monkeypatch) -> None:
+    """Each block as a user runs it from a clone: in a folder with the repository's configs beside it (a plugin it
+    imports, the example method's, is gone again after)."""
     for name in ("configs", "examples"):
         (tmp_path / name).symlink_to(REPO / name)
     monkeypatch.chdir(tmp_path)

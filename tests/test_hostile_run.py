@@ -627,11 +627,11 @@ def _session_log(procs: list) -> Path:
 
 
 # Ray's agents outlive a driver killed with SIGKILL by about a minute (61.5 s measured, 2 cores), then leave on
-# their own: the driver's daemons die with it, and the agents when they no longer reach its GCS
+# their own: the driver's daemons die with it, and the agents when they no longer reach its GCS. (A SIGTERM, which
+# stops every process of the run's Ray, agents included: test_sigterm_while_ray_starts_is_one_line_and_exit_143.)
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_a_stopped_ray_driver_leaves_no_ray_daemons_and_no_bystander_is_signalled(tmp_path, sig):
+def test_a_killed_ray_driver_leaves_no_ray_daemons_and_no_bystander_is_signalled(tmp_path):
     # one client worker: what must go with the driver (its GCS, raylet, monitors, a worker) is all there with one;
     # a second only cost a torch import before the first round
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=200, train={"epochs": 2},
@@ -646,20 +646,13 @@ def test_a_stopped_ray_driver_leaves_no_ray_daemons_and_no_bystander_is_signalle
         names = " ".join(" ".join(p.cmdline()) for p in started)
         assert "raylet" in names and "gcs_server" in names and "ray::DashboardAgent" in names, names
         agents = [p for p in started if "Agent" in " ".join(p.cmdline())]
-        # the user follows a log of the run's Ray: not a process of the run's
-        bystander = subprocess.Popen(["tail", "-f", str(_session_log(started))], stdout=subprocess.DEVNULL,
-                                     start_new_session=True)
-        proc.send_signal(sig)
-        err = proc.communicate(timeout=180)[1]
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 143, err[-3000:]
-            assert err.strip().splitlines() == [
-                next(ln for ln in err.splitlines() if ln.startswith("fedsim: terminated after round"))], err[-3000:]
-        else:
-            assert proc.returncode == -signal.SIGKILL
-        # after a SIGKILL Ray's two agents leave on their own once the GCS is gone (measured: 62 s); the daemons
-        # that hold the node (GCS, raylet, monitors, workers) must be gone at once
-        assert _survivors([p for p in started if sig != signal.SIGKILL or p not in agents], 30) == []
+        bystander = _bystander(started)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=180)
+        assert proc.returncode == -signal.SIGKILL
+        # Ray's two agents leave on their own once the GCS is gone (measured: 62 s); the daemons that hold the node
+        # (GCS, raylet, monitors, workers) must be gone at once
+        assert _survivors([p for p in started if p not in agents], 30) == []
         assert bystander.poll() is None, "a process that only reads the session's log was signalled"
     finally:
         for p in (proc, bystander):
@@ -669,6 +662,12 @@ def test_a_stopped_ray_driver_leaves_no_ray_daemons_and_no_bystander_is_signalle
         for agent in locals().get("agents", []):  # not left to outlive the test
             with contextlib.suppress(Exception):
                 agent.kill()
+
+
+def _bystander(started: list) -> subprocess.Popen:
+    """The user follows a log of the run's Ray: a process that is not the run's, and must outlive its stop."""
+    return subprocess.Popen(["tail", "-f", str(_session_log(started))], stdout=subprocess.DEVNULL,
+                            start_new_session=True)
 
 
 def _ray_worker_started(driver: int) -> bool:
@@ -686,8 +685,9 @@ def _ray_worker_started(driver: int) -> bool:
 @pytest.mark.slow
 @pytest.mark.ray
 def test_sigterm_while_ray_starts_is_one_line_and_exit_143(tmp_path):
-    """SIGTERM once the driver has connected to its new Ray and before the first round: Ray's native handler took
-    it (a six-line stack dump, then an abort) and Ray said on its start that it turned on token authentication."""
+    """SIGTERM once the driver has connected to its new Ray and before the first round (Ray's native handler took
+    it once: a six-line stack dump, then an abort; and Ray said on its start that it turned on token authentication)
+    is one line and exit 143, and every process of the run's Ray goes with the driver."""
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=50,
                        runtime={"backend": "ray", "num_workers": 1, "client_cpus": 0.5, "threads": 1})
     env = {k: v for k, v in ENV.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
@@ -698,14 +698,20 @@ def test_sigterm_while_ray_starts_is_one_line_and_exit_143(tmp_path):
         while not _ray_worker_started(proc.pid) and proc.poll() is None and time.time() < end:
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-3000:]
+        started = _ray_processes(proc.pid)
+        bystander = _bystander(started)
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=180)[1]
+        assert proc.returncode == 143, err[-3000:]
+        assert len(err.strip().splitlines()) == 1 and err.startswith("fedsim: terminated"), err[-3000:]
+        # every process of the run's Ray up by then (agents too) goes with the driver; a bystander stays
+        assert _survivors(started, 30) == []
+        assert bystander.poll() is None, "a process that only reads the session's log was signalled"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 143, err[-3000:]
-    assert len(err.strip().splitlines()) == 1 and err.startswith("fedsim: terminated"), err[-3000:]
+        for p in (proc, locals().get("bystander")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_the_stop_message_names_the_last_round_the_table_kept(tmp_path):

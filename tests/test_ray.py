@@ -4,7 +4,6 @@ and the cluster config (the Jobs API on a loopback head: tests/test_plugins.py).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import time
@@ -54,41 +53,22 @@ def test_gpus_reserved_where_torch_sees_none_warn_or_stop_the_run(caplog):
     pool_module.check_gpus(SimpleNamespace(client_gpus=0.0, server_gpus=0.0, require_gpu=True), placement, {})
 
 
-def test_fractional_gpu_placement(ray_local, make_config, monkeypatch, caplog):
-    cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25", rounds=1)
-    backend = RayBackend()
-    asked: list[int] = []  # workers asked for personal states, per checkpoint
-    get = RayBackend._get
-
-    def counted(self, refs, what):
-        if what == "collecting client states":
-            asked.append(len(refs))
-        return get(self, refs, what)
-
-    monkeypatch.setattr(RayBackend, "_get", counted)
-    run_dir = run(cfg, backend)
-    assert asked == []  # FedAvg's clients keep nothing: its checkpoint collects no client states
-
+def test_ray_matches_local_with_workers_on_fractional_gpus(ray_local, make_config, caplog):
+    """Four workers on two logical GPUs (0.5 each) and a ServerActor that reserves 0.5 CPU (the other server path,
+    in the driver, is what every other Ray test here uses) give the local backend's numbers; the clients keep their
+    momentum in a one-byte cache, so it spills."""
+    cfg = make_config("runtime.backend=ray", "runtime.client_gpus=0.5", "runtime.client_cpus=0.25",
+                      "runtime.server_cpus=0.5", "stragglers.enabled=true", "train.keep_optimizer_state=true",
+                      "train.momentum=0.9", "runtime.cache_bytes=1")
+    ray_dir = run(cfg, RayBackend())
+    on_ray = load(ray_dir)
     said = [r.getMessage() for r in caplog.records if "GPUs reserved" in r.getMessage()]
     assert said == ["GPUs reserved but torch sees no CUDA device (runtime.client_gpus=0.5: 4 of 4 client workers): "
                     "they compute on the CPU (runtime.require_gpu: true stops the run instead)"]  # once, not per round
-    placement = json.loads((run_dir / "meta.json").read_text())["placement"]
-    assert len(placement) == 4
+    placement = on_ray["meta"]["placement"]
+    assert on_ray["meta"]["num_workers"] == len(placement) == len({p["pid"] for p in placement}) == 4
     assert sorted(p["gpu_ids"][0] for p in placement) == ["0", "0", "1", "1"]
     assert all(p["device"] == "cpu" for p in placement)  # logical GPUs: torch sees no CUDA here
-    assert len({p["pid"] for p in placement}) == 4
-
-
-def test_ray_matches_local(ray_local, make_config):
-    # three 0.5-CPU workers and a ServerActor that reserves 0.5 CPU (the other server path, in the driver,
-    # is what every other Ray test here uses); the clients keep their momentum in a one-byte cache, so it spills
-    cfg = make_config("runtime.backend=ray", "runtime.client_cpus=0.5", "runtime.server_cpus=0.5",
-                      "stragglers.enabled=true", "train.keep_optimizer_state=true", "train.momentum=0.9",
-                      "runtime.cache_bytes=1")
-    backend = RayBackend()
-    ray_dir = run(cfg, backend)
-    on_ray = load(ray_dir)
-    assert on_ray["meta"]["num_workers"] == 3
     assert not (ray_dir / "spill").exists()  # each worker removed its spilled states when the run stopped
     cfg.results.run_id = None
     local_dir = run(cfg, LocalBackend())
@@ -99,12 +79,23 @@ def test_ray_matches_local(ray_local, make_config):
     assert sorted(kept[0]) == sorted(kept[1]) == sorted(on_ray["clients"].query("status == 'ok'")["client"].unique())
 
 
-def test_ray_workers_train_clients_together_as_the_local_backend_does(ray_local, make_config):
+def test_ray_workers_train_clients_together_as_the_local_backend_does(ray_local, make_config, monkeypatch):
     """runtime.batch_clients=on on Ray: every round's client steps are trained together (rounds.parquet's
-    clients_batched counts them) and give the numbers of the local backend with as many workers."""
+    clients_batched counts them) and give the numbers of the local backend with as many workers. FedAvg's clients
+    keep nothing, so its checkpoints ask no worker for client states."""
+    asked: list[int] = []  # workers asked for personal states, per checkpoint
+    get = RayBackend._get
+
+    def counted(self, refs, what):
+        if what == "collecting client states":
+            asked.append(len(refs))
+        return get(self, refs, what)
+
+    monkeypatch.setattr(RayBackend, "_get", counted)
     cfg = make_config("runtime.backend=ray", "runtime.client_cpus=1", "runtime.threads=1",
                       "runtime.batch_clients=on", rounds=2)
     on_ray = load(run(cfg, RayBackend(num_workers=2)))
+    assert asked == []
     cfg.results.run_id = None
     local = load(run(cfg, LocalBackend(num_workers=2)))
     assert on_ray["rounds"]["clients_batched"].tolist() == local["rounds"]["clients_batched"].tolist() == [4, 4]

@@ -382,7 +382,8 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     """`fedsim sweep` as a job runs it (the CLI joins the cluster; the store's settings come in the job's runtime env,
     as `ray job submit --runtime-env-json` gives them), its folder in a bucket. Killed mid-trial, it resumes after
     its working folder (sweep file, config, plugin) moved: the finished run is not run again, the killed one goes on
-    from its checkpoint, and a changed plan (or plugin) is refused."""
+    from its checkpoint, and a changed plan (or plugin) is refused. The method is a plugin's (examples/my_method.py,
+    FedAvgM with its server state): its trials import it, and the killed one resumes its state from the checkpoint."""
     import s3fs
 
     import fedsim
@@ -391,8 +392,10 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     # the second run trains 15x longer (seconds a round): the kill comes after its first checkpoint, mid-run
     work = tmp_path / "work"
     write_sweep(work, seeds=[0], grid={"train.epochs": [1, 15]}, overrides=["rounds=2"])
-    (work / "my_plugin.py").write_text(PLUGIN)
-    (work / "base.yaml").write_text(yaml.safe_dump({**BASE, "plugins": ["my_plugin.py"]}))
+    method = (Path(ROOT) / "examples" / "my_method.py").read_text()
+    (work / "my_plugin.py").write_text(method)
+    (work / "base.yaml").write_text(yaml.safe_dump({**BASE, "plugins": ["my_plugin.py"],
+                                                    "algorithm": {"name": "my_fedavgm", "beta": 0.5}}))
     out = f"{s3_server}/sweep"
     store = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
     runs = f"{out.removeprefix('s3://')}/runs"
@@ -432,10 +435,10 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     work.rename(moved)
     with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
         run_sweep(moved / "sweep.yaml", out_dir=out, resume=True, overrides=["rounds=4"])
-    (moved / "my_plugin.py").write_text(PLUGIN + "# edited\n")
+    (moved / "my_plugin.py").write_text(method + "# edited\n")
     with pytest.raises(ConfigError, match="ran other runs than this sweep file plans now"):
         run_sweep(moved / "sweep.yaml", out_dir=out, resume=True)
-    (moved / "my_plugin.py").write_text(PLUGIN)
+    (moved / "my_plugin.py").write_text(method)
     marker = tmp_path / "pwned"
     store.pipe(f"{out}/tune/tuner.pkl", pickle.dumps(_Touch(marker)))  # crafted: a resume never loads it
     # the resumed driver: forked after the imports (tests/forked.py), with the job's environment and working folder
@@ -452,6 +455,7 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     with store.open(f"{runs}/{killed}/rounds.parquet") as f:
         rounds = pd.read_parquet(f)
     assert sorted(rounds["round"].unique()) == [0, 1]
+    assert (rounds["train/velocity_norm"] > 0).all()  # the plugin's server step, before the kill and after
     pd.testing.assert_frame_equal(rounds.query("round == 0").reset_index(drop=True),
                                   first_round.reset_index(drop=True))  # kept from before the kill, not trained again
     reported = store.cat(f"{out}/tune/trial_0001/result.json").decode().splitlines()  # Tune's state: in the bucket
