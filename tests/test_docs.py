@@ -110,7 +110,7 @@ COMMANDS = sorted({c: str(b) for b in reversed(RUN) if b.lang in ("bash", "sh", 
 
 
 @pytest.mark.parametrize("command,where", COMMANDS, ids=[c for c, _ in COMMANDS])
-def test_every_command_parses_and_names_real_files(command, where) -> None:
+def test_every_command_parses_and_names_real_files(command, where, isolated) -> None:
     """make: the target exists. fedsim and `python -m`: the command's own parser accepts its arguments (the
     command stops there: tests/parse_only.py), and every config it names loads with its `-o` overrides."""
     words = shlex.split(command)
@@ -147,9 +147,9 @@ def _configs_load(command: str, words: list[str], args: list[str], where: str) -
 
 def test_a_command_with_a_bad_argument_fails_the_check() -> None:
     with pytest.raises(AssertionError, match="does not parse"):
-        test_every_command_parses_and_names_real_files("fedsim run configs/demo.yaml --no-such-flag", "probe")
+        test_every_command_parses_and_names_real_files("fedsim run configs/demo.yaml --no-such-flag", "probe", None)
     with pytest.raises(AssertionError, match="does not parse"):
-        test_every_command_parses_and_names_real_files("python -m bench.report --repeat 3", "probe")
+        test_every_command_parses_and_names_real_files("python -m bench.report --repeat 3", "probe", None)
 
 
 PYTHON = [b for b in RUN if b.lang == "python"]

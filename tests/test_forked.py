@@ -29,18 +29,27 @@ def test_a_config_error_is_the_same_line_and_exit_code_as_in_a_real_process(tmp_
 
 def test_a_module_run_from_the_working_directory_exits_through_the_interpreter(tmp_path):
     """The working directory is on the path as with `python -m`; a thread still running holds the exit until it
-    ends, its output comes after the main thread's, and an exception is a traceback with exit code 1."""
+    ends, its output comes after the main thread's, an atexit handler runs, a SystemExit's message is printed with
+    exit code 1, and an exception is a traceback with exit code 1."""
     (tmp_path / "late.py").write_text(textwrap.dedent("""
         import sys, threading, time
         threading.Thread(target=lambda: (time.sleep(0.3), print("thread done", flush=True))).start()
         print("main done:", sys.argv[1:])
         sys.exit(3)
     """))
+    (tmp_path / "bye.py").write_text(textwrap.dedent("""
+        import atexit, sys
+        atexit.register(lambda: print("atexit ran"))
+        print("unflushed", end="")
+        sys.exit("a message")
+    """))
     (tmp_path / "broken.py").write_text("raise ValueError('boom')\n")
-    for module, args in (("late", ["a", "b"]), ("broken", [])):
+    for module, args in (("late", ["a", "b"]), ("bye", []), ("broken", [])):
         want, got = real(module, *args, cwd=str(tmp_path)), run_module(module, args, cwd=tmp_path)
         assert (got.returncode, got.stdout) == (want.returncode, want.stdout)
         assert got.stderr.splitlines()[-1:] == want.stderr.splitlines()[-1:]  # a traceback's frames differ
+        if module == "bye":
+            assert (got.returncode, got.stdout, got.stderr) == (1, "unflushedatexit ran\n", "a message\n")
     assert got.returncode == 1 and "Traceback" in got.stderr
     assert run_module("late", ["x"], cwd=tmp_path).stdout == "main done: ['x']\nthread done\n"
 
