@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,8 +26,9 @@ from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parents[1])
 
-# Reads one JSON request per line, forks a child for it and answers with the child's exit status. The imports
-# are those of a run's driver; nothing here runs a torch operation, so no thread pool exists to be forked.
+# Reads one JSON request per line, forks a child for it and answers with the child's pid, then its exit status.
+# The imports are those of a run's driver; nothing here runs a torch operation, so no thread pool exists to be
+# forked.
 SERVER = r"""
 import atexit, gc, json, os, runpy, signal, sys, threading, time, traceback
 import numpy, pandas, pyarrow.parquet, torch, yaml
@@ -36,6 +38,8 @@ for kind in fedsim.registry.KINDS:
 # not the commands' own modules: runpy runs those as __main__, and warns about one already imported
 
 def child(req):
+    if req["session"]:
+        os.setsid()  # as Popen's start_new_session: a test may signal the command's whole process group
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -82,6 +86,7 @@ for line in sys.stdin:
             traceback.print_exc()
             code = 1
         leave(code)
+    print(json.dumps({"pid": pid}), flush=True)
     deadline, status = time.monotonic() + req["timeout"], None
     while status is None:
         done, raw = os.waitpid(pid, os.WNOHANG)
@@ -97,10 +102,14 @@ for line in sys.stdin:
 """
 
 _server: subprocess.Popen | None = None
+_started: Forked | None = None  # a command started by start_module whose end the server has not yet told
 
 
 def _start() -> subprocess.Popen:
     global _server
+    if _started is not None:  # a test that failed before waiting for its command: end it, read its answer
+        _started.kill()
+        _started.wait()
     if _server is None or _server.poll() is not None:
         _server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=ROOT, stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
@@ -108,24 +117,90 @@ def _start() -> subprocess.Popen:
     return _server
 
 
-def run_module(module: str, args: Sequence[str], cwd: str | Path = ROOT, env: dict[str, str] | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
-    """What `subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
-    text=True, timeout=timeout)` returns, from a forked child (raises subprocess.TimeoutExpired the same way)."""
-    server = _start()
-    with tempfile.TemporaryDirectory(prefix="fedsim-forked-") as out:
-        streams = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
+def _answer(server: subprocess.Popen, key: str) -> int | str:
+    assert server.stdout is not None
+    line = server.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the forking server ended (exit {server.wait()})")
+    return json.loads(line)[key]
+
+
+class Forked:
+    """`python -m MODULE ARGS` started in a forked child, for a test that signals it while it runs: what
+    `subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True)` offers such a test (pid, poll, send_signal, kill,
+    wait, communicate). The test waits for it before its next command."""
+
+    def __init__(self, module: str, args: Sequence[str], cwd: str | Path, env: dict[str, str] | None,
+                 timeout: float, new_session: bool, stdout: str | None = None) -> None:
+        global _started
+        self.server = _start()
+        self.args = [sys.executable, "-m", module, *map(str, args)]
+        self.timeout = timeout
+        self._folder = tempfile.TemporaryDirectory(prefix="fedsim-forked-")
+        self.streams = {name: os.path.join(self._folder.name, name) for name in ("stdout", "stderr")}
+        if stdout is not None:
+            self.streams["stdout"] = stdout
         request = {"module": module, "args": [str(a) for a in args], "cwd": str(cwd), "timeout": timeout,
-                   "env": dict(os.environ if env is None else env), **streams}
-        assert server.stdin is not None and server.stdout is not None
-        server.stdin.write(json.dumps(request) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the forking server ended (exit {server.wait()})")
-        status = json.loads(answer)["status"]
-        out_text, err_text = (Path(streams[n]).read_text(errors="replace") for n in ("stdout", "stderr"))
-    argv = [sys.executable, "-m", module, *map(str, args)]
-    if status == "timeout":
-        raise subprocess.TimeoutExpired(argv, timeout, out_text, err_text)
-    return subprocess.CompletedProcess(argv, status, out_text, err_text)
+                   "env": dict(os.environ if env is None else env), "session": new_session, **self.streams}
+        assert self.server.stdin is not None
+        self.server.stdin.write(json.dumps(request) + "\n")
+        self.server.stdin.flush()
+        self.pid = int(_answer(self.server, "pid"))
+        self.returncode: int | None = None
+        self._status: int | str | None = None
+        _started = self
+
+    def poll(self) -> int | None:
+        if self._status is None:
+            try:
+                os.kill(self.pid, 0)  # running, or ended and not yet reaped by the server (a few ms)
+                return None
+            except ProcessLookupError:
+                pass
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code (the server ends a command past its request's time limit: TimeoutExpired)."""
+        global _started
+        if self._status is None:
+            self._status = _answer(self.server, "status")
+            _started = None
+        if self._status == "timeout":
+            raise subprocess.TimeoutExpired(self.args, self.timeout, *self.output())
+        self.returncode = int(self._status)
+        return self.returncode
+
+    def output(self) -> tuple[str, str]:
+        """The command's standard output and error (a stream sent to a device, such as /dev/full, reads as "")."""
+        out, err = (Path(self.streams[n]) for n in ("stdout", "stderr"))
+        return (out.read_text(errors="replace") if out.is_file() else "",
+                err.read_text(errors="replace") if err.is_file() else "")
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.output()
+
+    def send_signal(self, sig: int) -> None:
+        if self._status is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_module(module: str, args: Sequence[str], cwd: str | Path = ROOT, env: dict[str, str] | None = None,
+                 timeout: float = 600, new_session: bool = False) -> Forked:
+    """`subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE,
+    text=True, start_new_session=new_session)`, from a forked child."""
+    return Forked(module, args, cwd, env, timeout, new_session)
+
+
+def run_module(module: str, args: Sequence[str], cwd: str | Path = ROOT, env: dict[str, str] | None = None,
+               timeout: float = 300, stdout: str | None = None) -> subprocess.CompletedProcess:
+    """What `subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)` returns, from a forked child (raises subprocess.TimeoutExpired the same way).
+    `stdout`: a file the command writes its standard output to instead (its text is then not returned)."""
+    command = Forked(module, args, cwd, env, timeout, new_session=False, stdout=stdout)
+    code = command.wait()
+    out_text, err_text = command.output()
+    return subprocess.CompletedProcess(command.args, code, "" if stdout else out_text, err_text)

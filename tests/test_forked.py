@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from tests.conftest import ROOT
-from tests.forked import run_module
+from tests.forked import run_module, start_module
 
 
 def real(module: str, *args: str, cwd: str = ROOT, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -58,4 +61,30 @@ def test_a_child_past_its_time_is_killed_and_the_next_call_still_runs(tmp_path):
     (tmp_path / "sleepy.py").write_text("import time\ntime.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         run_module("sleepy", [], cwd=tmp_path, timeout=0.5)
+    assert run_module("jobs.cli", ["--help"]).returncode == 0
+
+
+def test_a_started_command_takes_signals_as_a_real_process_does(tmp_path):
+    """start_module: the pid is the command's own process (in a session of its own when asked), a signal reaches
+    it there, and its exit code and output are a real process's; a kill is -9, and the next call still runs."""
+    (tmp_path / "waits.py").write_text(textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    want = subprocess.Popen([sys.executable, "-m", "waits"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert want.stdout.readline() == "ready\n"
+    got = start_module("waits", [], cwd=tmp_path, new_session=True)
+    deadline = time.monotonic() + 60
+    while got.output()[0] != "ready\n" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert got.poll() is None and os.getpgid(got.pid) == got.pid
+    for proc in (want, got):
+        proc.send_signal(signal.SIGTERM)
+    assert (got.wait(), got.output()) == (want.wait(), ("ready\n", "")) == (143, ("ready\n", ""))
+    killed = start_module("waits", [], cwd=tmp_path)
+    killed.kill()
+    assert killed.wait() == -signal.SIGKILL
     assert run_module("jobs.cli", ["--help"]).returncode == 0

@@ -22,7 +22,7 @@ import yaml
 from fedsim.errors import FedsimError
 from fedsim.runtime.rundir import STARTED_CONFIG as STARTED
 from tests.conftest import ROOT, reseal
-from tests.forked import run_module
+from tests.forked import run_module, start_module
 from tests.runtime.test_loop import deterministic
 
 ENV = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": ROOT}
@@ -558,7 +558,7 @@ def test_collect_and_plot_refuse_an_empty_list_of_runs(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _wait_for_rounds(run_dir: Path, proc: subprocess.Popen, timeout: float = 400) -> int:
+def _wait_for_rounds(run_dir: Path, proc, timeout: float = 400) -> int:
     end = time.time() + timeout
     while time.time() < end and proc.poll() is None:
         try:
@@ -568,7 +568,7 @@ def _wait_for_rounds(run_dir: Path, proc: subprocess.Popen, timeout: float = 400
         except (OSError, ValueError):
             pass
         time.sleep(0.1)
-    raise AssertionError(f"no round written (exit {proc.poll()}): {proc.stderr.read() if proc.stderr else ''}")
+    raise AssertionError(f"no round written (exit {proc.poll()}): {proc.output()[1][-3000:]}")
 
 
 @pytest.mark.slow
@@ -576,8 +576,7 @@ def test_sigterm_keeps_the_finished_rounds_and_resume_completes_the_run(tmp_path
     rounds = 12  # the signal follows the first round within a poll (0.1 s); 11 more rounds take seconds
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=rounds, train={"epochs": 2})
     run_dir = tmp_path / "results" / "t"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=t"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_module("jobs.cli", ["run", str(cfg), "--quiet", "-o", "results.run_id=t"], env=ENV)
     _wait_for_rounds(run_dir, proc)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
@@ -637,8 +636,7 @@ def test_a_killed_ray_driver_leaves_no_ray_daemons_and_no_bystander_is_signalled
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=200, train={"epochs": 2},
                        runtime={"backend": "ray", "num_workers": 1, "client_cpus": 0.5, "threads": 1})
     run_dir = tmp_path / "results" / "r"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=r"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_module("jobs.cli", ["run", str(cfg), "--quiet", "-o", "results.run_id=r"], env=ENV)
     bystander = None
     try:
         _wait_for_rounds(run_dir, proc)
@@ -691,8 +689,7 @@ def test_sigterm_while_ray_starts_is_one_line_and_exit_143(tmp_path):
     cfg = write_config(tmp_path / "tiny.yaml", tmp_path / "results", rounds=50,
                        runtime={"backend": "ray", "num_workers": 1, "client_cpus": 0.5, "threads": 1})
     env = {k: v for k, v in ENV.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "results.run_id=s"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start_module("jobs.cli", ["run", str(cfg), "--quiet", "-o", "results.run_id=s"], env=env)
     try:
         end = time.time() + 300
         while not _ray_worker_started(proc.pid) and proc.poll() is None and time.time() < end:
@@ -749,9 +746,7 @@ def test_a_run_folder_that_cannot_be_read_is_one_line_naming_the_file(run_copy):
 @pytest.mark.parametrize("command", [["config-reference"], ["results", "show", "RUN"]])
 def test_a_full_standard_output_is_one_line_not_a_traceback(finished, command):
     args = [str(finished) if a == "RUN" else a for a in command]
-    with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], cwd=ROOT, env=ENV, stdout=full,
-                              stderr=subprocess.PIPE, text=True, timeout=300)
+    proc = run_module("jobs.cli", args, env=ENV, stdout="/dev/full")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr == "fedsim: error: standard output: No space left on device\n"
 

@@ -11,6 +11,7 @@ import pytest
 from actors.boot import check_reachable
 from fedsim.errors import ConfigError
 from tests.conftest import ROOT
+from tests.forked import run_module
 
 
 def _closed_port() -> int:
@@ -92,9 +93,9 @@ def test_fedsim_run_with_an_unreachable_cluster_fails_in_one_line(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data: {{name: digits, num_clients: 4}}\nrounds: 1\nresults: {{root: {tmp_path / 'r'}}}\n")
     port = _closed_port()
-    out = subprocess.run([sys.executable, "-m", "jobs.cli", "run", str(cfg), "--quiet", "-o", "runtime.backend=ray",
-                          "-o", f"runtime.ray_address=127.0.0.1:{port}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"})
+    out = run_module("jobs.cli", ["run", str(cfg), "--quiet", "-o", "runtime.backend=ray",
+                                  "-o", f"runtime.ray_address=127.0.0.1:{port}"],
+                     env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ROOT, "RAY_USAGE_STATS_ENABLED": "0"})
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines() == [
         f"fedsim: error: runtime.ray_address=127.0.0.1:{port}: no Ray cluster answers there (Connection refused)"]

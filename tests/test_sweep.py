@@ -9,8 +9,6 @@ import json
 import math
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ from jobs.cached_runs import run_key
 from jobs.sweep import load_sweep, plan
 from jobs.sweep_tune import trial_bundles
 from tests.conftest import ROOT, small_config
-from tests.forked import run_module
+from tests.forked import run_module, start_module
 from tests.runtime.test_loop import deterministic
 
 BASE = {"name": "t", "rounds": 2, "model": {"name": "cnn"}, "participation": {"clients_per_round": 4},
@@ -403,13 +401,9 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address, "PYTHONPATH": ROOT,
            "OMP_NUM_THREADS": "1", "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": job_env})}
 
-    def sweep(folder: Path, log: str, *args: str) -> subprocess.Popen:
-        with open(tmp_path / log, "w") as sink:
-            return subprocess.Popen([sys.executable, "-m", "jobs.cli", "sweep", "sweep.yaml", "--output-dir", out,
-                                     "--parallel", "1", *args], cwd=folder, env=env, stdout=sink,
-                                    stderr=subprocess.STDOUT)
-
-    driver = sweep(work, "first.log")
+    # the first driver: forked after the imports (tests/forked.py), with the job's environment and working folder
+    driver = start_module("jobs.cli", ["sweep", "sweep.yaml", "--output-dir", out, "--parallel", "1"], cwd=work,
+                          env=env)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and driver.poll() is None:
@@ -418,10 +412,10 @@ def test_a_sweep_in_a_bucket_killed_mid_trial_resumes_from_its_moved_folder(ray_
                 break
             time.sleep(0.1)
         mid_trial = driver.poll() is None and len(done) == 1 and len(saved) == 2
-        assert mid_trial, (tmp_path / "first.log").read_text()[-3000:]
+        assert mid_trial, "".join(driver.output())[-3000:]
     finally:
         driver.kill()
-        driver.wait(30)
+        driver.wait()
     finished = Path(done[0]).parent.name
     killed = next(Path(f).parent.parent.name for f in saved if Path(f).parent.parent.name != finished)
     before = {name: store.cat(f"{runs}/{name}/run.json") for name in (finished, killed)}

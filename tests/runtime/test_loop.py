@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -20,8 +18,7 @@ from fedsim.runtime.backend import owner
 from fedsim.runtime.callbacks import Callback
 from fedsim.runtime.local import LocalBackend
 from fedsim.runtime.loop import assign, run
-from tests.conftest import ROOT
-from tests.forked import run_module
+from tests.forked import run_module, start_module
 
 
 def deterministic(df: pd.DataFrame) -> pd.DataFrame:
@@ -271,21 +268,19 @@ def test_results_load_collect_show_plot(make_config, tmp_path):
     assert set(both["config.algorithm.name"]) == {"fedavg", "fedprox"} and len(both) == 6
     png = plot(a)
     assert png.read_bytes()[:4] == b"\x89PNG"
-    out = subprocess.run([sys.executable, "-m", "jobs.cli", "results", "show", str(a)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = run_module("jobs.cli", ["results", "show", str(a)], timeout=120)
     assert out.returncode == 0 and "accuracy" in out.stdout and len(out.stdout.splitlines()) == 4
     assert not list(a.glob(".*.tmp"))  # atomic writes leave no temporaries
 
 
 @pytest.mark.slow
 def test_resume_after_kill_gives_identical_rounds(tmp_path):
-    base = [sys.executable, "-m", "jobs.cli", "run", "configs/demo.yaml", "--quiet", "--backend", "local",
+    base = ["run", "configs/demo.yaml", "--quiet", "--backend", "local",
             "-o", "rounds=6", "-o", "train.epochs=2", "-o", "data.num_clients=10",
             "-o", "participation.clients_per_round=4", "-o", f"results.root={tmp_path}"]
-    full_run = run_module("jobs.cli", base[3:] + ["-o", "results.run_id=full"], timeout=600)  # forked after imports
+    full_run = run_module("jobs.cli", base + ["-o", "results.run_id=full"], timeout=600)  # forked after imports
     assert full_run.returncode == 0, full_run.stderr[-3000:]
-    proc = subprocess.Popen(base + ["-o", "results.run_id=killed"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_module("jobs.cli", base + ["-o", "results.run_id=killed"], new_session=True)
     killed_dir = tmp_path / "killed"
     deadline = time.time() + 300
     while time.time() < deadline:
