@@ -34,6 +34,17 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every test that starts Ray is one pytest-xdist group (`make test` runs `--dist loadgroup`): one test process
+    runs them one after another, beside the other's tests that need no Ray, and starts its local Ray once. Two Ray
+    tests side by side (a Ray process each, its raylet, agents and workers on 2 cores) cost each other more than
+    a Ray test beside a test without Ray."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on now."""
     import socket

@@ -148,6 +148,7 @@ def test_same_numbers_with_one_and_three_workers_and_it_learns(make_config) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ray_matches_local(ray_local, make_config) -> None:
     from actors.pool import RayBackend
 
