@@ -27,7 +27,7 @@ run: $(STAMP)  ## the main job: FedAvg on the embedded digits data, with straggl
 	$(BIN)/fedsim plot $$(ls -td results/demo-* | head -1)
 
 test: $(STAMP)  ## the whole test suite (slow end-to-end tests included)
-	$(BIN)/python -m pytest -q --timeout 900 -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q --timeout 900 -n $(TEST_WORKERS) --dist worksteal
 
 test-fast: $(STAMP)  ## the inner loop (under 2 minutes): the methods' golden numbers, 1 vs N workers, the config, the house
 	$(BIN)/python -m pytest -q -m "not slow and not ray" -n $(TEST_WORKERS) --dist worksteal tests/algorithms \

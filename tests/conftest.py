@@ -36,13 +36,13 @@ _share_the_cores()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """Every test that starts Ray is one pytest-xdist group (`make test` runs `--dist loadgroup`): one test process
-    runs them one after another, beside the other's tests that need no Ray, and starts its local Ray once. Two Ray
-    tests side by side (a Ray process each, its raylet, agents and workers on 2 cores) cost each other more than
-    a Ray test beside a test without Ray."""
-    for item in items:
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    """The tests that start Ray come first, in their order. `make test`'s two test processes (pytest-xdist's
+    worksteal) take the collection in halves and steal from the far end of a queue, so one process runs the Ray
+    tests one after another, beside the other's tests that need no Ray: two Ray tests side by side (each with its
+    raylet, agents and workers on 2 cores) slowed each other more, and a module's Ray cluster (test_multinode.py)
+    split over both processes was started twice."""
+    ray = [item for item in items if item.get_closest_marker("ray")]
+    items[:] = ray + [item for item in items if not item.get_closest_marker("ray")]
 
 
 def free_port() -> int:

@@ -135,6 +135,7 @@ print(started_here(), ray.is_initialized())
 """
 
 
+@pytest.mark.ray
 def test_a_runs_own_local_ray_starts_and_stops_without_rays_start_up_notices(tmp_path):
     """Ray 2.60 says on every local start that it turned token authentication on, and (started outside the main
     thread) that it left SIGTERM alone: neither concerns a run, whose output is its own lines. The start is known
