@@ -223,9 +223,9 @@ def test_fedsim_run_builds_a_ray_backend_and_its_callbacks_and_trackers_run_in_t
             rounds.append(round)
 
     cfg = small_config(tmp_path, "tracking.tensorboard=true", "runtime.client_cpus=0.5", rounds=2)
-    run_dir = fedsim.run(cfg, backend="ray", workers=2, callbacks=[Seen()])
+    run_dir = fedsim.run(cfg, backend="ray", workers=1, callbacks=[Seen()])  # 4 would fit: `workers` decides
     res = fedsim.load(run_dir)
-    assert res["meta"]["backend"] == "RayBackend" and res["meta"]["num_workers"] == 2 and res["meta"]["status"] == \
+    assert res["meta"]["backend"] == "RayBackend" and res["meta"]["num_workers"] == 1 and res["meta"]["status"] == \
         "completed"
     assert rounds == list(res["rounds"]["round"]) == [0, 1]
     scalars = read_scalars(run_dir / "tensorboard")
