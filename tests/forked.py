@@ -15,6 +15,7 @@ every test that starts `sys.executable` itself) cover those.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -85,7 +86,10 @@ for line in sys.stdin:
         except BaseException:
             traceback.print_exc()
             code = 1
-        leave(code)
+        try:
+            leave(code)
+        finally:
+            os._exit(1)  # whatever leave() met, the child never returns to the server's loop
     print(json.dumps({"pid": pid}), flush=True)
     deadline, status = time.monotonic() + req["timeout"], None
     while status is None:
@@ -181,8 +185,9 @@ class Forked:
         return self.output()
 
     def send_signal(self, sig: int) -> None:
-        if self._status is None:
-            os.kill(self.pid, sig)
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended since
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
