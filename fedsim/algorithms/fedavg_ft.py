@@ -57,9 +57,9 @@ class FedAvgFT(PersonalMethod):
 
     def rescore(self, ctx: ClientContext, shared: Mapping[str, torch.Tensor], state: dict[str, Any] | None
                 ) -> torch.nn.Module:
-        return self.tuned(ctx, shared)
+        return self.fine_tuned(ctx, shared)
 
-    def tuned(self, ctx: ClientContext, glob: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    def fine_tuned(self, ctx: ClientContext, glob: Mapping[str, torch.Tensor]) -> torch.nn.Module:
         """The personal model: the global model `glob` after `finetune_epochs` epochs on the client's data."""
         tuned = personal.loaded(ctx, "fedavg_ft/personal", glob)
         if self.params.finetune_epochs > 0:
@@ -71,7 +71,7 @@ class FedAvgFT(PersonalMethod):
     def client_step(self, phase: Phase, state: dict[str, Any] | None, msg: Message,
                     ctx: ClientContext) -> ClientResult:
         glob, train = msg.common[ctx.arch], ctx.env.config.train
-        tuned = self.tuned(ctx, glob)
+        tuned = self.fine_tuned(ctx, glob)
         model = ctx.models.get(ctx.arch)
         model.load_state_dict(glob)
         metrics = train_classifier(model, ctx.data.x, ctx.data.y, train, ctx.generator())

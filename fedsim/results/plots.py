@@ -13,6 +13,7 @@ import json
 import math
 import numbers
 import re
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -443,8 +444,6 @@ def figure(panels: Mapping[str, pd.DataFrame], x: str = "round", title: str | No
         width = legend.get_window_extent().width / fig.dpi
         fig.set_size_inches(PANEL_INCHES[0] * cols + width + 0.2, PANEL_INCHES[1] * rows)
     if title:  # centred over the panels, not the figure, and wrapped to their width: the legend keeps its corner
-        import textwrap
-
         fig.draw_without_rendering()
         boxes = [ax.get_position() for ax in axes[:len(panels)]]
         x0, x1 = min(b.x0 for b in boxes), max(b.x1 for b in boxes)
